@@ -1,0 +1,28 @@
+"""Shared test set-up.
+
+Without a GPU, kernels are compiled for sm_90a against fake tensors (the CPU tier that CI runs):
+the CuTe DSL and FlashAttention-4 read these variables at import time, so they are set here,
+before any test module imports them.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ.setdefault("FLASH_ATTENTION_ARCH", "90")
+    os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpus = torch.cuda.device_count() if HAS_CUDA else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason=f"needs >= 2 GPUs, found {n_gpus}")
+    for item in items:
+        path = str(item.fspath)
+        if f"{os.sep}gpu{os.sep}" in path and n_gpus < 1:
+            item.add_marker(skip_gpu)
+        if f"{os.sep}multigpu{os.sep}" in path and n_gpus < 2:
+            item.add_marker(skip_multi)
