@@ -1,0 +1,204 @@
+"""Torch entry points of the attention kernels: plain FA4 and FA4 with the fused post-A2A.
+
+Both compile FA4's SM90 class (or its rank-window subclass) with FA4's own tile configuration
+for the head dim, once per compile key, and launch on the current stream through TVM-FFI
+(torch tensors are passed as they are; shapes and strides are dynamic). No host sync: both are
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (64, 128)
+_compile_cache: dict = {}
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected [B, S, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype must be bfloat16 or float16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must be contiguous (stride 1)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"k, v: dtype must match q ({q.dtype}), got {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v: must be on one device")
+    if q.shape[-1] not in _HEAD_DIMS:
+        raise ValueError(f"q: head dim must be one of {_HEAD_DIMS}, got {q.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B, S or D")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"k: {k.shape[2]} KV heads do not divide {q.shape[2]} query heads")
+
+
+def _check_seqused_k(seqused_k: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    if seqused_k is None:
+        return
+    if seqused_k.dtype != torch.int32 or seqused_k.shape != (q.shape[0],):
+        raise ValueError(f"seqused_k: expected int32 of shape ({q.shape[0]},)")
+    if seqused_k.device != q.device:
+        raise ValueError("seqused_k: must be on q's device")
+
+
+def _config(head_dim: int, causal: bool):
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    return _tile_size_fwd_sm90(head_dim, head_dim, causal, False)
+
+
+def _kernel_args(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal):
+    import cutlass
+
+    cfg = _config(head_dim, causal)
+    cute_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    return kernel_cls(
+        cute_dtype,
+        head_dim,
+        head_dim,
+        qhead_per_kvhead,
+        is_causal=causal,
+        is_local=False,
+        pack_gqa=False,
+        tile_m=cfg.m_block_size,
+        tile_n=cfg.n_block_size,
+        num_stages=2,
+        num_threads=384,
+        Q_in_regs=False,
+        intra_wg_overlap=cfg.intra_wg_overlap,
+        mma_pv_is_rs=cfg.mma_pv_is_rs,
+    )
+
+
+def tile_m_for(head_dim: int, causal: bool = False) -> int:
+    """Rows per output tile that FA4 (and so the fused kernel) uses for this head dim."""
+    return _config(head_dim, causal).m_block_size
+
+
+def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
+    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a")."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from flash_attn.cute.utils import AuxData
+
+    from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
+
+    qhead_per_kvhead = q.shape[2] // k.shape[2]
+    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None)
+    if key in _compile_cache:
+        return _compile_cache[key]
+    kernel_cls = FlashAttentionA2AForwardSm90 if kind == "a2a" else FlashAttentionForwardSm90
+    fa = _kernel_args(kernel_cls, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
+    tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
+    if kind == "a2a":
+        compiled = cute.compile(fa, tq, tk, tv, to, 1.0, tsk, stream, options="--enable-tvm-ffi")
+    else:
+        # FA4 SM90 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
+        #                     window_l, window_r, sink, blocksparse, aux, cu_total_m, cu_total_splits, stream)
+        compiled = cute.compile(
+            fa, tq, tk, tv, to, None, 1.0, None, None, None, tsk, None, None, None, None,
+            None, AuxData(None, None), None, None, stream, options="--enable-tvm-ffi",
+        )
+    _compile_cache[key] = compiled
+    return compiled
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def fa4_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Plain FA4 SM90 forward: q [B, S, H, D], k/v [B, S, H_kv, D] -> out [B, S, H, D]."""
+    _check_qkv(q, k, v)
+    _check_seqused_k(seqused_k, q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} with contiguous last dim")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    compiled = _compile("fa4", q, k, v, out, seqused_k, causal)
+    if not _is_fake(q):
+        from flash_attn.cute.utils import AuxData
+
+        compiled(q, k, v, out, None, scale, None, None, None, seqused_k, None, None, None, None,
+                 None, AuxData(None, None), None, None)
+    return out
+
+
+def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int, num_heads_total: Optional[int] = None):
+    """Validate a rank-window output [P, B, S_loc, H, D] against q [B, S, H_loc, D]."""
+    if not isinstance(out_windows, torch.Tensor) or out_windows.dim() != 5:
+        raise ValueError("out_windows: expected a tensor [P, B, S_loc, H, D]")
+    P, B, S_loc, H, D = out_windows.shape
+    H_loc = q.shape[2]
+    if out_windows.dtype != q.dtype:
+        raise ValueError(f"out_windows: dtype {out_windows.dtype} must equal q's {q.dtype}")
+    if out_windows.device != q.device:
+        raise ValueError("out_windows: must be on q's device")
+    if B != q.shape[0] or D != q.shape[3]:
+        raise ValueError(f"out_windows: B and D {B, D} must match q's {q.shape[0], q.shape[3]}")
+    if P * S_loc != q.shape[1]:
+        raise ValueError(f"out_windows: P * S_loc = {P}*{S_loc} must equal q's sequence length {q.shape[1]}")
+    if H != P * H_loc:
+        raise ValueError(f"out_windows: H = {H} must equal P * H_loc = {P}*{H_loc}")
+    if not 0 <= rank < P:
+        raise ValueError(f"rank: {rank} not in [0, {P})")
+    es = out_windows.element_size()
+    if out_windows.stride()[1:] != (S_loc * H * D, H * D, D, 1):
+        raise ValueError("out_windows: each window out_windows[d] must be a contiguous [B, S_loc, H, D]")
+    if (out_windows.stride(0) * es) % 16 != 0 and P > 1:
+        raise ValueError("out_windows: the window stride (dim 0) must be a multiple of 16 bytes")
+
+
+def fa4_a2a_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_windows: torch.Tensor,
+    rank: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> None:
+    """FA4 with the post-attention All-to-All fused into the output epilogue.
+
+    q, k, v: [B, S, H_loc, D] (k/v may have fewer heads: GQA) on source rank `rank`,
+    S = P * S_loc. out_windows: [P, B, S_loc, H, D], H = P * H_loc, out_windows[d] is rank d's
+    output buffer (contiguous; any window stride that is a multiple of 16 bytes). Writes
+    out_windows[s // S_loc][b, s % S_loc, rank * H_loc + h] = attention(q, k, v)[b, s, h].
+    Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
+    """
+    _check_qkv(q, k, v)
+    _check_seqused_k(seqused_k, q)
+    check_windows(out_windows, q, rank)
+    H_loc = q.shape[2]
+    dst = out_windows.narrow(3, rank * H_loc, H_loc)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    compiled = _compile("a2a", q, k, v, dst, seqused_k, causal)
+    if not _is_fake(q):
+        compiled(q, k, v, dst, scale, seqused_k)

@@ -1,0 +1,50 @@
+"""CPU tier: FA4's SM90 forward and the rank-window subclass compile for sm_90a with fake tensors."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fa_a2a import fused
+
+
+@pytest.mark.parametrize("D,causal,dtype", [(128, False, torch.bfloat16), (64, True, torch.float16)])
+def test_compiles_without_gpu(D, causal, dtype):
+    with FakeTensorMode():
+        P, B, S_loc, H_loc = 4, 1, 320, 3
+        q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        fused.fa4_forward(q, k, v, causal=causal)
+        windows = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
+        fused.fa4_a2a_forward(q, k, v, windows, 1, causal=causal)
+    assert ("a2a", dtype, D, 1, causal, False) in fused._compile_cache
+
+
+def _fake_inputs(**over):
+    shapes = dict(P=2, B=1, S_loc=128, H_loc=2, D=128)
+    shapes.update(over)
+    P, B, S_loc, H_loc, D = (shapes[k] for k in ("P", "B", "S_loc", "H_loc", "D"))
+    q = torch.empty(B, P * S_loc, H_loc, D, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty(P, B, S_loc, P * H_loc, D, dtype=torch.bfloat16, device="cuda")
+    return q, w
+
+
+def test_bad_inputs_name_the_argument():
+    with FakeTensorMode():
+        q, w = _fake_inputs()
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        with pytest.raises(ValueError, match="q: dtype"):
+            fused.fa4_forward(q.float(), k, v)
+        with pytest.raises(ValueError, match="head dim"):
+            q96 = torch.empty(1, 256, 2, 96, dtype=torch.bfloat16, device="cuda")
+            fused.fa4_forward(q96, q96, q96)
+        with pytest.raises(ValueError, match="rank"):
+            fused.fa4_a2a_forward(q, k, v, w, 2)
+        with pytest.raises(ValueError, match="out_windows: P \\* S_loc"):
+            fused.fa4_a2a_forward(q, k, v, w.narrow(2, 0, 100), 0)
+        with pytest.raises(ValueError, match="out_windows: H"):
+            fused.fa4_a2a_forward(q, k, v, w.narrow(3, 0, 3), 0)
+        with pytest.raises(ValueError, match="k: 3 KV heads"):
+            k3 = torch.empty(1, 256, 3, 128, dtype=torch.bfloat16, device="cuda")
+            fused.fa4_forward(q, k3, k3)
+        with pytest.raises(ValueError, match="seqused_k"):
+            fused.fa4_forward(q, k, v, seqused_k=torch.empty(2, dtype=torch.int64, device="cuda"))
