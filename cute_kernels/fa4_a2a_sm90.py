@@ -9,9 +9,14 @@ The destinations are one "rank window" tensor: P buffers at one uniform stride W
 process's address space (peer memory mapped with CUDA VMM, or P local buffers when ranks are
 emulated). The kernel sees it as (S_loc, D, H_loc, (B, P)) with strides (H*D, 1, D, (S_loc*H*D, W)),
 so a single TMA descriptor addresses every rank and FA4's own TMA store of O is the remote store.
-A tile whose 128 rows straddle a rank boundary (S_loc not a multiple of tile_m) is stored once
-per rank it touches, each store's row coordinate shifted by -d * S_loc: the TMA unit drops the
-rows that fall outside [0, S_loc) of that rank, so every row is written exactly once.
+Two O paths (compile-time `o_store`):
+- "tma": FA4's TMA store, one descriptor for all ranks. Needs S_loc % tile_m == 0 (every tile
+  inside one rank). A tile that straddles a rank boundary would need a negative TMA row
+  coordinate for its upper rank; on the H200 that faulted (illegal instruction, 2026-12-02).
+- "st": FA4's per-thread 16-byte stores from smem (its non-TMA epilogue), issued once per rank
+  the tile touches with each row predicated on 0 <= local row < S_loc: straddling tiles and
+  S_loc < tile_m are written exactly once.
+fa_a2a.fused picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
 
 Ordering: the storing warp waits only until the bulk store has *read* shared memory
 (cp.async.bulk.wait_group.read), exactly as FA4 does before sO (aliased with sQ) is reused; it
@@ -20,7 +25,10 @@ consumer learns that the data is visible from a barrier kernel launched after th
 same stream (system-scope release/acquire flags, cute_kernels/signal.py): kernel completion
 orders every store of this grid before that barrier's release.
 
-Measured: see notes/measurements.md (T_fused / T_FA4 on an H200, emulated ranks).
+Measured (H200, 2026-12-02, bf16, D=128, H_loc=3, emulated P=8, CUDA-graph medians; details in
+notes/measurements.md): T_fused / T_FA4 = 1.0006, 1.0012, 1.0015, 1.0079 at M = 8K, 16K, 32K, 64K
+with the TMA path (64K within its ±0.7% repeat noise); the per-thread-store path costs 1.008-1.013.
+Output bit-identical to FA4's output moved by the reference A2A (tests/gpu/test_fused_a2a.py).
 """
 
 from contextlib import contextmanager
@@ -79,11 +87,23 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     tile configuration is FA4's own choice for the head dim (see fa_a2a.fused).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, o_store: str = "tma", **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
+        if o_store not in ("tma", "st"):
+            raise ValueError(f"o_store: 'tma' or 'st', got {o_store!r}")
         kwargs["pack_gqa"] = False
+        self.o_store = o_store
         super().__init__(*args, **kwargs)
+
+    # FA4 sets use_tma_O in __call__; here the O path is this kernel's own choice.
+    @property
+    def use_tma_O(self) -> bool:
+        return self.o_store == "tma"
+
+    @use_tma_O.setter
+    def use_tma_O(self, _value) -> None:
+        pass
 
     @cute.jit
     def __call__(
@@ -115,7 +135,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         self,
         acc_O: cute.Tensor,
         lse: cute.Tensor,
-        mO: cute.Tensor,  # TMA coordinate tensor (s_loc, dv, h_loc, (b, p))
+        mO: cute.Tensor,  # (s_loc, dv, h_loc, (b, p)): TMA coordinates or gmem
         mLSE: Optional[cute.Tensor],
         sO: cute.Tensor,
         seqlen,
@@ -127,7 +147,6 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         head_idx: Int32,
         batch_idx: Int32,
     ):
-        assert self.use_tma_O, "the rank-window epilogue stores O with TMA"
         # registers -> smem, as FA4 does
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
@@ -140,34 +159,61 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         )
         smem_thr_copy_O = cute.make_tiled_copy_C(smem_copy_atom_O, tiled_mma).get_slice(tidx)
         cute.copy(smem_copy_atom_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
-        # smem writes visible to the TMA unit, then one warp issues the stores
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(
-            barrier_id=int(NamedBarrierFwd.Epilogue),
-            number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
-        )
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:
-            cute.arch.barrier(
+
+        seqlen_loc = mO.shape[0]
+        num_ranks = mO.shape[3][1]
+        row0 = m_block * self.tile_m
+        dst_first = row0 // seqlen_loc
+        dst_last = (row0 + self.tile_m - 1) // seqlen_loc
+        if dst_last > num_ranks - 1:
+            dst_last = num_ranks - 1
+        if const_expr(self.o_store == "tma"):
+            # smem writes visible to the TMA unit, then one warp issues the store
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(
                 barrier_id=int(NamedBarrierFwd.Epilogue),
                 number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
             )
-            seqlen_loc = mO.shape[0]
-            num_ranks = mO.shape[3][1]
-            row0 = m_block * self.tile_m
-            dst_first = row0 // seqlen_loc
-            dst_last = (row0 + self.tile_m - 1) // seqlen_loc
-            if dst_last > num_ranks - 1:
-                dst_last = num_ranks - 1
-            for dst in cutlass.range(dst_first, dst_last + 1, unroll=1):
-                mO_dst = mO[None, None, head_idx, (batch_idx, dst)]
-                # tile row i lands on local row (row0 - dst*s_loc + i); TMA drops rows outside [0, s_loc)
-                mO_dst = cute.domain_offset((row0 - dst * seqlen_loc, 0), mO_dst)
-                gO = cute.local_tile(mO_dst, (self.tile_m, self.tile_hdimv), (0, 0))
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 4:
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrierFwd.Epilogue),
+                    number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
+                )
+                # S_loc % tile_m == 0: the whole tile belongs to rank dst_first
+                mO_dst = mO[None, None, head_idx, (batch_idx, dst_first)]
+                gO = cute.local_tile(
+                    cute.domain_offset((row0 - dst_first * seqlen_loc, 0), mO_dst),
+                    (self.tile_m, self.tile_hdimv),
+                    (0, 0),
+                )
                 store_O, _, _ = copy_utils.tma_get_copy_fn(
                     tma_atom_O, 0, cute.make_layout(1), sO, gO, single_stage=True
                 )
                 store_O()
-            cute.arch.cp_async_bulk_commit_group()
-            # wait until smem has been read, not until the (remote) writes are visible
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.cp_async_bulk_commit_group()
+                # wait until smem has been read, not until the (remote) writes are visible
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.barrier(
+                barrier_id=int(NamedBarrierFwd.Epilogue),
+                number_of_threads=self.num_epilogue_threads,
+            )
+            gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+            tOsO = gmem_thr_copy_O.partition_S(sO)
+            tOrO = cute.make_fragment_like(tOsO, self.dtype)
+            cute.autovec_copy(tOsO, tOrO)
+            tOcO = gmem_thr_copy_O.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
+            for dst in cutlass.range(dst_first, dst_last + 1, unroll=1):
+                row_off = row0 - dst * seqlen_loc  # local row of tile row 0 (may be < 0)
+                mO_dst = mO[None, None, head_idx, (batch_idx, dst)]
+                gO = cute.local_tile(
+                    cute.domain_offset((row_off, 0), mO_dst), (self.tile_m, self.tile_hdimv), (0, 0)
+                )
+                tOgO = gmem_thr_copy_O.partition_D(gO)
+                for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+                    local_row = row_off + tOcO[0, rest_m, 0][0]
+                    if local_row >= 0 and local_row < seqlen_loc:
+                        cute.copy(
+                            gmem_tiled_copy_O, tOrO[None, rest_m, None], tOgO[None, rest_m, None]
+                        )

@@ -36,8 +36,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q: head dim must be one of {_HEAD_DIMS}, got {q.shape[-1]}")
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
-    if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B, S or D")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B or D")
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"k: {k.shape[2]} KV heads do not divide {q.shape[2]} query heads")
 
@@ -57,7 +57,7 @@ def _config(head_dim: int, causal: bool):
     return _tile_size_fwd_sm90(head_dim, head_dim, causal, False)
 
 
-def _kernel_args(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal):
+def _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal, **extra):
     import cutlass
 
     cfg = _config(head_dim, causal)
@@ -77,6 +77,7 @@ def _kernel_args(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal):
         Q_in_regs=False,
         intra_wg_overlap=cfg.intra_wg_overlap,
         mma_pv_is_rs=cfg.mma_pv_is_rs,
+        **extra,
     )
 
 
@@ -86,7 +87,7 @@ def tile_m_for(head_dim: int, causal: bool = False) -> int:
 
 
 def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
-    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a")."""
+    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st")."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
@@ -98,12 +99,15 @@ def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
     key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None)
     if key in _compile_cache:
         return _compile_cache[key]
-    kernel_cls = FlashAttentionA2AForwardSm90 if kind == "a2a" else FlashAttentionForwardSm90
-    fa = _kernel_args(kernel_cls, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
+    if kind == "fa4":
+        fa = _make_kernel(FlashAttentionForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
+    else:
+        fa = _make_kernel(FlashAttentionA2AForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead,
+                          causal, o_store=kind.removeprefix("a2a-"))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
     tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
-    if kind == "a2a":
+    if kind != "fa4":
         compiled = cute.compile(fa, tq, tk, tv, to, 1.0, tsk, stream, options="--enable-tvm-ffi")
     else:
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
@@ -132,7 +136,7 @@ def fa4_forward(
     softmax_scale: Optional[float] = None,
     seqused_k: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Plain FA4 SM90 forward: q [B, S, H, D], k/v [B, S, H_kv, D] -> out [B, S, H, D]."""
+    """Plain FA4 SM90 forward: q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D]."""
     _check_qkv(q, k, v)
     _check_seqused_k(seqused_k, q)
     if out is None:
@@ -184,14 +188,16 @@ def fa4_a2a_forward(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    o_store: Optional[str] = None,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
 
-    q, k, v: [B, S, H_loc, D] (k/v may have fewer heads: GQA) on source rank `rank`,
-    S = P * S_loc. out_windows: [P, B, S_loc, H, D], H = P * H_loc, out_windows[d] is rank d's
+    q: [B, S, H_loc, D] on source rank `rank`, S = P * S_loc; k, v: [B, S_k, H_kv, D] (fewer
+    heads: GQA; more keys than queries: e.g. joint text tokens appended after the sequence). out_windows: [P, B, S_loc, H, D], H = P * H_loc, out_windows[d] is rank d's
     output buffer (contiguous; any window stride that is a multiple of 16 bytes). Writes
     out_windows[s // S_loc][b, s % S_loc, rank * H_loc + h] = attention(q, k, v)[b, s, h].
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
+    o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
     """
     _check_qkv(q, k, v)
     _check_seqused_k(seqused_k, q)
@@ -199,6 +205,13 @@ def fa4_a2a_forward(
     H_loc = q.shape[2]
     dst = out_windows.narrow(3, rank * H_loc, H_loc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    compiled = _compile("a2a", q, k, v, dst, seqused_k, causal)
+    # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
+    S_loc = out_windows.shape[2]
+    aligned = S_loc % tile_m_for(q.shape[-1], causal) == 0
+    if o_store is None:
+        o_store = "tma" if aligned else "st"
+    elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
+        raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
+    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, seqused_k, causal)
     if not _is_fake(q):
         compiled(q, k, v, dst, scale, seqused_k)

@@ -16,7 +16,12 @@ def test_compiles_without_gpu(D, causal, dtype):
         fused.fa4_forward(q, k, v, causal=causal)
         windows = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
         fused.fa4_a2a_forward(q, k, v, windows, 1, causal=causal)
-    assert ("a2a", dtype, D, 1, causal, False) in fused._compile_cache
+        S_loc = 3 * fused.tile_m_for(D, causal)
+        q2 = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
+        windows2 = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
+        fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal)
+    assert ("a2a-tma", dtype, D, 1, causal, False) in fused._compile_cache
+    assert ("a2a-st", dtype, D, 1, causal, False) in fused._compile_cache  # 320 % tile_m != 0
 
 
 def _fake_inputs(**over):
