@@ -1,0 +1,644 @@
+"""`python -m fa_a2a.calibrate`: measure the X-Stage platform model M_X = (T_iss0, R, Q) on this GPU.
+
+Sweeps (cute_kernels/remote_store.py, K producer CTAs, one per SM, 16-byte vector stores by
+default), as in the paper's Section 3:
+
+1. zero-gap periodic bursts over (K, B)     -> R, least squares of T_period = V/R over V >= 4 MiB
+2. periodic large-gap bursts over (K, B)    -> the table T_iss0(K, V)
+3. gap sweep at the FA4 design point (K = all SMs, B = 32 KiB = one 128x128 bf16 tile)
+                                            -> T_iss0 from its plateau (G >= V/R); then
+                                               T_iss(G), T_period(G) predicted with no refit and
+                                               compared with the measurement (error reported)
+4. isolated bursts over B (grid barrier before each burst, recovery gap 2·V/R + 20 us)
+                                            -> knee and Q (issue floor fitted as a + b·V below the
+                                               knee; the local control gets its own knee fit)
+5. the design test for FA4 tiles (b_m = 128, d = 128, bf16, K = SM count): G*, capacity bound,
+   and M_ub* = b_n·G*/sigma, with sigma from --sigma-us or measured with FA4 (slope of per-wave
+   time against KV tiles between two sequence lengths, flash_attn.cute.interface.flash_attn_func).
+
+Destinations (--dest):
+- local: a buffer this process allocated on the GPU (plain HBM; it is also the control).
+- ipc:   a buffer allocated by a child process on the same GPU and mapped here with CUDA IPC
+         (torch.multiprocessing: cudaIpcGetMemHandle / cudaIpcOpenMemHandle). The stores go
+         through that IPC mapping but land in this same GPU's HBM: no NVLink or peer-GPU traffic
+         is exercised. The child re-reads its buffer to confirm the bytes arrived.
+The local control (same K, store width, addresses and loop, local buffer) always runs alongside.
+
+Outputs in --out: platform_model.json (PlatformModel.from_json loads it; raw sweeps included),
+fig3a_issue_vs_gap.png, fig3b_period_vs_gap.png, fig3c_isolated_knee.png,
+fig3d_zero_gap_period.png; a markdown table is printed last.
+
+Measured: not measured yet.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from fa_a2a.xstage import (
+    GB,
+    KiB,
+    MiB,
+    US,
+    PlatformModel,
+    fa_burst_volume,
+    fa_tile_burst_bytes,
+    fit_capacity,
+    fit_drain_rate,
+    fit_issue_floor,
+    qloop_gap_lower_bound,
+)
+
+FA_TILE_M = 128
+FA_TILE_N = 128  # FA4 SM90 forward, head_dim 128 (flash_attn.cute.interface._tile_size_fwd_sm90)
+FA_HEAD_DIM = 128
+FA_OUT_BYTES = 2  # bf16
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA-IPC destination
+# --------------------------------------------------------------------------------------------
+def _ipc_child(conn, nwords: int, device_index: int) -> None:
+    import torch
+
+    torch.cuda.set_device(device_index)
+    buf = torch.empty(nwords, dtype=torch.int32, device=f"cuda:{device_index}")
+    conn.send(buf)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "check":
+            _, expected, start = msg
+            torch.cuda.synchronize()
+            got = buf[start:start + expected.numel()].cpu()
+            conn.send(bool(torch.equal(got, expected)))
+        else:
+            break
+    conn.close()
+
+
+class IpcPeerBuffer:
+    """An int32 buffer owned by a child process on the same GPU, mapped here via CUDA IPC.
+
+    with IpcPeerBuffer(nwords) as peer: peer.tensor is this process's view (IPC mapping);
+    peer.check(expected, start) asks the owner whether its own view holds `expected`.
+    """
+
+    def __init__(self, nwords: int, device_index: Optional[int] = None, timeout_s: float = 180.0):
+        import torch
+
+        if nwords <= 0:
+            raise ValueError(f"nwords: must be positive, got {nwords}")
+        self.nwords = nwords
+        self.device_index = torch.cuda.current_device() if device_index is None else device_index
+        self.timeout_s = timeout_s
+        self.tensor = None
+        self._proc = None
+        self._conn = None
+
+    def __enter__(self) -> "IpcPeerBuffer":
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_ipc_child, args=(child_conn, self.nwords, self.device_index),
+                                 daemon=True)
+        self._proc.start()
+        if not self._conn.poll(self.timeout_s):
+            self._proc.kill()
+            raise RuntimeError("IPC buffer owner process did not answer")
+        self.tensor = self._conn.recv()
+        return self
+
+    def check(self, expected, start: int = 0) -> bool:
+        self._conn.send(("check", expected, start))
+        if not self._conn.poll(self.timeout_s):
+            raise RuntimeError("IPC buffer owner process did not answer the check")
+        return self._conn.recv()
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        self.tensor = None
+        torch.cuda.synchronize()
+        try:
+            self._conn.send(("exit",))
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+# --------------------------------------------------------------------------------------------
+# one measurement
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RunStats:
+    num_ctas: int
+    bytes_per_cta: int
+    volume: int            # K·B bytes
+    gap_iters: int
+    align: bool
+    issue_s: float         # median issue time (per CTA, then over CTAs/bursts)
+    issue_max_s: float     # median over bursts of the slowest CTA's issue time
+    period_s: float        # median start-to-start period (nan for one burst)
+    gap_s: float           # median measured gap (start[b+1] - end[b])
+    ghz: float             # SM clock used to convert clock64
+
+
+class Bench:
+    """Runs remote_store bursts and reduces the timestamps (clock64, converted with the SM clock
+    measured over the run when it lasts >= 100 us, else with a reference measured at start)."""
+
+    def __init__(self, mode: str, num_threads: int, device):
+        import torch
+
+        self.mode = mode
+        self.num_threads = num_threads
+        self.device = device
+        self.n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sync = torch.zeros(1, dtype=torch.int32, device=device)
+        self.ref_ghz = float("nan")
+        self.ns_per_iter = float("nan")
+        self.smid_ok = True
+
+    def run(self, dst, K: int, B: int, *, n_bursts: int, gap_iters: int = 0, align: bool = False,
+            warmup: int = 2, seed: int = 0x1234) -> RunStats:
+        import torch
+        from cute_kernels.remote_store import burst_times_ns, clock_rate_ghz, run_bursts
+
+        times, smid = run_bursts(dst, num_ctas=K, bytes_per_cta=B, n_bursts=n_bursts, gap_iters=gap_iters,
+                                 align=align, seed=seed, mode=self.mode, num_threads=self.num_threads,
+                                 sync=self.sync)
+        torch.cuda.synchronize()
+        t, s = times.cpu(), smid.cpu()
+        if s.unique().numel() != K or bool((s < 0).any()):
+            self.smid_ok = False
+        dur_ns = float((t[:, -1, 1] - t[:, 0, 0]).double().median())
+        ghz = clock_rate_ghz(t) if dur_ns >= 100e3 or math.isnan(self.ref_ghz) else self.ref_ghz
+        issue, period, gap = burst_times_ns(t, ghz)
+        w = min(warmup, n_bursts - 1)
+        iss = issue[:, w:]
+        per = period[:, w:] if period.shape[1] > w else period
+        gp = gap[:, w:] if gap.shape[1] > w else gap
+        med = lambda x: float(x.median()) * 1e-9 if x.numel() else float("nan")  # noqa: E731
+        return RunStats(
+            num_ctas=K, bytes_per_cta=B, volume=K * B, gap_iters=gap_iters, align=align,
+            issue_s=float(iss.median(dim=0).values.median()) * 1e-9,
+            issue_max_s=float(iss.max(dim=0).values.median()) * 1e-9,
+            period_s=med(per), gap_s=med(gp), ghz=ghz,
+        )
+
+    def calibrate_clock_and_gap(self, dst) -> None:
+        """Reference SM clock and ns per gap-loop iteration from a store-free run (B = 0)."""
+        iters = 20000
+        st = self.run(dst, self.n_sm, 0, n_bursts=4, gap_iters=iters, warmup=1)
+        self.ref_ghz = st.ghz
+        self.ns_per_iter = st.gap_s * 1e9 / iters
+
+    def iters_for(self, gap_s: float) -> int:
+        return max(0, int(round(gap_s * 1e9 / self.ns_per_iter)))
+
+
+# --------------------------------------------------------------------------------------------
+# FA4 sigma
+# --------------------------------------------------------------------------------------------
+def measure_fa4_sigma(seqlens: tuple[int, int], n_sm: int, device, reps: int = 10) -> dict:
+    """sigma = time per KV tile of FA4's Q-loop: slope of per-wave forward time against KV tiles.
+
+    B = 1, d = 128, bf16, non-causal; heads chosen so the 128-row output tiles fill whole waves
+    (SingleTileScheduler: one tile per CTA); T_FA from CUDA events around `reps` back-to-back
+    launches, median of 3. Per-wave time t(M) = T_FA(M) / waves; sigma =
+    (t(M2) - t(M1)) / (M2 - M1)·b_n; the intercept is the fixed per-tile part the bound drops.
+    """
+    import torch
+    from flash_attn.cute.interface import flash_attn_func
+
+    out = {"method": "measured: FA4 forward (flash_attn.cute.interface.flash_attn_func), slope of "
+                     "per-wave time vs KV tiles", "points": []}
+    for m in seqlens:
+        if m % FA_TILE_M:
+            raise ValueError(f"seqlens: {m} is not a multiple of {FA_TILE_M}")
+        tiles_per_head = m // FA_TILE_M
+        heads = n_sm // math.gcd(n_sm, tiles_per_head)
+        while heads * tiles_per_head < 4 * n_sm:
+            heads *= 2
+        waves = heads * tiles_per_head // n_sm
+        q, k, v = (torch.randn(1, m, heads, FA_HEAD_DIM, dtype=torch.bfloat16, device=device) for _ in range(3))
+        with torch.no_grad():
+            for _ in range(3):
+                flash_attn_func(q, k, v)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(3):  # back-to-back launches: the host's launch cost stays off the GPU timeline
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(reps):
+                    flash_attn_func(q, k, v)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3 / reps)
+        t = float(np.median(ts))
+        out["points"].append({"seqlen": m, "heads": heads, "waves": waves, "kv_tiles": m // FA_TILE_N,
+                              "t_fa_s": t, "t_per_wave_s": t / waves})
+    p1, p2 = out["points"]
+    sigma = (p2["t_per_wave_s"] - p1["t_per_wave_s"]) / (p2["kv_tiles"] - p1["kv_tiles"])
+    out["sigma_s"] = sigma
+    out["fixed_per_tile_s"] = p1["t_per_wave_s"] - sigma * p1["kv_tiles"]
+    # the plain ratio T_FA / (waves · KV tiles) at the longer length, fixed part included
+    out["sigma_ratio_s"] = p2["t_per_wave_s"] / p2["kv_tiles"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# plots
+# --------------------------------------------------------------------------------------------
+def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    us = 1e6
+    gs = res["gap_sweep"]
+    v0 = gs["volume"]
+    g_dst = np.array([r["gap_s"] for r in gs["dest"]])
+    g_grid = np.linspace(0, max(g_dst.max(), 1e-9) * 1.05, 200)
+    have_ctrl = gs["control"] is not None
+
+    # (a) issue time vs gap
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.plot(g_dst * us, [r["issue_s"] * us for r in gs["dest"]], "o", label=f"measured ({dest})")
+    if have_ctrl:
+        ax.plot([r["gap_s"] * us for r in gs["control"]], [r["issue_s"] * us for r in gs["control"]], "s",
+                mfc="none", label="local-memory control")
+    ax.plot(g_grid * us, model.issue_time(v0, g_grid) * us, "-", label=r"model max($T^0_{iss}$, V/R − G)")
+    ax.axvline(model.recovery_gap(v0) * us, ls=":", c="gray", label="G*")
+    ax.set_xlabel("producer-side gap G (µs)")
+    ax.set_ylabel(r"issue time $T_{iss}$ (µs)")
+    ax.set_title(f"(a) issue time vs gap, K={gs['num_ctas']}, B={gs['bytes_per_cta'] // KiB} KiB")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fig3a_issue_vs_gap.png"))
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    # (b) period vs gap
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.plot(g_dst * us, [r["period_s"] * us for r in gs["dest"]], "o", label=f"measured ({dest})")
+    ax.plot(g_grid * us, model.period(v0, g_grid) * us, "-", label=r"max($T^0_{iss}$ + G, V/R)")
+    ax.plot(g_grid * us, model.completion_coupled_period(v0, g_grid) * us, "--", label="completion-coupled G + V/R")
+    ax.set_xlabel("producer-side gap G (µs)")
+    ax.set_ylabel(r"period $T_{period}$ (µs)")
+    ax.set_title("(b) burst period vs gap")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fig3b_period_vs_gap.png"))
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    # (c) isolated knee
+    iso = res["isolated"]
+    v_iso = np.array([r["volume"] for r in iso["dest"]], dtype=float)
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    ax.plot(v_iso / MiB, [r["issue_s"] * us for r in iso["dest"]], "o", label=f"measured ({dest})")
+    if iso["control"] is not None:
+        ax.plot([r["volume"] / MiB for r in iso["control"]], [r["issue_s"] * us for r in iso["control"]], "s",
+                mfc="none", label="local-memory control")
+    cf = iso["fit"]
+    vg = np.geomspace(v_iso.min() * 0.9, v_iso.max() * 1.1, 300)
+    floor = cf["floor_intercept"] + cf["floor_slope"] * vg
+    ax.plot(vg / MiB, np.maximum(floor, (vg - cf["capacity"]) / model.drain_rate) * us, "-",
+            label="max(floor, (V − Q)/R)")
+    if cf["knee_found"] and math.isfinite(cf["knee_volume"]):
+        ax.axvline(cf["knee_volume"] / MiB, ls=":", c="gray", label="knee")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("aggregate burst volume V (MiB)")
+    ax.set_ylabel(r"isolated issue time $T^{iso}_{iss}$ (µs)")
+    ax.set_title(f"(c) isolated-burst knee, K={iso['num_ctas']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fig3c_isolated_knee.png"))
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    # (d) zero-gap period vs V across K
+    zg = res["zero_gap"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for k in sorted({r["num_ctas"] for r in zg["points"]}):
+        pts = [r for r in zg["points"] if r["num_ctas"] == k]
+        ax.plot([r["volume"] / MiB for r in pts], [r["period_s"] * us for r in pts], "o-", ms=4, lw=0.6,
+                label=f"K={k}")
+    vmax = max(r["volume"] for r in zg["points"])
+    vg = np.linspace(0, vmax, 50)
+    ax.plot(vg / MiB, vg / model.drain_rate * us, "k--", label=f"V/R, R={model.drain_rate / GB:.0f} GB/s")
+    ax.set_xlabel("aggregate burst volume V (MiB)")
+    ax.set_ylabel(r"zero-gap period $T^{ss}_{period}$ (µs)")
+    ax.set_title("(d) drain rate across producer counts")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "fig3d_zero_gap_period.png"))
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# the sweeps (device-agnostic: `bench` is a Bench or anything with the same methods)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SweepPlan:
+    ks: list
+    bs_zero: list
+    bs_iso: list
+    bs_floor: list
+    n_gaps: int
+    n_periodic: int
+    n_isolated: int
+    min_fit_volume: float
+
+    @classmethod
+    def make(cls, n_sm: int, quick: bool, min_fit_volume_mib: float = 4.0) -> "SweepPlan":
+        if min_fit_volume_mib < 0:
+            raise ValueError(f"min_fit_volume_mib: must be >= 0, got {min_fit_volume_mib}")
+        bs_iso_kib = np.geomspace(2, 512 if quick else 1024, 10 if quick else 16)
+        return cls(
+            ks=sorted({max(1, n_sm // 4), max(1, n_sm // 2), n_sm}),
+            bs_zero=[8 * KiB, 32 * KiB, 128 * KiB] if quick else
+                    [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB],
+            bs_iso=sorted({int(round(b * KiB / 16)) * 16 for b in bs_iso_kib}),
+            bs_floor=[8 * KiB, 32 * KiB, 128 * KiB],
+            n_gaps=10 if quick else 16,
+            n_periodic=16 if quick else 24,
+            n_isolated=4 if quick else 6,
+            min_fit_volume=min_fit_volume_mib * MiB,
+        )
+
+    def max_bytes_per_cta(self) -> int:
+        return max(max(self.bs_zero), max(self.bs_iso), max(self.bs_floor))
+
+
+def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[PlatformModel, dict]:
+    """Sweeps 1-4 of the module docstring. dests: [("dest", buf)] or [("dest", buf), ("control", local)].
+    Returns the fitted model (no meta) and the raw results."""
+    if not dests or dests[0][0] != "dest" or any(n not in ("dest", "control") for n, _ in dests):
+        raise ValueError("dests: expected [('dest', buf)] optionally followed by ('control', buf)")
+    n_sm = bench.n_sm
+    dst = dests[0][1]
+
+    # 1. zero-gap periodic sweep -> R
+    zero = []
+    for k in plan.ks:
+        for b in plan.bs_zero:
+            zero.append(asdict(bench.run(dst, k, b, n_bursts=plan.n_periodic, warmup=4)))
+    vz = np.array([x["volume"] for x in zero], float)
+    tz = np.array([x["period_s"] for x in zero])
+    min_v = plan.min_fit_volume
+    if (vz >= min_v).sum() < 3:
+        min_v = float(np.sort(vz)[-3])
+    r = fit_drain_rate(vz, tz, min_volume=min_v)
+    fit_pts = vz >= min_v
+    zero_rms = float(np.sqrt(np.mean(np.square((vz[fit_pts] / r - tz[fit_pts]) / tz[fit_pts]))))
+    log(f"zero-gap sweep: {len(zero)} points, R = {r / GB:.1f} GB/s (fit on V >= {min_v / MiB:.2f} MiB, "
+        f"rms rel. error {zero_rms:.1%})")
+
+    # 2. T_iss0(K, V) table from large gaps
+    floor_tab = []
+    for k in plan.ks:
+        for b in plan.bs_floor:
+            g = 2 * k * b / r + 5 * US
+            st = bench.run(dst, k, b, n_bursts=10, gap_iters=bench.iters_for(g), warmup=2)
+            floor_tab.append({"num_ctas": k, "bytes_per_cta": b, "volume": k * b, "t_iss0_s": st.issue_s,
+                              "gap_s": st.gap_s})
+
+    # 3. gap sweep at the FA4 design point -> T_iss0 from the plateau, prediction with no refit
+    b0 = fa_tile_burst_bytes(FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
+    v0 = n_sm * b0
+    gaps = np.linspace(0, 3 * v0 / r, plan.n_gaps)
+    sweep = {name: [asdict(bench.run(buf, n_sm, b0, n_bursts=plan.n_periodic, gap_iters=bench.iters_for(g),
+                                     warmup=4)) for g in gaps]
+             for name, buf in dests}
+    g_meas = np.array([x["gap_s"] for x in sweep["dest"]])
+    t_iss = np.array([x["issue_s"] for x in sweep["dest"]])
+    t_per = np.array([x["period_s"] for x in sweep["dest"]])
+    t0 = fit_issue_floor(g_meas, t_iss, v0, r)
+    pm = PlatformModel(t_iss0=t0, drain_rate=r)
+    err_iss = (pm.issue_time(v0, g_meas) - t_iss) / t_iss
+    err_per = (pm.period(v0, g_meas) - t_per) / t_per
+    err_cc = (pm.completion_coupled_period(v0, g_meas) - t_per) / t_per
+    log(f"gap sweep at K={n_sm}, B={b0 // KiB} KiB: T_iss0 = {t0 / US:.3f} us; prediction error (no refit) "
+        f"T_iss mean {np.mean(np.abs(err_iss)):.1%} max {np.max(np.abs(err_iss)):.1%}, "
+        f"T_period mean {np.mean(np.abs(err_per)):.1%} max {np.max(np.abs(err_per)):.1%}")
+
+    # 4. isolated bursts -> knee, Q
+    iso = {}
+    for name, buf in dests:
+        iso[name] = [asdict(bench.run(buf, n_sm, b, n_bursts=plan.n_isolated,
+                                      gap_iters=bench.iters_for(2 * n_sm * b / r + 20 * US),
+                                      align=True, warmup=1)) for b in plan.bs_iso]
+    vi = np.array([x["volume"] for x in iso["dest"]], float)
+    ti = np.array([x["issue_s"] for x in iso["dest"]])
+    # The floor is fitted (affine in V below the knee) rather than taken from the local control:
+    # with a destination on the same GPU the control has the same knee and would hide it.
+    cf = fit_capacity(vi, ti, r)
+    cf_ctrl = None
+    if "control" in iso:
+        cf_ctrl = fit_capacity(vi, np.array([x["issue_s"] for x in iso["control"]]), r)
+    log(f"isolated sweep: Q {'=' if cf.knee_found else '>='} {cf.capacity / MiB:.2f} MiB"
+        f"{'' if cf.knee_found else ' (no knee in range: lower bound)'}, knee at V = {cf.knee_volume / MiB:.2f} MiB")
+
+    model = PlatformModel(t_iss0=t0, drain_rate=r, capacity=cf.capacity)
+    res = {
+        "zero_gap": {"points": zero, "fit_min_volume_B": min_v, "fit_rms_rel_error": zero_rms},
+        "t_iss0_table": floor_tab,
+        "gap_sweep": {"num_ctas": n_sm, "bytes_per_cta": b0, "volume": v0, "dest": sweep["dest"],
+                      "control": sweep.get("control"), "error_issue_rel": err_iss.tolist(),
+                      "error_period_rel": err_per.tolist(), "error_completion_coupled_rel": err_cc.tolist()},
+        "isolated": {"num_ctas": n_sm, "dest": iso["dest"], "control": iso.get("control"), "fit": cf.as_dict(),
+                     "control_fit": cf_ctrl.as_dict() if cf_ctrl is not None else None},
+    }
+    return model, res
+
+
+def fa4_design(model: PlatformModel, n_sm: int, sigma_info: dict) -> dict:
+    """Design test for FA4 output tiles (b_m = d = 128, bf16) with K = n_sm aligned producers."""
+    b0 = fa_tile_burst_bytes(FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
+    v = fa_burst_volume(n_sm, FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
+    fa = {
+        "tile_m": FA_TILE_M, "tile_n": FA_TILE_N, "head_dim": FA_HEAD_DIM, "out_bytes": FA_OUT_BYTES,
+        "num_producers": n_sm, "burst_per_cta_B": b0, "volume_B": v,
+        "recovery_gap_s": model.recovery_gap(v), "peak_outstanding_B": model.peak_outstanding(v),
+        "capacity_B": None if math.isinf(model.capacity) else model.capacity,
+        "capacity_ok": model.peak_outstanding(v) <= model.capacity, "sigma": sigma_info,
+    }
+    sigma = sigma_info.get("sigma_s")
+    if sigma is not None and sigma > 0:
+        fa["m_ub_tokens"] = model.fa_min_seqlen(v, sigma, FA_TILE_N)
+        g8k = qloop_gap_lower_bound(8192, sigma, FA_TILE_N)
+        fa["design_test_M8192"] = {"gap_lower_bound_s": g8k, "failing": list(model.design_test(v, g8k).failing)}
+    return fa
+
+
+def markdown_table(model: PlatformModel, res: dict, fa: dict, header: str) -> str:
+    zg, gs, iso = res["zero_gap"], res["gap_sweep"], res["isolated"]
+    cf = iso["fit"]
+    ks = sorted({x["num_ctas"] for x in zg["points"]})
+    e_iss, e_per, e_cc = (np.abs(np.array(gs[k])) for k in
+                          ("error_issue_rel", "error_period_rel", "error_completion_coupled_rel"))
+    sigma = fa["sigma"].get("sigma_s")
+    b0 = gs["bytes_per_cta"]
+    rows = [
+        ("R (drain rate)", f"{model.drain_rate / GB:.1f} GB/s",
+         f"zero-gap periods, {len(zg['points'])} points over K = {ks}, fit on V >= "
+         f"{zg['fit_min_volume_B'] / MiB:.2f} MiB (rms {zg['fit_rms_rel_error']:.1%})"),
+        (f"T_iss0 (K={gs['num_ctas']}, B={b0 // KiB} KiB)", f"{model.t_iss0 / US:.3f} us",
+         "gap-sweep plateau, G >= V/R"),
+        ("Q (capacity)", f"{'' if cf['knee_found'] else '>= '}{model.capacity / MiB:.2f} MiB",
+         f"isolated-burst knee at V = {cf['knee_volume'] / MiB:.2f} MiB, K = {iso['num_ctas']} "
+         f"(fit rms {cf['rms_rel_error']:.1%})"),
+        *([("Q of the local control", f"{'' if iso['control_fit']['knee_found'] else '>= '}"
+            f"{iso['control_fit']['capacity'] / MiB:.2f} MiB", "same sweep, local buffer")]
+          if iso.get("control_fit") else []),
+        ("gap-sweep error, T_iss", f"mean {e_iss.mean():.1%}, max {e_iss.max():.1%}",
+         f"prediction with no refit, {len(e_iss)} gaps"),
+        ("gap-sweep error, T_period", f"mean {e_per.mean():.1%}, max {e_per.max():.1%}",
+         f"completion-coupled G + V/R instead: mean {e_cc.mean():.1%}"),
+        ("FA4 tile burst Bt, V = K·Bt", f"{fa['burst_per_cta_B'] // KiB} KiB, {fa['volume_B'] / MiB:.3f} MiB",
+         f"b_m = d = {FA_TILE_M}, bf16, K = {fa['num_producers']}"),
+        ("FA4 G* = [V/R − T_iss0]+", f"{fa['recovery_gap_s'] / US:.3f} us", "model"),
+        ("FA4 capacity bound [V − R·T_iss0]+ <= Q",
+         f"{fa['peak_outstanding_B'] / MiB:.3f} <= {model.capacity / MiB:.2f} MiB: "
+         f"{'holds' if fa['capacity_ok'] else 'FAILS'}", "model"),
+        ("sigma (FA4 time per KV tile)", f"{sigma / US:.3f} us" if sigma else "n/a", fa["sigma"].get("method", "")),
+        ("M_ub* = b_n·G*/sigma", f"{fa['m_ub_tokens']:.0f} tokens" if "m_ub_tokens" in fa else "n/a",
+         f"b_n = {FA_TILE_N}"),
+    ]
+    lines = ["", header, "", "| quantity | value | from |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: str, model: PlatformModel, res: dict, fa: dict, extra: dict, dest: str):
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "platform_model.json")
+    model.to_json(json_path, extra={"sweeps": res, "fa4_design_test": fa, **extra})
+    PlatformModel.from_json(json_path)  # the file must load
+    return json_path, _plots(out_dir, model, res, dest)
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m fa_a2a.calibrate",
+                                description="Measure the X-Stage platform model (T_iss0, R, Q) on this GPU.")
+    p.add_argument("--dest", choices=("local", "ipc"), default="local",
+                   help="local: this process's buffer; ipc: a child process's buffer on the same GPU "
+                        "mapped via CUDA IPC (same HBM, no NVLink traffic)")
+    p.add_argument("--out", default="results/xstage", help="output directory (default: results/xstage)")
+    p.add_argument("--quick", action="store_true", help="smaller sweeps (under a minute on an H200)")
+    p.add_argument("--mode", choices=("vector", "bulk"), default="vector",
+                   help="store instruction: 16-byte st.global.v4 (default) or cp.async.bulk from smem")
+    p.add_argument("--threads", type=int, default=256, help="threads per producer CTA (default 256)")
+    p.add_argument("--sigma-us", type=float, default=None,
+                   help="FA4 Q-loop time per KV tile in us; measured with FA4 when omitted")
+    p.add_argument("--no-fa", action="store_true", help="skip the FA4 sigma measurement")
+    p.add_argument("--min-fit-volume-mib", type=float, default=4.0,
+                   help="zero-gap points with V below this are left out of the R fit (default 4)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fa_a2a.calibrate: no CUDA GPU found; the X-Stage microbenchmarks need one. Nothing measured.",
+              file=sys.stderr)
+        return 2
+    if args.sigma_us is not None and not args.sigma_us > 0:
+        raise ValueError(f"--sigma-us: must be positive, got {args.sigma_us}")
+    t_start = time.time()
+    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    n_sm = props.multi_processor_count
+    bench = Bench(args.mode, args.threads, device)
+    plan = SweepPlan.make(n_sm, args.quick, args.min_fit_volume_mib)
+    dst_words = max(256 * MiB, 3 * n_sm * plan.max_bytes_per_cta()) // 4
+    exercised = (
+        "stores into this process's own GPU buffer (local HBM)" if args.dest == "local" else
+        "stores through a CUDA-IPC mapping of a buffer another process allocated on the same GPU "
+        "(bytes land in this GPU's HBM; no NVLink/peer traffic)")
+
+    ipc_check = None
+    with ExitStack() as stack:
+        local = torch.empty(dst_words, dtype=torch.int32, device=device)
+        peer = None
+        if args.dest == "ipc":
+            log("starting the IPC buffer owner process")
+            peer = stack.enter_context(IpcPeerBuffer(dst_words, device.index))
+        dst = peer.tensor if peer is not None else local
+        dests = [("dest", dst)] + ([("control", local)] if peer is not None else [])
+
+        log(f"compiling remote_store ({args.mode}); measuring the SM clock and the gap loop")
+        bench.run(dst, n_sm, 16 * KiB, n_bursts=2)  # compile + first touch
+        bench.run(local, n_sm, 16 * KiB, n_bursts=2)
+        bench.calibrate_clock_and_gap(local)
+        log(f"SM clock {bench.ref_ghz:.3f} GHz, gap loop {bench.ns_per_iter:.3f} ns/iteration")
+        if peer is not None:
+            from cute_kernels.remote_store import expected_words
+
+            bench.run(dst, n_sm, 32 * KiB, n_bursts=1, seed=0x0C0FFEE)
+            ipc_check = peer.check(expected_words(args.mode, n_sm, 32 * KiB, 0x0C0FFEE))
+            log(f"IPC destination check (the owner process re-reads one slot): {'ok' if ipc_check else 'MISMATCH'}")
+        model, res = run_sweeps(bench, dests, plan, log)
+        del dst, dests, local  # drop the IPC mapping before its owner process exits
+
+    if args.sigma_us is not None:
+        sigma_info = {"sigma_s": args.sigma_us * US, "method": "given on the command line (--sigma-us)"}
+    elif args.no_fa:
+        sigma_info = {"sigma_s": None, "method": "not measured (--no-fa)"}
+    else:
+        log("measuring FA4 sigma")
+        try:
+            sigma_info = measure_fa4_sigma((2048, 4096) if args.quick else (4096, 8192), n_sm, device)
+        except Exception as exc:  # a missing or failing FA4 must not lose the calibration
+            sigma_info = {"sigma_s": None, "method": f"not measured: {type(exc).__name__}: {exc}"}
+    gs = res["gap_sweep"]
+    model = replace(model, meta={
+        "device": props.name, "num_sms": n_sm, "dest": args.dest, "what_is_exercised": exercised,
+        "store": args.mode, "threads_per_cta": args.threads,
+        "t_iss0_at": {"num_ctas": gs["num_ctas"], "bytes_per_cta": gs["bytes_per_cta"], "volume": gs["volume"]},
+        "capacity_is_lower_bound": not res["isolated"]["fit"]["knee_found"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "quick": args.quick,
+    })
+    fa = fa4_design(model, n_sm, sigma_info)
+    json_path, pngs = write_outputs(args.out, model, res, fa, {
+        "clock": {"ref_sm_ghz": bench.ref_ghz, "gap_loop_ns_per_iter": bench.ns_per_iter},
+        "one_cta_per_sm": bench.smid_ok, "ipc_data_check": ipc_check}, args.dest)
+    header = (f"X-Stage platform model: {props.name}, {n_sm} SMs, dest={args.dest}: {exercised}; "
+              f"store={args.mode}, {args.threads} threads/CTA, {time.time() - t_start:.0f} s. "
+              f"Files: {json_path}, " + ", ".join(os.path.basename(p) for p in pngs))
+    if not bench.smid_ok:
+        header += "\nWARNING: some run did not place its producers one per distinct SM."
+    if ipc_check is False:
+        header += "\nWARNING: the IPC owner process did not see the stored bytes."
+    print(markdown_table(model, res, fa, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Steady-state timing of CUDA-graph replays.
+
+The method follows the X-Stage paper (Sec. 5.3, "Measurement methodology"):
+
+- The CuTe DSL Python launch path costs about as much as a short FA4 kernel, so every method is
+  captured as N back-to-back calls in one CUDA graph (`capture`) and only replays are timed, with
+  CUDA events on the current stream.
+- Sender-side timing boundary: the timed region of one replay is the N calls plus ONE call of
+  `barrier` (e.g. the cross-rank barrier kernel, or a 1-element NCCL all_reduce), not a barrier
+  per call. The reported number is (elapsed of that region) / N, in microseconds. The same barrier
+  is also called once before the start event, untimed, so that ranks start their replays together.
+- Warm-up replays first; then `trials` timed replays per method, the method order rotated by one
+  every trial (trial t runs names[t:] + names[:t]) so no method always follows the same neighbour.
+- Per trial the maximum over ranks is kept (all_reduce MAX over `group` when it has > 1 rank);
+  callers report the median over trials (`median`).
+- DVFS: `GpuClockMonitor` samples the SM clock and temperature through NVML while each replay runs
+  and warns when a method's clock moved by more than 5% between its first and last sample.
+
+L2: at small M a method's whole working set can stay in the 50 MB L2 of an H100/H200, and
+back-to-back calls on the same tensors would then time warm-cache kernels. To avoid that, the
+caller builds k = `input_sets_needed(bytes_per_set)` independent input/output sets and passes the
+method as a list of k callables, one per set; call i of the graph then runs callable i % k:
+
+    sets = [make_inputs() for _ in range(input_sets_needed(set_bytes))]
+    methods = {"fa": [functools.partial(fa, *s) for s in sets], ...}
+    times = time_graphs(methods, n_calls=round_up(n, len(sets)), trials=15, warmup=3)
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+Fn = Callable[[], object]
+Calls = Union[Fn, Sequence[Fn]]
+
+DRIFT_TOL = 0.05  # relative SM-clock change within one method that triggers a warning
+
+
+def _as_calls(fn: Calls, name: str = "fn") -> list:
+    fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    if not fns or not all(callable(f) for f in fns):
+        raise ValueError(f"{name}: expected a callable or a non-empty sequence of callables")
+    return fns
+
+
+def _check_count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def rotated(names: Sequence[str], trial: int) -> list:
+    """Method order of trial `trial`: the list rotated left by trial % len(names)."""
+    names = list(names)
+    if not names:
+        return names
+    r = trial % len(names)
+    return names[r:] + names[:r]
+
+
+def median(values: Sequence[float]) -> float:
+    if len(values) == 0:
+        raise ValueError("values: empty")
+    return float(statistics.median(values))
+
+
+def l2_cache_bytes(device=None) -> int:
+    """L2 size of a CUDA device in bytes (torch's device properties)."""
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def input_sets_needed(bytes_per_set: int, l2_bytes: Optional[int] = None, *, factor: float = 2.0,
+                      max_sets: int = 16) -> int:
+    """Number of input sets to rotate so that one call does not find the previous call's data in
+    L2: ceil(factor * L2 / bytes_per_set), clamped to [1, max_sets]. A set is everything one call
+    reads or writes (inputs and outputs). l2_bytes defaults to the current CUDA device's L2."""
+    if isinstance(bytes_per_set, bool) or not isinstance(bytes_per_set, int) or bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set: expected a positive int, got {bytes_per_set!r}")
+    if factor <= 0:
+        raise ValueError(f"factor: expected > 0, got {factor!r}")
+    _check_count(max_sets, "max_sets", 1)
+    if l2_bytes is None:
+        l2_bytes = l2_cache_bytes()
+    if l2_bytes < 0:
+        raise ValueError(f"l2_bytes: expected >= 0, got {l2_bytes!r}")
+    return max(1, min(max_sets, math.ceil(factor * l2_bytes / bytes_per_set)))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def capture(fn: Calls, n_calls: int, *, eager_warmup: int = 1, pool=None) -> "torch.cuda.CUDAGraph":
+    """Capture `n_calls` back-to-back calls into a CUDA graph and return it (not yet replayed).
+
+    `fn` is a callable or a sequence of k callables (one per input set); call i runs fn[i % k].
+    Each callable is first run `eager_warmup` times on a side stream (kernel compilation, cuBLAS
+    and NCCL workspaces happen outside the capture), as torch's graph docs require. The callables
+    must only launch work on the current stream and must not synchronize with the host.
+    """
+    fns = _as_calls(fn)
+    _check_count(n_calls, "n_calls", 1)
+    _check_count(eager_warmup, "eager_warmup", 0)
+    if not torch.cuda.is_available():
+        raise RuntimeError("capture needs a CUDA device")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(eager_warmup):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        for i in range(n_calls):
+            fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    return graph
+
+
+def rank_max(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Element-wise maximum of `values` over the ranks of `group` (identity without a process
+    group or with one rank). Uses a CUDA tensor when the group's backend is NCCL."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    if dist.get_world_size(group) <= 1:
+        return values
+    backend = str(dist.get_backend(group)).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    buf = values.to(device=device, dtype=torch.float64).contiguous()
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf.to(values.device, values.dtype)
+
+
+class GpuClockMonitor:
+    """SM clock (MHz) and GPU temperature (C) samples from NVML, kept per label (method name).
+
+    `sample(label)` reads the clocks now; `check(label)` warns when the label's last SM-clock
+    sample differs from its first by more than `drift_tol` (relative). Without nvidia-ml-py or
+    NVML (or without a GPU) the monitor is inert: `available` is False and `reason` says why.
+    """
+
+    def __init__(self, device=None, *, drift_tol: float = DRIFT_TOL, enabled: bool = True):
+        if drift_tol <= 0:
+            raise ValueError(f"drift_tol: expected > 0, got {drift_tol!r}")
+        self.drift_tol = drift_tol
+        self.samples: dict = {}
+        self.warnings: list = []
+        self.available = False
+        self.reason = "disabled"
+        self._nvml = None
+        self._handle = None
+        if not enabled:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = self._nvml_index(device)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+            self.available = True
+            self.reason = ""
+        except Exception as e:  # no nvidia-ml-py, no driver, no device
+            self.reason = f"NVML unavailable: {type(e).__name__}: {e}"
+
+    @staticmethod
+    def _nvml_index(device) -> int:
+        if torch.cuda.is_available():
+            dev = torch.cuda.current_device() if device is None else device
+            try:  # honours CUDA_VISIBLE_DEVICES (NVML numbers all GPUs of the host)
+                return torch.cuda._get_nvml_device_index(dev)
+            except Exception:
+                return dev if isinstance(dev, int) else (torch.device(dev).index or 0)
+        return 0 if device is None else int(device)
+
+    def read(self):
+        """(sm_clock_mhz, temperature_c) now, or None when unavailable."""
+        if not self.available:
+            return None
+        n = self._nvml
+        clock = n.nvmlDeviceGetClockInfo(self._handle, n.NVML_CLOCK_SM)
+        temp = n.nvmlDeviceGetTemperature(self._handle, n.NVML_TEMPERATURE_GPU)
+        return int(clock), int(temp)
+
+    def sample(self, label: str):
+        s = self.read()
+        if s is not None:
+            self.record(label, *s)
+        return s
+
+    def record(self, label: str, sm_clock_mhz: float, temperature_c: float) -> None:
+        self.samples.setdefault(label, []).append((float(sm_clock_mhz), float(temperature_c)))
+
+    def drift(self, label: str) -> Optional[float]:
+        """(last - first) / first of the label's SM-clock samples; None with < 2 samples."""
+        s = self.samples.get(label, [])
+        if len(s) < 2 or s[0][0] <= 0:
+            return None
+        return (s[-1][0] - s[0][0]) / s[0][0]
+
+    def check(self, label: str) -> Optional[str]:
+        d = self.drift(label)
+        if d is None or abs(d) <= self.drift_tol:
+            return None
+        s = self.samples[label]
+        msg = (f"SM clock drifted {100 * d:+.1f}% during {label!r} "
+               f"({s[0][0]:.0f} -> {s[-1][0]:.0f} MHz, {s[0][1]:.0f} -> {s[-1][1]:.0f} C): "
+               "rerun this point once clocks are stable")
+        self.warnings.append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return msg
+
+    def summary(self) -> dict:
+        out = {}
+        for label, s in self.samples.items():
+            clocks = [c for c, _ in s]
+            temps = [t for _, t in s]
+            out[label] = {
+                "n": len(s),
+                "sm_clock_mhz": {"first": clocks[0], "last": clocks[-1], "min": min(clocks), "max": max(clocks)},
+                "temperature_c": {"first": temps[0], "last": temps[-1], "min": min(temps), "max": max(temps)},
+                "drift": self.drift(label),
+            }
+        return out
+
+    def device_info(self) -> dict:
+        """Static clock facts (max SM clock, driver) for the record; empty when unavailable."""
+        if not self.available:
+            return {}
+        n = self._nvml
+        info = {}
+        for key, f in (("max_sm_clock_mhz", lambda: n.nvmlDeviceGetMaxClockInfo(self._handle, n.NVML_CLOCK_SM)),
+                       ("driver", lambda: n.nvmlSystemGetDriverVersion()),
+                       ("power_limit_w", lambda: n.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1000)):
+            try:
+                v = f()
+                info[key] = v.decode() if isinstance(v, bytes) else v
+            except Exception:
+                pass
+        return info
+
+
+def time_graphs(methods: Mapping[str, Calls], n_calls: int, trials: int, warmup: int = 3,
+                barrier: Optional[Fn] = None, group=None, *, monitor: Optional[GpuClockMonitor] = None,
+                progress: Optional[Callable[[str, int], None]] = None,
+                after_capture: Optional[Fn] = None) -> dict:
+    """Per-call time in microseconds of each method, one value per trial: {name: [t_0, ...]}.
+
+    Each method (a callable, or a list of callables rotated over input sets, see `capture`) is
+    captured once as `n_calls` back-to-back calls. Then `warmup` untimed replays of every method,
+    then `trials` rounds; round t replays the methods in `rotated(names, t)` order. One timed
+    replay is: barrier() (untimed) | start event | graph replay | barrier() | end event, and its
+    value is elapsed / n_calls. With a process group of > 1 rank each value is the maximum over
+    ranks (one all_reduce MAX at the end; all ranks must pass the same method names). `progress`,
+    if given, is called as progress(name, trial) after every timed replay. `after_capture`, if
+    given, runs once after all captures and before the first replay (capture runs each callable
+    eagerly first, so e.g. poisoning outputs there shows what the replays wrote).
+    """
+    if not methods:
+        raise ValueError("methods: empty")
+    names = list(methods)
+    calls = {name: _as_calls(fn, f"methods[{name!r}]") for name, fn in methods.items()}
+    _check_count(n_calls, "n_calls", 1)
+    _check_count(trials, "trials", 1)
+    _check_count(warmup, "warmup", 0)
+    if barrier is not None and not callable(barrier):
+        raise ValueError("barrier: expected a callable or None")
+    if monitor is None:
+        monitor = GpuClockMonitor(enabled=False)
+
+    # One private memory pool per graph: graphs that share a pool must replay in capture order,
+    # and the order here rotates.
+    graphs = {name: capture(calls[name], n_calls) for name in names}
+    sync = barrier if barrier is not None else (lambda: None)
+    if after_capture is not None:
+        after_capture()
+        torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        for name in names:
+            sync()
+            graphs[name].replay()
+            sync()
+    torch.cuda.synchronize()
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    raw = torch.zeros(trials, len(names), dtype=torch.float64)
+    for t in range(trials):
+        for name in rotated(names, t):
+            sync()
+            start.record()
+            graphs[name].replay()
+            sync()
+            end.record()
+            monitor.sample(name)  # read while the replay is (usually) still running
+            end.synchronize()
+            raw[t, names.index(name)] = start.elapsed_time(end) * 1000.0 / n_calls
+            if progress is not None:
+                progress(name, t)
+    for name in names:
+        monitor.check(name)
+    del graphs
+    raw = rank_max(raw, group)
+    return {name: raw[:, j].tolist() for j, name in enumerate(names)}

@@ -1,0 +1,342 @@
+"""CPU tier of graphs/ and fa_a2a.bench: argument validation, derived metrics, table, model
+helpers, plots, the cross-rank max (two gloo processes), and the no-GPU run of the script."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fa_a2a import bench
+from graphs import timing
+from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------ graphs
+def test_rotated_puts_every_method_in_every_position():
+    names = ["fa", "a2a", "serial", "fused"]
+    orders = [rotated(names, t) for t in range(len(names))]
+    assert orders[0] == names and orders[1] == ["a2a", "serial", "fused", "fa"]
+    for pos in range(len(names)):
+        assert sorted(o[pos] for o in orders) == sorted(names)
+    assert rotated(names, 5) == orders[1]
+    assert rotated([], 3) == []
+
+
+def test_input_sets_needed():
+    L2 = 50 * 2**20
+    assert input_sets_needed(L2 * 4, L2) == 1  # far bigger than L2: one set
+    assert input_sets_needed(L2 // 2, L2) == 4  # 2 * L2 / (L2 / 2)
+    assert input_sets_needed(31_500_000, L2) == math.ceil(2 * L2 / 31_500_000)
+    assert input_sets_needed(1, L2) == 16  # clamped
+    assert input_sets_needed(1, L2, max_sets=3) == 3
+    assert input_sets_needed(1000, 0) == 1
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="bytes_per_set"):
+            input_sets_needed(bad, L2)
+    with pytest.raises(ValueError, match="factor"):
+        input_sets_needed(10, L2, factor=0)
+    assert round_up(139, 4) == 140 and round_up(140, 4) == 140 and round_up(1, 1) == 1
+
+
+def test_capture_and_time_graphs_validate_before_touching_cuda():
+    f = lambda: None  # noqa: E731
+    with pytest.raises(ValueError, match="n_calls"):
+        timing.capture(f, 0)
+    with pytest.raises(ValueError, match="fn"):
+        timing.capture([], 3)
+    with pytest.raises(ValueError, match="fn"):
+        timing.capture([f, 3], 3)
+    with pytest.raises(ValueError, match="methods"):
+        timing.time_graphs({}, 3, 3)
+    with pytest.raises(ValueError, match="trials"):
+        timing.time_graphs({"a": f}, 3, 0)
+    with pytest.raises(ValueError, match="warmup"):
+        timing.time_graphs({"a": f}, 3, 2, warmup=-1)
+    with pytest.raises(ValueError, match="n_calls"):
+        timing.time_graphs({"a": f}, True, 2)
+    with pytest.raises(ValueError, match=r"methods\['b'\]"):
+        timing.time_graphs({"a": f, "b": "nope"}, 3, 2)
+    with pytest.raises(ValueError, match="barrier"):
+        timing.time_graphs({"a": f}, 3, 2, barrier=5)
+    with pytest.raises(ValueError, match="values"):
+        timing.median([])
+    assert timing.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+
+
+def test_clock_monitor_drift_warning():
+    mon = GpuClockMonitor(enabled=False)
+    assert not mon.available and mon.sample("fa") is None and mon.summary() == {}
+    mon.record("fa", 1980, 40)
+    assert mon.drift("fa") is None  # one sample
+    mon.record("fa", 1900, 45)
+    mon.record("fa", 1890, 50)  # -4.5%: within 5%
+    assert mon.check("fa") is None
+    mon.record("fused", 1980, 50)
+    mon.record("fused", 1700, 70)  # -14%
+    with pytest.warns(RuntimeWarning, match=r"drifted -14\.1%.*'fused'.*1980 -> 1700 MHz"):
+        msg = mon.check("fused")
+    assert msg and mon.warnings == [msg]
+    s = mon.summary()
+    assert s["fa"]["sm_clock_mhz"] == {"first": 1980, "last": 1890, "min": 1890, "max": 1980}
+    assert s["fused"]["temperature_c"]["max"] == 70 and s["fa"]["n"] == 3
+    assert math.isclose(s["fa"]["drift"], (1890 - 1980) / 1980)
+    with pytest.raises(ValueError, match="drift_tol"):
+        GpuClockMonitor(enabled=False, drift_tol=0)
+
+
+def test_clock_monitor_without_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    mon = GpuClockMonitor()
+    assert not mon.available and "NVML unavailable" in mon.reason
+    assert mon.read() is None and mon.device_info() == {}
+
+
+B, S_LOC, H_LOC, D = 2, 3, 2, 4
+
+
+def _o(rank, world):  # rank's attention output [B, S, H_loc, D], distinct values everywhere
+    n = B * world * S_LOC * H_LOC * D
+    return (torch.arange(n, dtype=torch.float32) + 1000 * rank).view(B, world * S_LOC, H_LOC, D)
+
+
+def _two_rank_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # rank 0 is slower in trial 0, rank 1 in trial 1
+        values = torch.tensor([[10.0 + 5 * (rank == 0), 1.0], [7.0, 2.0 + rank]], dtype=torch.float64)
+        got = timing.rank_max(values)
+        send = torch.empty(world, B, S_LOC, H_LOC, D)
+        out = torch.full((B, S_LOC, world * H_LOC, D), float("nan"))
+        bench.nccl_post_a2a(_o(rank, world), send, torch.empty_like(send), out)
+        torch.save({"max": got, "a2a": out}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_max_and_baseline_a2a_over_two_processes(tmp_path):
+    world = 2
+    torch.multiprocessing.spawn(_two_rank_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    for r in range(world):
+        got = torch.load(tmp_path / f"{r}.pt")
+        assert torch.equal(got["max"], torch.tensor([[15.0, 1.0], [7.0, 3.0]], dtype=torch.float64))
+        # Ulysses post-A2A: rank r's rows of every source rank's heads, head = src * H_loc + h
+        expect = torch.cat([_o(src, world)[:, r * S_LOC:(r + 1) * S_LOC] for src in range(world)], dim=2)
+        assert torch.equal(got["a2a"], expect), r
+    x = torch.tensor([1.0, 2.0])
+    assert timing.rank_max(x) is x  # no process group: identity
+
+
+# ------------------------------------------------------------------------------ arguments
+def test_defaults_emulated_and_quick():
+    cfg = bench.parse_args([], env={})
+    assert cfg.seqlens == (8192, 16384, 32768, 49152, 65536)
+    assert (cfg.heads, cfg.head_dim, cfg.world_size, cfg.batch, cfg.dtype) == (24, 128, 8, 1, "bf16")
+    assert not cfg.real_ranks and cfg.heads_local == 3 and not cfg.causal
+    assert cfg.methods == bench.METHOD_KEYS and cfg.calls is None
+    assert cfg.out == os.path.join("results", "bench")
+    q = bench.parse_args(["--quick"], env={})
+    assert q.seqlens == (8192, 16384) and q.trials < cfg.trials and q.target_ms < cfg.target_ms
+    q = bench.parse_args(["--quick", "-M", "4096", "--trials", "9"], env={})
+    assert q.seqlens == (4096,) and q.trials == 9
+    c = bench.parse_args(["--causal", "--dtype", "fp16", "--methods", "fused", "fa", "--world-size", "4"], env={})
+    assert c.causal and c.dtype == "fp16" and c.methods == ("fa", "fused") and c.heads_local == 6
+
+
+def test_torchrun_world_size():
+    cfg = bench.parse_args([], env={"WORLD_SIZE": "4"})
+    assert cfg.real_ranks and cfg.world_size == 4 and cfg.heads_local == 6
+    assert bench.parse_args([], env={"WORLD_SIZE": "1"}).real_ranks is False
+    with pytest.raises(ValueError, match="--world-size"):
+        bench.parse_args(["--world-size", "8"], env={"WORLD_SIZE": "4"})
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--heads", "25"], "--heads"),
+    (["--heads", "0"], "--heads"),
+    (["--seqlens", "8190"], "--seqlens"),
+    (["--seqlens", "0"], "--seqlens"),
+    (["--seqlens", "8192", "8192"], "--seqlens"),
+    (["--world-size", "0"], "--world-size"),
+    (["--head-dim", "100"], "--head-dim"),
+    (["--head-dim", "512"], "--head-dim"),
+    (["--batch", "0"], "--batch"),
+    (["--trials", "0"], "--trials"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--calls", "0"], "--calls"),
+    (["--target-ms", "0"], "--target-ms"),
+    (["--platform", "/nonexistent/platform.json"], "--platform"),
+    (["--num-sms", "0"], "--num-sms"),
+    (["--fa-tflops", "-1"], "--fa-tflops"),
+])
+def test_bad_arguments_raise_value_error(argv, match):
+    with pytest.raises(ValueError, match=match):
+        bench.parse_args(argv, env={})
+
+
+def test_main_turns_bad_arguments_into_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--heads", "25"])
+    assert e.value.code == 2
+    assert "--heads: H=25 is not divisible" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--dtype", "fp8"])
+
+
+# ------------------------------------------------------------------------------ metrics
+def test_derived_metrics_reproduce_the_papers_table():
+    # X-Stage paper, Table 3 (FA4 + A2A, 8xB200): M=8192 and M=16384 columns.
+    d = bench.derive({"fa": 85.4, "serial": 140.9, "fused": 99.4})
+    assert math.isclose(d["e_res_us"], 14.0, abs_tol=1e-9)
+    # the paper's metrics come from unrounded medians: 1.417x there, 140.9 / 99.4 = 1.4175 here
+    assert round(100 * d["hiding"]) == 75 and abs(d["speedup"] - 1.417) < 1e-3
+    assert math.isclose(d["fused_over_fa"], 99.4 / 85.4) and math.isclose(d["e_res_rel"], 14.0 / 85.4)
+    d = bench.derive({"fa": 346.5, "serial": 462.4, "fused": 356.6})
+    assert round(100 * d["hiding"]) == 91 and abs(d["speedup"] - 1.297) < 1e-3
+    d = bench.derive({"fa": 1439.4, "serial": 1660.9, "fused": 1429.2})  # negative residual kept
+    assert d["e_res_us"] < 0 and d["hiding"] > 1
+
+
+def test_derived_metrics_with_missing_inputs():
+    d = bench.derive({"fa": 100.0, "fused": 110.0})
+    assert d["e_res_us"] == 10.0 and d["hiding"] is None and d["speedup"] is None
+    d = bench.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
+    assert d["hiding"] is None  # zero denominator
+    d = bench.derive({"serial": 200.0, "fused": 100.0, "serial_nccl": 300.0, "layer_nccl": 9.0, "layer_fused": 3.0})
+    assert d["speedup"] == 2.0 and d["speedup_nccl"] == 3.0 and d["layer_speedup"] == 3.0
+    assert d["e_res_us"] is None
+    assert all(v is None for v in bench.derive({}).values())
+
+
+def _point(M, med, status=None):
+    return {"M": M, "median_us": med, "status": status or {}, "derived": bench.derive(med)}
+
+
+def test_table_shows_only_measured_numbers():
+    methods = ("fa", "a2a", "serial", "serial_nccl", "fused")
+    pts = [
+        _point(8192, {"fa": 181.04, "a2a": 20.0, "serial": 210.0, "fused": 183.0},
+               {"serial_nccl": bench.NA_REAL}),
+        _point(16384, {"fa": 592.0, "serial": 630.0},
+               {"serial_nccl": bench.NA_REAL, "a2a": "skipped (fa_a2a.op.post_a2a does not exist yet)",
+                "fused": "non-finite output"}),
+    ]
+    table = bench.format_table(pts, methods)
+    lines = table.splitlines()
+    assert lines[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) | Fused (us) |")
+    assert "T_serial/T_fused" in lines[0] and "H" in [c.strip() for c in lines[0].split("|")]
+    assert "T_serial-NCCL/T_fused" not in lines[0]  # never computed: column hidden
+    assert len(lines) == 4 and all(l.count("|") == lines[0].count("|") for l in lines)
+    row1 = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert row1[:6] == ["8192", "181.0", "20.0", "210.0", bench.NA_REAL, "183.0"]
+    assert "+1.08%" in row1 and "93%" in row1  # E_res/T_FA = 1.96/181.04, H = 1 - 1.96/28.96
+    row2 = [c.strip() for c in lines[3].split("|")[1:-1]]
+    assert row2[2].startswith("skipped") and row2[5] == "non-finite output"
+    assert row2[6:] == ["-"] * (len(row2) - 6)  # no derived number without the fused time
+    assert bench.format_table([_point(8192, {})], ["fa"]).splitlines()[2] == "| 8192 | not run |"
+    # real-rank methods that ran nowhere go to a note; Serial-NCCL keeps its column
+    na = {m: bench.NA_REAL for m in bench.NEEDS_REAL}
+    table = bench.format_table([_point(8192, {"fa": 1.0}, na)], bench.METHOD_KEYS)
+    assert table.splitlines()[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) |")
+    assert "Layer" not in table.splitlines()[0]
+    assert table.splitlines()[-1] == "Need real ranks, not run: A2A-only NCCL, Layer fused, Layer NCCL."
+
+
+def test_lookup_reports_missing_pieces(monkeypatch):
+    fn, why = bench.lookup("fa4_forward")
+    assert callable(fn) and why is None
+    monkeypatch.setitem(bench._SOURCES, "fa4_forward", ("fa_a2a.no_such_module", "fa_a2a.xstage"))
+    fn, why = bench.lookup("fa4_forward")
+    assert fn is None
+    assert "fa_a2a.no_such_module not importable" in why and "fa_a2a.xstage.fa4_forward does not exist yet" in why
+
+
+# ------------------------------------------------------------------------------ model helpers
+def test_fa_tile_table_matches_flash_attn():
+    iface = pytest.importorskip("flash_attn.cute.interface")
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            cfg = iface._tile_size_fwd_sm90(d, d, causal, False)
+            assert bench.fa4_sm90_tile(d, causal) == (cfg.m_block_size, cfg.n_block_size), (d, causal)
+
+
+def test_geometry_and_sigma():
+    cfg = bench.parse_args([], env={})
+    g = bench.fa_geometry(8192, cfg, 132)
+    assert (g["tiles"], g["waves"], g["kv_tiles"], g["K"]) == (3 * 64, 2, 64, 132)
+    assert g["burst_bytes"] == 128 * 128 * 2 and g["volume_bytes"] == 132 * 32768
+    assert bench.fa_geometry(256, cfg, 132)["K"] == 6  # fewer tiles than SMs
+    sigma = bench.sigma_from_tflops(cfg, 690.0, 132)
+    assert math.isclose(sigma, 4 * 128**3 / (690e12 / 132) * 1e6)
+    # round trip: an FA time built from sigma gives sigma back
+    t = bench.fa_geometry(65536, cfg, 132)
+    assert math.isclose(bench.sigma_from_fa_time(t["waves"] * t["kv_tiles"] * sigma, 65536, cfg, 132), sigma)
+
+
+def test_predictions_use_the_model():
+    xs = pytest.importorskip("fa_a2a.xstage")
+    cfg = bench.parse_args(["-M", "8192", "65536"], env={})
+    model, source = bench.load_platform(None)
+    assert "paper" in source
+    assert math.isclose(model.drain_rate, 717e9) and math.isclose(model.t_iss0, 0.76e-6)
+    pred = bench.predictions(cfg, model, sigma_us=1.6, num_sms=132)
+    V = 132 * 32768
+    assert math.isclose(pred["m_ub"], 128 * (V / 717e9 - 0.76e-6) / 1.6e-6)
+    r = pred["rows"][0]
+    assert r["M"] == 8192 and math.isclose(r["gap_us"], 64 * 1.6) and r["design_test"] == "pass"
+    assert math.isclose(r["recovery_gap_us"], (V / 717e9 - 0.76e-6) * 1e6)
+    # a platform that cannot drain the burst in the gap fails the rate bound
+    slow = xs.PlatformModel(t_iss0=1e-6, drain_rate=1e9, capacity=1e6)
+    assert bench.predictions(cfg, slow, 1.6, 132)["rows"][0]["design_test"].startswith("FAILS: rate")
+    text = bench.format_predictions(pred, source)
+    assert "not measurements" in text and "| 65536 |" in text
+
+
+def test_platform_json_is_read(tmp_path):
+    xs = pytest.importorskip("fa_a2a.xstage")
+    path = tmp_path / "platform.json"
+    xs.PlatformModel(t_iss0=2e-6, drain_rate=300e9, capacity=2**22).to_json(path)
+    model, source = bench.load_platform(str(path))
+    assert model.drain_rate == 300e9 and str(path) in source
+
+
+def test_plots_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    pts = [_point(8192, {"fa": 181.0, "a2a": 20.0, "serial": 210.0, "fused": 183.0}),
+           _point(16384, {"fa": 592.0, "a2a": 40.0, "serial": 640.0, "fused": 594.0})]
+    cfg = bench.parse_args([], env={})
+    import dataclasses
+
+    result = {"points": pts, "env": {"card": "test card"}, "config": dataclasses.asdict(cfg)}
+    files = bench.write_plots(result, tmp_path, m_ub=421.0)
+    assert sorted(Path(f).name for f in files) == ["eres_vs_M.png", "speedup_vs_M.png", "time_vs_M.png"]
+    assert all(Path(f).stat().st_size > 1000 for f in files)
+
+
+# ------------------------------------------------------------------------------ no-GPU run
+def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    out = tmp_path / "res"
+    p = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--quick", "--out", str(out)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "No CUDA GPU: nothing was measured" in p.stdout
+    if importlib.util.find_spec("fa_a2a.xstage") is not None:
+        assert "Burst-Gap model predictions" in p.stdout and "not measurements" in p.stdout
+        rows = [l for l in p.stdout.splitlines() if l.startswith("| 8192 ") or l.startswith("| 16384 ")]
+        assert len(rows) == 2
+    else:
+        assert "No model predictions" in p.stdout
+    assert not out.exists()  # nothing measured, nothing written
+    bad = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--heads", "7"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--heads" in bad.stderr

@@ -1,0 +1,316 @@
+"""Burst–Gap model: the paper's arithmetic, the model's identities, and fits of synthetic data."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fa_a2a.xstage import (
+    GB,
+    KiB,
+    MiB,
+    US,
+    PlatformModel,
+    critical_path_stall,
+    fa_burst_volume,
+    fa_tile_burst_bytes,
+    fit_capacity,
+    fit_drain_rate,
+    fit_issue_floor,
+    qloop_gap_lower_bound,
+)
+
+# The paper's calibration (Sections 3.3-3.5, 4.3): R = 717 GB/s, T_iss0 = 0.76 us at K = 148,
+# 32 KB per producer, knee at ~33 KB per producer, Q ~ 4.25 MiB.
+PAPER = PlatformModel(t_iss0=0.76 * US, drain_rate=717 * GB, capacity=4.25 * MiB)
+K_B200 = 148
+
+
+def test_paper_fa4_design_point():
+    bt = fa_tile_burst_bytes(128, 128, 2)
+    assert bt == 32 * KiB
+    v = fa_burst_volume(K_B200, 128, 128, 2)
+    assert v == K_B200 * 32 * KiB
+    assert v / MiB == pytest.approx(4.625)  # "V ~ 4.6 MiB"
+    g_star = PAPER.recovery_gap(v)
+    assert round(g_star / US, 1) == 6.0  # "G* ~ 6.0 us"
+    m_ub = PAPER.fa_min_seqlen(v, 0.79 * US, 128)
+    assert round(m_ub / 1000, 1) == 1.0  # "M_ub* ~ 1.0K tokens"
+    assert m_ub == pytest.approx(128 * g_star / (0.79 * US))
+    q_peak = PAPER.peak_outstanding(v)
+    assert round(q_peak / MiB, 1) == 4.1  # "V - R T_iss0 ~ 4.1 MiB < Q ~ 4.25 MiB"
+    dt = PAPER.design_test(v, 80 * US)  # M = 8192: measured Q-loop gap ~80 us
+    assert dt.ok and dt.failing == ()
+    assert dt.capacity_ok and dt.peak_outstanding < PAPER.capacity
+    # "the measured Q-loop gap is about 80 us, roughly 13x the worst-case G*"
+    assert 80 * US / g_star == pytest.approx(13.3, abs=0.1)
+
+
+def test_paper_knee_gives_capacity():
+    # knee at ~33 KB per producer for K = 148: V ~ 4.77 MiB; Q = V_knee - R T_iss0 ~ 4.25 MiB
+    v_knee = K_B200 * 33 * KiB
+    assert round(v_knee / MiB, 2) == 4.77
+    q = v_knee - PAPER.drain_rate * PAPER.t_iss0
+    assert round(q / MiB, 2) == 4.25
+    m = PlatformModel(PAPER.t_iss0, PAPER.drain_rate, q)
+    assert m.knee_volume() == pytest.approx(v_knee)
+
+
+def test_design_test_names_failing_bound():
+    v = fa_burst_volume(K_B200, 128, 128, 2)
+    # zero gap: injection 4.85 MB / 0.76 us = 6.4 TB/s > R
+    assert PAPER.design_test(v, 0.0).failing == ("rate",)
+    big = 2 * v  # q_peak ~ 8.7 MiB > Q, and with a huge gap the rate bound holds
+    assert PAPER.design_test(big, 1.0).failing == ("capacity",)
+    assert PAPER.design_test(big, 0.0).failing == ("rate", "capacity")
+    g_star = PAPER.recovery_gap(v)
+    # rate bound V/(T0 + G) <= R holds exactly from G = G* on
+    assert not PAPER.design_test(v, g_star * 0.99).rate_ok
+    assert PAPER.design_test(v, g_star * 1.01).rate_ok
+    assert "FAILS" in str(PAPER.design_test(v, 0.0))
+
+
+def test_model_identities_on_random_points():
+    rng = np.random.default_rng(1234)
+    for _ in range(20):
+        m = PlatformModel(t_iss0=rng.uniform(0.1, 5) * US, drain_rate=rng.uniform(50, 5000) * GB,
+                          capacity=rng.uniform(0.5, 50) * MiB)
+        v = rng.uniform(1, 100) * MiB * rng.uniform(0.01, 1)
+        g = rng.uniform(0, 40) * US
+        r, t0 = m.drain_rate, m.t_iss0
+        t_iss = m.issue_time(v, g)
+        assert m.period(v, g) == pytest.approx(max(t_iss + g, v / r))  # eq. 1 & 2 agree
+        assert m.issue_overhead(v, g) == pytest.approx(t_iss - t0, abs=1e-18)
+        assert m.recovery_gap(v) == pytest.approx(max(v / r - t0, 0.0), abs=1e-18)
+        assert m.issue_time(v, m.recovery_gap(v)) == pytest.approx(t0)
+        assert m.issue_overhead(v, m.recovery_gap(v) + 1e-9) == 0.0
+        assert m.completion_coupled_period(v, g) == pytest.approx(g + v / r)
+        if v / r >= t0:  # the max law never exceeds the completion-coupled sum
+            assert m.completion_coupled_period(v, g) >= m.period(v, g)
+        q_peak = m.peak_outstanding(v)
+        iso = m.isolated_issue_time(v)
+        if q_peak <= m.capacity:
+            assert iso == t0
+        else:
+            assert iso == pytest.approx(max(t0, (v - m.capacity) / r))
+            assert iso >= t0
+
+
+def test_vectorized_and_scalar_outputs():
+    g = np.linspace(0, 20, 11) * US
+    v = fa_burst_volume(K_B200, 128, 128, 2)
+    t = PAPER.issue_time(v, g)
+    assert isinstance(t, np.ndarray) and t.shape == g.shape
+    assert np.all(np.diff(t) <= 0)  # more gap never slows issue
+    assert isinstance(PAPER.issue_time(v, 1e-6), float)
+    p = PAPER.period(v, g)
+    assert np.all(p >= v / PAPER.drain_rate - 1e-18)
+    vols = np.linspace(0.5, 10, 40) * MiB
+    iso = PAPER.isolated_issue_time(vols)
+    assert np.all(np.diff(iso) >= -1e-18)
+    assert iso[0] == PAPER.t_iss0 and iso[-1] > PAPER.t_iss0
+
+
+def test_fa_helpers_and_stall():
+    assert qloop_gap_lower_bound(8192, 0.79 * US, 128) == pytest.approx(64 * 0.79 * US)
+    assert critical_path_stall(9.93, 5.30) == pytest.approx(4.63)  # Table 2, DiT-MoE wave row
+    assert critical_path_stall(7.88, 9.54) == 0.0  # DSv4-Pro: covered
+    np.testing.assert_allclose(critical_path_stall([1.0, 3.0], [2.0, 1.0]), [0.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(t_iss0=0.0, drain_rate=1e9, capacity=1e6), "t_iss0"),
+        (dict(t_iss0=1e-6, drain_rate=-1.0, capacity=1e6), "drain_rate"),
+        (dict(t_iss0=1e-6, drain_rate=math.nan, capacity=1e6), "drain_rate"),
+        (dict(t_iss0=1e-6, drain_rate=1e9, capacity=0), "capacity"),
+        (dict(t_iss0=math.inf, drain_rate=1e9, capacity=1e6), "t_iss0"),
+        (dict(t_iss0="fast", drain_rate=1e9, capacity=1e6), "t_iss0"),
+    ],
+)
+def test_validation_names_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PlatformModel(**kwargs)
+
+
+def test_bad_prediction_inputs():
+    with pytest.raises(ValueError, match="volume"):
+        PAPER.issue_time(-1.0, 0.0)
+    with pytest.raises(ValueError, match="gap"):
+        PAPER.period(1.0, [0.0, math.nan])
+    with pytest.raises(ValueError, match="sigma_per_kv_tile"):
+        PAPER.fa_min_seqlen(1e6, 0.0, 128)
+    with pytest.raises(ValueError, match="tile_n"):
+        PAPER.fa_min_seqlen(1e6, 1e-6, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        fa_tile_burst_bytes(128, 0, 2)
+    with pytest.raises(ValueError, match="frozen|cannot assign"):
+        try:
+            PAPER.t_iss0 = 1.0
+        except Exception as exc:  # dataclasses.FrozenInstanceError
+            raise ValueError(str(exc)) from exc
+
+
+def test_json_round_trip(tmp_path):
+    m = PlatformModel(0.9 * US, 3000 * GB, 12.5 * MiB, meta={"card": "test", "K": 132})
+    path = tmp_path / "m.json"
+    text = m.to_json(path, extra={"sweeps": {"x": np.arange(3)}})
+    back = PlatformModel.from_json(path)
+    assert back == m and back.meta["K"] == 132
+    assert PlatformModel.from_json(text) == m
+    assert json.loads(text)["sweeps"]["x"] == [0, 1, 2]
+    inf = PlatformModel(1 * US, 1 * GB)
+    assert math.isinf(PlatformModel.from_json(inf.to_json()).capacity)
+    with pytest.raises(ValueError, match="format"):
+        PlatformModel.from_json('{"t_iss0_s": 1}')
+    d = m.to_dict()
+    del d["drain_rate_Bps"]
+    with pytest.raises(ValueError, match="drain_rate_Bps"):
+        PlatformModel.from_dict(d)
+    with pytest.raises(ValueError, match="extra"):
+        m.to_json(extra={"t_iss0_s": 1})
+
+
+# ----------------------------------------------------------------------------------------------
+# fits of synthetic measurements from known parameters, 1% multiplicative noise
+# ----------------------------------------------------------------------------------------------
+TRUE = PlatformModel(t_iss0=1.3 * US, drain_rate=2400 * GB, capacity=7.5 * MiB)
+NOISE = 0.01
+
+
+def _noisy(rng, x):
+    return np.asarray(x) * (1 + NOISE * rng.standard_normal(np.shape(x)))
+
+
+def _issue_floor(v):
+    """Synthetic backpressure-free issue time growing with volume (instruction issue)."""
+    return 0.4 * US + np.asarray(v) / (9000 * GB)
+
+
+def _synthetic(rng):
+    # zero-gap periods over K x B; small volumes are issue-limited (floor), large drain-limited
+    ks = np.array([33, 66, 132])
+    bs = np.array([8, 16, 32, 64, 128, 256]) * KiB
+    vz = (ks[:, None] * bs[None, :]).ravel().astype(float)
+    tz = _noisy(rng, np.maximum(_issue_floor(vz), vz / TRUE.drain_rate))
+    # gap sweep at the design point
+    v0 = 132 * 64 * KiB
+    t0 = float(_issue_floor(v0))
+    design = PlatformModel(t0, TRUE.drain_rate, TRUE.capacity)
+    gaps = np.linspace(0, 3 * v0 / TRUE.drain_rate, 25)
+    tiss = _noisy(rng, design.issue_time(v0, gaps))
+    # isolated sweep over B at K = 132
+    vi = 132 * np.geomspace(4, 512, 30) * KiB
+    ti = _noisy(rng, np.maximum(_issue_floor(vi), (vi - TRUE.capacity) / TRUE.drain_rate))
+    return vz, tz, v0, t0, gaps, tiss, vi, ti
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_recovers_parameters(seed):
+    rng = np.random.default_rng(seed)
+    vz, tz, v0, t0, gaps, tiss, vi, ti = _synthetic(rng)
+    r = fit_drain_rate(vz, tz, min_volume=4 * MiB)
+    assert r == pytest.approx(TRUE.drain_rate, rel=0.02)
+    # including the issue-limited points biases R low: the cut matters
+    assert fit_drain_rate(vz, tz) < 0.97 * TRUE.drain_rate
+    assert fit_issue_floor(gaps, tiss, v0, r) == pytest.approx(t0, rel=0.02)
+    cf = fit_capacity(vi, ti, r)
+    assert cf.knee_found
+    assert cf.capacity == pytest.approx(TRUE.capacity, rel=0.03)
+    assert cf.floor_slope * 9000 * GB == pytest.approx(1.0, rel=0.15)
+    # with the local-control floor given per point
+    cf2 = fit_capacity(vi, ti, r, floor=_noisy(rng, _issue_floor(vi)))
+    assert cf2.capacity == pytest.approx(TRUE.capacity, rel=0.03)
+
+    m = PlatformModel.fit(zero_gap_volumes=vz, zero_gap_periods=tz, min_volume=4 * MiB,
+                          plateau_volume=v0, plateau_gaps=gaps, plateau_issue_times=tiss,
+                          isolated_volumes=vi, isolated_issue_times=ti, meta={"seed": seed})
+    assert m.drain_rate == pytest.approx(TRUE.drain_rate, rel=0.02)
+    assert m.t_iss0 == pytest.approx(t0, rel=0.02)
+    assert m.capacity == pytest.approx(TRUE.capacity, rel=0.03)
+    # the fitted model predicts the whole gap sweep with no refit
+    pred = m.issue_time(v0, gaps)
+    assert np.max(np.abs(pred - tiss) / tiss) < 0.06
+
+
+def test_fit_without_knee_reports_lower_bound():
+    rng = np.random.default_rng(7)
+    vi = 132 * np.geomspace(4, 32, 10) * KiB  # all below the 7.5 MiB knee
+    ti = _noisy(rng, _issue_floor(vi))
+    cf = fit_capacity(vi, ti, TRUE.drain_rate)
+    assert not cf.knee_found
+    assert cf.capacity <= TRUE.capacity and cf.capacity >= 0
+
+
+def test_fit_input_errors():
+    with pytest.raises(ValueError, match="gaps"):
+        fit_issue_floor([0.0, 1e-7], [1e-6, 1e-6], 1e6, 1e9)  # V/R = 1 ms never reached
+    with pytest.raises(ValueError, match="periods"):
+        fit_drain_rate([1e6, 2e6], [1e-6])
+    with pytest.raises(ValueError, match="min_volume"):
+        fit_drain_rate([1e6, 2e6], [1e-6, 2e-6], min_volume=1e9)
+    with pytest.raises(ValueError, match="isolated_volumes"):
+        PlatformModel.fit(zero_gap_volumes=[1e6], zero_gap_periods=[1e-6], plateau_volume=1e6,
+                          plateau_gaps=[1e-3], plateau_issue_times=[1e-6], isolated_volumes=[1.0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the calibration pipeline (fa_a2a.calibrate) on a simulated platform: sweeps, fits, outputs
+# ----------------------------------------------------------------------------------------------
+class _SimBench:
+    """Stands in for calibrate.Bench: answers runs from TRUE with a volume-dependent issue floor;
+    the "control" destination has no drain or capacity limit (issue floor only)."""
+
+    n_sm = 132
+    ns_per_iter = 2.0
+    ref_ghz = 1.98
+    smid_ok = True
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def iters_for(self, gap_s):
+        return max(0, int(round(gap_s * 1e9 / self.ns_per_iter)))
+
+    def run(self, dst, K, B, *, n_bursts, gap_iters=0, align=False, warmup=2, seed=0):
+        from fa_a2a.calibrate import RunStats
+
+        v = K * B
+        g = gap_iters * self.ns_per_iter * 1e-9 + 0.05 * US  # loop overhead: a small fixed gap
+        fl = float(_issue_floor(v))
+        r, q = TRUE.drain_rate, TRUE.capacity
+        if dst == "control":
+            t, per = fl, fl + g
+        elif align:
+            t, per = max(fl, (v - q) / r), float("nan")
+        else:
+            t, per = max(fl, v / r - g), max(fl + g, v / r)
+        t, per = (float(_noisy(self.rng, x)) for x in (t, per))
+        return RunStats(num_ctas=K, bytes_per_cta=B, volume=v, gap_iters=gap_iters, align=align, issue_s=t,
+                        issue_max_s=t, period_s=per, gap_s=g, ghz=self.ref_ghz)
+
+
+def test_calibration_pipeline_on_simulated_platform(tmp_path):
+    from fa_a2a import calibrate
+
+    bench = _SimBench(3)
+    plan = calibrate.SweepPlan.make(bench.n_sm, quick=True)
+    model, res = calibrate.run_sweeps(bench, [("dest", "remote"), ("control", "control")], plan, log=lambda m: None)
+    assert model.drain_rate == pytest.approx(TRUE.drain_rate, rel=0.02)
+    v0 = bench.n_sm * 32 * KiB
+    assert model.t_iss0 == pytest.approx(float(_issue_floor(v0)), rel=0.03)
+    assert model.capacity == pytest.approx(TRUE.capacity, rel=0.05)
+    assert res["isolated"]["fit"]["knee_found"]
+    assert max(abs(e) for e in res["gap_sweep"]["error_period_rel"]) < 0.06
+    fa = calibrate.fa4_design(model, bench.n_sm, {"sigma_s": 1.6 * US, "method": "given"})
+    assert fa["volume_B"] == bench.n_sm * 32 * KiB
+    assert fa["m_ub_tokens"] == pytest.approx(128 * model.recovery_gap(fa["volume_B"]) / (1.6 * US))
+    json_path, pngs = calibrate.write_outputs(str(tmp_path), model, res, fa, {"clock": {}}, "ipc")
+    assert PlatformModel.from_json(json_path) == model
+    assert len(pngs) == 4 and all((tmp_path / p).stat().st_size > 1000 for p in pngs)
+    table = calibrate.markdown_table(model, res, fa, "header")
+    assert table.count("\n| ") == 12 and "R (drain rate)" in table  # header row + 11 rows (control Q)
+    assert "| FA4 capacity bound" in table and ("holds" in table or "FAILS" in table)
+    with pytest.raises(ValueError, match="dests"):
+        calibrate.run_sweeps(bench, [("control", "control")], plan)

@@ -1,0 +1,381 @@
+"""Ulysses index math: the sequence <-> head partition of [B, S, H, D] tensors over P ranks.
+
+The one place that says where every element goes; transports, kernels and the reference import it.
+
+Sequence layout (before the pre-A2A, after the post-A2A): rank r holds global rows
+[r*S_loc, (r+1)*S_loc) of every head, S_loc = ceil(S/P). Rows S <= s < S_pad = P*S_loc are
+padding; how many rows are valid is always explicit (`seq_len`), never inferred from shapes.
+
+Head layout (between the two A2As): rank r holds all S_pad rows of query heads
+[r*H_loc, (r+1)*H_loc), H_loc = ceil(H/P). Heads H <= h < H_pad = P*H_loc are zero padding: they
+are computed and dropped (the post-A2A output has H_pad heads; callers keep the first H).
+
+GQA (H = g*H_kv, query head h reads KV head h // g). Query heads are never padded beyond H_pad and
+KV heads are never padded: each rank receives exactly the KV heads its query heads read, replicated
+across ranks where needed, in an order that a local attention with a uniform
+qhead_per_kvhead (local query head j reads local KV head j // qhead_per_kvhead, FA4's rule) can use.
+qhead_per_kvhead is the largest divisor of H_loc for which that holds on every rank, which makes
+H_kv_loc = H_loc / qhead_per_kvhead the smallest such count. Consequences:
+  - H_kv % P == 0: a plain split, H_kv_loc = H_kv / P, qhead_per_kvhead = g, nothing replicated;
+  - H_kv < P with H_loc dividing g: one KV head per rank, replicated over g / H_loc ranks;
+  - otherwise (e.g. H=12, H_kv=6, P=4: rank 0 reads KV heads 0, 0, 1): qhead_per_kvhead may drop
+    to 1 and each rank receives one KV head per query head. The alternative, padding whole KV
+    groups (H_kv -> P*ceil(H_kv/P)), moves fewer KV bytes but pads query heads (compute); not
+    taken here.
+
+Joint (text) tokens, as in xDiT's USP for MMDiT: J joint rows are replicated on every rank and
+never split over the sequence. Rank r takes its heads of the joint q/k/v (the same head indices
+as for the sequence) and adds the J rows to its gathered sequence; the joint outputs of its heads
+return to all ranks by an all-gather over heads. Rows of the head layout, N = S_pad + J:
+  q (and the attention output):  [0, S_pad) sequence (rows >= S padding), [S_pad, N) joint.
+  k, v:  [0, S) sequence, [S, S+J) joint, [S+J, N) the padded sequence rows.
+The key order puts every padded key in a suffix, so one seqused_k = S + J masks them (FA4 masks
+keys only as a suffix); the query order keeps rows [0, S_pad) in sequence order for the fused
+post-A2A epilogue. Without padding both orders are the same. Joint tokens with causal masking
+are rejected (MMDiT attention is not causal).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "UlyssesLayout",
+    "take_heads",
+    "seq_to_head",
+    "head_to_seq",
+    "gather_heads",
+    "split_seq",
+    "gather_seq",
+]
+
+
+def _as_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _gqa_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, heads_loc: int):
+    """(qhead_per_kvhead, kv_head_index) for the local attention; see the module docstring."""
+    group = num_heads // num_kv_heads
+
+    def index_for(qpk):
+        index = []
+        for rank in range(world_size):
+            row = []
+            for first in range(rank * heads_loc, (rank + 1) * heads_loc, qpk):
+                kv = {h // group for h in range(first, first + qpk) if h < num_heads}
+                if len(kv) > 1:
+                    return None
+                # A block of padding heads only: any KV head serves; take the last one.
+                row.append(kv.pop() if kv else num_kv_heads - 1)
+            index.append(tuple(row))
+        return tuple(index)
+
+    for qpk in range(heads_loc, 0, -1):
+        if heads_loc % qpk == 0 and (index := index_for(qpk)) is not None:
+            return qpk, index
+    raise AssertionError("unreachable: qhead_per_kvhead = 1 always fits")
+
+
+@dataclass(frozen=True)
+class UlyssesLayout:
+    """Partition of a [B, S, H, D] attention (k, v: [B, S, H_kv, D]) over `world_size` ranks.
+
+    num_kv_heads=None means H_kv = H. Derived fields: seq_loc (S_loc), seq_pad (S_pad), heads_loc
+    (H_loc), heads_pad (H_pad), kv_heads_loc, qhead_per_kvhead (for the local attention),
+    q_head_index / kv_head_index ([P][H_loc] / [P][H_kv_loc] global heads each rank holds;
+    q entries >= H are zero padding heads).
+    """
+
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int | None
+    world_size: int
+    joint_len: int = 0
+    seq_loc: int = field(init=False)
+    seq_pad: int = field(init=False)
+    heads_loc: int = field(init=False)
+    heads_pad: int = field(init=False)
+    kv_heads_loc: int = field(init=False)
+    qhead_per_kvhead: int = field(init=False)
+    q_head_index: tuple = field(init=False, repr=False)
+    kv_head_index: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        seq_len = _as_int(self.seq_len, "seq_len", 1)
+        num_heads = _as_int(self.num_heads, "num_heads", 1)
+        kv = num_heads if self.num_kv_heads is None else _as_int(self.num_kv_heads, "num_kv_heads", 1)
+        world_size = _as_int(self.world_size, "world_size", 1)
+        joint_len = _as_int(self.joint_len, "joint_len", 0)
+        if num_heads % kv:
+            raise ValueError(f"num_kv_heads ({kv}) must divide num_heads ({num_heads})")
+        seq_loc = -(-seq_len // world_size)
+        heads_loc = -(-num_heads // world_size)
+        qpk, kv_index = _gqa_kv_heads(num_heads, kv, world_size, heads_loc)
+        q_index = tuple(tuple(range(r * heads_loc, (r + 1) * heads_loc)) for r in range(world_size))
+        values = dict(
+            seq_len=seq_len, num_heads=num_heads, num_kv_heads=kv, world_size=world_size,
+            joint_len=joint_len, seq_loc=seq_loc, seq_pad=world_size * seq_loc,
+            heads_loc=heads_loc, heads_pad=world_size * heads_loc,
+            kv_heads_loc=heads_loc // qpk, qhead_per_kvhead=qpk,
+            q_head_index=q_index, kv_head_index=kv_index,
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_shard(cls, seq_loc: int, num_heads: int, num_kv_heads: int | None, world_size: int,
+                   *, seq_len: int | None = None, joint_len: int = 0) -> "UlyssesLayout":
+        """Layout of per-rank shards of `seq_loc` rows; seq_len (valid rows) defaults to P*seq_loc."""
+        seq_loc = _as_int(seq_loc, "seq_loc", 1)
+        world_size = _as_int(world_size, "world_size", 1)
+        if seq_len is None:
+            seq_len = seq_loc * world_size
+        seq_len = _as_int(seq_len, "seq_len", 1)
+        if -(-seq_len // world_size) != seq_loc:
+            raise ValueError(
+                f"seq_len ({seq_len}) does not fit shards of {seq_loc} rows on {world_size} ranks: "
+                f"need {world_size * (seq_loc - 1)} < seq_len <= {world_size * seq_loc}")
+        return cls(seq_len, num_heads, num_kv_heads, world_size, joint_len)
+
+    # ---- sequence rows ----------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """Rows of a head-layout tensor: S_pad + J."""
+        return self.seq_pad + self.joint_len
+
+    def seq_owner(self, s: int) -> tuple[int, int]:
+        """Global row s (padding rows included) -> (rank, local row) in the sequence layout."""
+        s = self._check_range(s, "s", self.seq_pad)
+        return s // self.seq_loc, s % self.seq_loc
+
+    def seq_row(self, rank: int, row: int) -> int:
+        """Inverse of seq_owner."""
+        rank = self._check_range(rank, "rank", self.world_size)
+        row = self._check_range(row, "row", self.seq_loc)
+        return rank * self.seq_loc + row
+
+    def valid_rows(self, rank: int) -> int:
+        """How many of rank's S_loc shard rows are real (the rest is padding)."""
+        rank = self._check_range(rank, "rank", self.world_size)
+        return max(0, min(self.seq_loc, self.seq_len - rank * self.seq_loc))
+
+    def q_row(self, s: int) -> int:
+        """Head-layout row of global query row s (< S_pad): s."""
+        return self._check_range(s, "s", self.seq_pad)
+
+    def q_joint_row(self, j: int) -> int:
+        """Head-layout row of joint query row j: S_pad + j."""
+        return self.seq_pad + self._check_range(j, "j", self.joint_len)
+
+    def kv_row(self, s: int) -> int:
+        """Head-layout row of global key/value row s (< S_pad): s if s < S else s + J."""
+        s = self._check_range(s, "s", self.seq_pad)
+        return s if s < self.seq_len else s + self.joint_len
+
+    def kv_joint_row(self, j: int) -> int:
+        """Head-layout row of joint key/value row j: S + j."""
+        return self.seq_len + self._check_range(j, "j", self.joint_len)
+
+    def kv_row_source(self, device=None) -> torch.Tensor:
+        """int64 [N]: for each head-layout key row, its index in cat([seq rows (S_pad), joint (J)])."""
+        S, S_pad, J = self.seq_len, self.seq_pad, self.joint_len
+        return torch.cat([
+            torch.arange(0, S, device=device),
+            torch.arange(S_pad, S_pad + J, device=device),
+            torch.arange(S, S_pad, device=device),
+        ])
+
+    def seqused_k(self, causal: bool = False) -> int | None:
+        """Keys a local attention must read (a suffix mask), or None when none need masking.
+
+        Causal: None. Valid queries (s < S) never reach the padded keys, and a shorter seqused_k
+        would shift FA4's causal diagonal (it aligns the bottom-right corner).
+        """
+        if causal:
+            if self.joint_len:
+                raise ValueError("causal masking with joint tokens (joint_len > 0) is not defined")
+            return None
+        return None if self.seq_pad == self.seq_len else self.seq_len + self.joint_len
+
+    # ---- heads ------------------------------------------------------------------------------
+    def head_owner(self, h: int) -> tuple[int, int]:
+        """Query head h (padding heads included) -> (rank, local head) in the head layout."""
+        h = self._check_range(h, "h", self.heads_pad)
+        return h // self.heads_loc, h % self.heads_loc
+
+    def head_global(self, rank: int, j: int) -> int:
+        """Inverse of head_owner."""
+        rank = self._check_range(rank, "rank", self.world_size)
+        j = self._check_range(j, "j", self.heads_loc)
+        return rank * self.heads_loc + j
+
+    def kv_heads_of(self, rank: int) -> tuple[int, ...]:
+        """Global KV heads rank holds in the head layout (local KV head i = entry i)."""
+        return self.kv_head_index[self._check_range(rank, "rank", self.world_size)]
+
+    # ---- tensors of one rank (head layout) -----------------------------------------------------
+    def joint_q_heads(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's heads of a replicated joint q [B, J, H, D] -> [B, J, H_loc, D]."""
+        self._check_joint(x, "joint q", self.num_heads)
+        return take_heads(x, self.q_head_index[self._check_range(rank, "rank", self.world_size)])
+
+    def joint_kv_heads(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's heads of a replicated joint k or v [B, J, H_kv, D] -> [B, J, H_kv_loc, D]."""
+        self._check_joint(x, "joint k/v", self.num_kv_heads)
+        return take_heads(x, self.kv_heads_of(rank))
+
+    def assemble_q(self, seq: torch.Tensor, joint: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S_pad, H_loc, D] gathered sequence (+ [B, J, H_loc, D] joint) -> [B, N, H_loc, D]."""
+        return self._assemble(seq, joint, self.heads_loc, None)
+
+    def assemble_kv(self, seq: torch.Tensor, joint: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S_pad, H_kv_loc, D] (+ joint [B, J, H_kv_loc, D]) -> [B, N, H_kv_loc, D], key row order."""
+        return self._assemble(seq, joint, self.kv_heads_loc, self.kv_row_source(seq.device))
+
+    def split_out(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-layout output [B, N, H_loc, D] -> (sequence rows [B, S_pad, ...], joint rows [B, J, ...])."""
+        if out.dim() != 4 or out.shape[1] != self.num_rows:
+            raise ValueError(f"out must be [B, {self.num_rows}, H_loc, D], got {tuple(out.shape)}")
+        return out[:, : self.seq_pad], out[:, self.seq_pad:]
+
+    # ---- checks -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_range(value, name: str, end: int) -> int:
+        value = _as_int(value, name, 0)
+        if value >= end:
+            raise ValueError(f"{name} must be < {end}, got {value}")
+        return value
+
+    def _check_joint(self, x, name: str, heads: int):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a [B, J, H, D] tensor")
+        if x.shape[1] != self.joint_len or x.shape[2] != heads:
+            raise ValueError(f"{name} must have J={self.joint_len} rows and {heads} heads, "
+                             f"got shape {tuple(x.shape)}")
+
+    def _assemble(self, seq, joint, heads, row_source):
+        if not isinstance(seq, torch.Tensor) or seq.dim() != 4 or seq.shape[1:3] != (self.seq_pad, heads):
+            shape = tuple(seq.shape) if isinstance(seq, torch.Tensor) else type(seq).__name__
+            raise ValueError(f"seq must be [B, {self.seq_pad}, {heads}, D], got {shape}")
+        if joint is None:
+            if self.joint_len:
+                raise ValueError(f"joint is required: the layout has joint_len={self.joint_len}")
+            return seq
+        expect = (seq.shape[0], self.joint_len, heads, seq.shape[3])
+        if tuple(joint.shape) != expect or joint.dtype != seq.dtype or joint.device != seq.device:
+            raise ValueError(f"joint must be {list(expect)} {seq.dtype} on {seq.device}, "
+                             f"got {list(joint.shape)} {joint.dtype} on {joint.device}")
+        both = torch.cat([seq, joint], dim=1)
+        return both if row_source is None else both.index_select(1, row_source)
+
+
+# ---- emulated ranks: explicit lists of per-rank tensors ---------------------------------------
+def take_heads(x: torch.Tensor, heads: Sequence[int]) -> torch.Tensor:
+    """x[..., heads, :] for x [..., H, D]; an entry >= H selects a zero (padding) head."""
+    heads = [int(h) for h in heads]
+    if any(h < 0 for h in heads):
+        raise ValueError(f"heads must be >= 0, got {heads}")
+    H = x.shape[-2]
+    extra = max(heads, default=-1) + 1 - H
+    if extra > 0:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+    return x.index_select(-2, torch.tensor(heads, dtype=torch.long, device=x.device))
+
+
+def _check_rank_list(xs, name: str) -> tuple[int, ...]:
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+        raise ValueError(f"{name} must be a non-empty list of per-rank [B, S, H, D] tensors")
+    first = xs[0]
+    for r, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name}[{r}] must be a 4-D [B, S, H, D] tensor")
+        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(f"{name}[{r}] is {list(x.shape)} {x.dtype} on {x.device}, "
+                             f"{name}[0] is {list(first.shape)} {first.dtype} on {first.device}")
+    return tuple(first.shape)
+
+
+def seq_to_head(xs: Sequence[torch.Tensor], head_index: Sequence[Sequence[int]] | None = None):
+    """Pre-A2A on emulated ranks: P tensors [B, S_loc, H, D] -> P tensors [B, P*S_loc, h, D].
+
+    Output d holds rows [s*S_loc, (s+1)*S_loc) from xs[s], heads head_index[d] (entries >= H are
+    zero heads). head_index=None: the contiguous split with zero head padding, h = ceil(H/P);
+    pass layout.q_head_index or layout.kv_head_index for GQA. Padding rows move like any row.
+    """
+    _, _, H, _ = _check_rank_list(xs, "xs")
+    P = len(xs)
+    if head_index is None:
+        h_loc = -(-H // P)
+        head_index = [range(r * h_loc, (r + 1) * h_loc) for r in range(P)]
+    if len(head_index) != P or len({len(row) for row in head_index}) != 1:
+        raise ValueError(f"head_index must hold {P} rows of equal length")
+    return [torch.cat([take_heads(x, row) for x in xs], dim=1) for row in head_index]
+
+
+def head_to_seq(ys: Sequence[torch.Tensor], num_heads: int | None = None):
+    """Post-A2A on emulated ranks: P tensors [B, S_pad, H_loc, D] -> P tensors [B, S_loc, H, D].
+
+    Output d holds rows [d*S_loc, (d+1)*S_loc) and heads [s*H_loc, (s+1)*H_loc) from ys[s];
+    num_heads (default P*H_loc) keeps the first heads and drops the padding heads.
+    """
+    B, S_pad, H_loc, D = _check_rank_list(ys, "ys")
+    P = len(ys)
+    if S_pad % P:
+        raise ValueError(f"ys rows ({S_pad}) must be a multiple of the number of ranks ({P})")
+    if num_heads is None:
+        num_heads = P * H_loc
+    num_heads = _as_int(num_heads, "num_heads", 1)
+    if num_heads > P * H_loc:
+        raise ValueError(f"num_heads ({num_heads}) exceeds the {P}*{H_loc} heads of ys")
+    s_loc = S_pad // P
+    return [torch.cat([y[:, d * s_loc:(d + 1) * s_loc] for y in ys], dim=2)[:, :, :num_heads]
+            for d in range(P)]
+
+
+def gather_heads(ys: Sequence[torch.Tensor], num_heads: int | None = None) -> torch.Tensor:
+    """All-gather over heads on emulated ranks (joint outputs): P [B, J, H_loc, D] -> [B, J, H, D]."""
+    _, _, H_loc, _ = _check_rank_list(ys, "ys")
+    total = len(ys) * H_loc
+    num_heads = total if num_heads is None else _as_int(num_heads, "num_heads", 1)
+    if num_heads > total:
+        raise ValueError(f"num_heads ({num_heads}) exceeds the {total} heads of ys")
+    return torch.cat(list(ys), dim=2)[:, :, :num_heads]
+
+
+def split_seq(x: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """Full [B, S, ...] -> P shards [B, ceil(S/P), ...]; the padding rows of the shards are zeros."""
+    world_size = _as_int(world_size, "world_size", 1)
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] < 1:
+        raise ValueError("x must be a [B, S, ...] tensor with S >= 1")
+    S = x.shape[1]
+    s_loc = -(-S // world_size)
+    pad = world_size * s_loc - S
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+    return [t.contiguous() for t in x.split(s_loc, dim=1)]
+
+
+def gather_seq(xs: Sequence[torch.Tensor], seq_len: int | None = None) -> torch.Tensor:
+    """P shards [B, S_loc, ...] -> [B, seq_len, ...] (the padding rows dropped)."""
+    if isinstance(xs, torch.Tensor) or not xs:
+        raise ValueError("xs must be a non-empty list of per-rank tensors")
+    full = torch.cat(list(xs), dim=1)
+    if seq_len is not None:
+        seq_len = _as_int(seq_len, "seq_len", 1)
+        if seq_len > full.shape[1]:
+            raise ValueError(f"seq_len ({seq_len}) exceeds the {full.shape[1]} rows of xs")
+        full = full[:, :seq_len]
+    return full
+

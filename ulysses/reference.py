@@ -1,0 +1,258 @@
+"""Serial Ulysses reference: pre-A2A -> attention -> post-A2A, and the full-attention oracle.
+
+Three forms of one computation, all built on ulysses.layout:
+  full_attention                 one process, unsplit [B, S, H, D] tensors (the oracle).
+  emulated_ulysses_attention     one process, explicit lists of P per-rank shards (no process
+                                 group); emulated_pre_a2a / emulated_post_a2a are its halves, for
+                                 tests that run a kernel on the head-layout tensors in between.
+  ulysses_reference_attention    called by each rank of a torch.distributed group with its shard.
+The emulated and distributed forms run the same local attention on the same head-layout tensors,
+so their outputs are bit-identical.
+
+The local attention is torch SDPA (math backend on CPU) computed in fp32 (fp64 for fp64 inputs),
+padded keys masked, result cast back to the input dtype before the post-A2A.
+
+Collectives: gloo (torch 2.13, CPU) supports all_to_all_single, all_to_all and all_gather; the A2As
+here use all_to_all_single (also on NCCL), the joint outputs all_gather.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layout import (UlyssesLayout, _check_rank_list, gather_heads, head_to_seq, seq_to_head,
+                     take_heads)
+
+__all__ = [
+    "local_attention",
+    "full_attention",
+    "emulated_pre_a2a",
+    "emulated_post_a2a",
+    "emulated_ulysses_attention",
+    "dist_seq_to_head",
+    "dist_head_to_seq",
+    "dist_gather_heads",
+    "ulysses_reference_attention",
+]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None, dtype=None):
+    """softmax(q k^T * scale) v for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] with Hk dividing Hq.
+
+    Query head j reads KV head j // (Hq // Hk). Keys >= seqused_k are masked; causal: query row i
+    reads keys <= i (top-left aligned). Computed in `dtype` (default fp32, fp64 for fp64 inputs)
+    and returned in that dtype.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D [B, N, H, D] tensor")
+    B, Nq, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or k.shape != v.shape:
+        raise ValueError(f"k and v must be [{B}, N, Hk, {D}] and equal, got {list(k.shape)}, {list(v.shape)}")
+    Nk, Hk = k.shape[1], k.shape[2]
+    if Hq % Hk:
+        raise ValueError(f"k heads ({Hk}) must divide q heads ({Hq})")
+    dtype = dtype or _compute_dtype(q.dtype)
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    keep = None
+    if seqused_k is not None:
+        if not 1 <= seqused_k <= Nk:
+            raise ValueError(f"seqused_k must be in [1, {Nk}], got {seqused_k}")
+        keep = (torch.arange(Nk, device=q.device) < seqused_k).expand(Nq, Nk)
+    if causal:
+        rows = torch.arange(Nq, device=q.device)[:, None]
+        tri = torch.arange(Nk, device=q.device)[None, :] <= rows
+        keep = tri if keep is None else keep & tri
+    qt = q.to(dtype).transpose(1, 2)
+    kt = k.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
+    vt = v.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _check_joint(joint, B, D, H, Hkv, dtype, device):
+    if joint is None:
+        return 0
+    if not isinstance(joint, (tuple, list)) or len(joint) != 3:
+        raise ValueError("joint must be a tuple (joint_q, joint_k, joint_v)")
+    jq, jk, jv = joint
+    for name, t, heads in (("joint q", jq, H), ("joint k", jk, Hkv), ("joint v", jv, Hkv)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D [B, J, H, D] tensor")
+        if (t.shape[0], t.shape[2], t.shape[3]) != (B, heads, D) or t.shape[1] != jq.shape[1]:
+            raise ValueError(f"{name} must be [{B}, J, {heads}, {D}], got {list(t.shape)}")
+        if t.dtype != dtype or t.device != device:
+            raise ValueError(f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+    return jq.shape[1]
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D [B, S, H, D] tensor")
+    B, S, H, D = q.shape
+    if k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (B, S, D):
+        raise ValueError(f"k and v must both be [{B}, {S}, H_kv, {D}], got {list(k.shape)} and {list(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k and v must share dtype and device")
+    return B, S, H, k.shape[2], D
+
+
+def full_attention(q, k, v, *, joint=None, causal=False, softmax_scale=None, dtype=torch.float64):
+    """Oracle on the unsplit sequence: q [B, S, H, D], k/v [B, S, H_kv, D], joint (q, k, v) [B, J, ., D].
+
+    Joint rows attend to and are attended by every sequence row (MMDiT). Returns the output
+    [B, S, H, D] in `dtype`, or (output, joint output [B, J, H, D]) when joint is given.
+    """
+    B, S, H, Hkv, D = _check_qkv(q, k, v)
+    if H % Hkv:
+        raise ValueError(f"k heads ({Hkv}) must divide q heads ({H})")
+    J = _check_joint(joint, B, D, H, Hkv, q.dtype, q.device)
+    if joint is not None:
+        if causal:
+            raise ValueError("causal masking with joint tokens is not defined")
+        q, k, v = (torch.cat([x, j], dim=1) for x, j in zip((q, k, v), joint))
+    out = local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
+    return out if joint is None else (out[:, :S], out[:, S:S + J])
+
+
+# ---- emulated ranks ---------------------------------------------------------------------------
+def _shard_layout(qs, ks, vs, joint, seq_len):
+    B, S_loc, H, D = _check_rank_list(qs, "qs")
+    kshape = _check_rank_list(ks, "ks")
+    if _check_rank_list(vs, "vs") != kshape or len(ks) != len(qs) or len(vs) != len(qs):
+        raise ValueError("ks and vs must be lists of len(qs) tensors of one shape")
+    if (kshape[0], kshape[1], kshape[3]) != (B, S_loc, D):
+        raise ValueError(f"ks[r] must be [{B}, {S_loc}, H_kv, {D}], got {list(kshape)}")
+    if ks[0].dtype != qs[0].dtype or ks[0].device != qs[0].device:
+        raise ValueError("qs, ks and vs must share dtype and device")
+    J = _check_joint(joint, B, D, H, kshape[2], qs[0].dtype, qs[0].device)
+    return UlyssesLayout.from_shard(S_loc, H, kshape[2], len(qs), seq_len=seq_len, joint_len=J)
+
+
+def emulated_pre_a2a(layout: UlyssesLayout, qs, ks, vs, joint=None):
+    """Per-rank shards [B, S_loc, ., D] -> per-rank (q, k, v) in head layout [B, N, ., D].
+
+    Rows and heads as in ulysses.layout: q rows [seq S_pad | joint J], k/v rows
+    [seq S | joint J | padding], q heads layout.q_head_index[r], k/v heads layout.kv_head_index[r].
+    """
+    qh = seq_to_head(qs, layout.q_head_index)
+    kh = seq_to_head(ks, layout.kv_head_index)
+    vh = seq_to_head(vs, layout.kv_head_index)
+    ranks = []
+    for r in range(layout.world_size):
+        jq = jk = jv = None
+        if joint is not None:
+            jq = layout.joint_q_heads(joint[0], r)
+            jk = layout.joint_kv_heads(joint[1], r)
+            jv = layout.joint_kv_heads(joint[2], r)
+        ranks.append((layout.assemble_q(qh[r], jq), layout.assemble_kv(kh[r], jk),
+                      layout.assemble_kv(vh[r], jv)))
+    return ranks
+
+
+def emulated_post_a2a(layout: UlyssesLayout, outs):
+    """Per-rank head-layout outputs [B, N, H_loc, D] -> (per-rank [B, S_loc, H, D], joint [B, J, H, D] or None)."""
+    if len(outs) != layout.world_size:
+        raise ValueError(f"outs must hold {layout.world_size} tensors, got {len(outs)}")
+    parts = [layout.split_out(o) for o in outs]
+    seq = head_to_seq([p[0] for p in parts], layout.num_heads)
+    joint = gather_heads([p[1] for p in parts], layout.num_heads) if layout.joint_len else None
+    return seq, joint
+
+
+def emulated_ulysses_attention(qs, ks, vs, *, joint=None, causal=False, softmax_scale=None,
+                               seq_len=None):
+    """The reference on emulated ranks: lists of P shards [B, S_loc, H(_kv), D] -> P outputs.
+
+    seq_len: valid rows of the full sequence (default P*S_loc); rows >= seq_len of the outputs
+    are padding with unspecified values. joint: replicated (q, k, v) [B, J, H(_kv), D]. Returns
+    the list of outputs, or (list, joint output [B, J, H, D]) when joint is given.
+    """
+    layout = _shard_layout(qs, ks, vs, joint, seq_len)
+    used = layout.seqused_k(causal)
+    outs = [local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=used).to(q.dtype)
+            for q, k, v in emulated_pre_a2a(layout, qs, ks, vs, joint)]
+    seq, jout = emulated_post_a2a(layout, outs)
+    return seq if joint is None else (seq, jout)
+
+
+# ---- torch.distributed -----------------------------------------------------------------------
+def dist_seq_to_head(x: torch.Tensor, head_index: Sequence[Sequence[int]], *, group=None) -> torch.Tensor:
+    """Pre-A2A of one rank: shard [B, S_loc, H, D] -> [B, P*S_loc, h, D], heads head_index[rank].
+
+    The distributed twin of layout.seq_to_head (entries >= H are zero heads).
+    """
+    P = dist.get_world_size(group)
+    if x.dim() != 4:
+        raise ValueError(f"x must be a 4-D [B, S_loc, H, D] tensor, got {list(x.shape)}")
+    if len(head_index) != P or len({len(row) for row in head_index}) != 1:
+        raise ValueError(f"head_index must hold {P} rows of equal length")
+    send = torch.stack([take_heads(x, row) for row in head_index]).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    B, S_loc, h, D = recv.shape[1:]
+    return recv.transpose(0, 1).reshape(B, P * S_loc, h, D)
+
+
+def dist_head_to_seq(y: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
+    """Post-A2A of one rank: [B, S_pad, H_loc, D] -> [B, S_loc, num_heads, D] (twin of layout.head_to_seq)."""
+    P = dist.get_world_size(group)
+    if y.dim() != 4 or y.shape[1] % P:
+        raise ValueError(f"y must be [B, S_pad, H_loc, D] with S_pad a multiple of {P}, got {list(y.shape)}")
+    B, S_pad, H_loc, D = y.shape
+    num_heads = P * H_loc if num_heads is None else num_heads
+    if not 1 <= num_heads <= P * H_loc:
+        raise ValueError(f"num_heads must be in [1, {P * H_loc}], got {num_heads}")
+    send = y.reshape(B, P, S_pad // P, H_loc, D).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, S_pad // P, P * H_loc, D)[:, :, :num_heads]
+
+
+def dist_gather_heads(y: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
+    """All-gather over heads (joint outputs): [B, J, H_loc, D] -> [B, J, num_heads, D] on every rank."""
+    P = dist.get_world_size(group)
+    parts = [torch.empty_like(y) for _ in range(P)]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    return gather_heads(parts, num_heads)
+
+
+def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False, softmax_scale=None,
+                                seq_len=None):
+    """Serial Ulysses attention called by every rank of `group` with its shard.
+
+    q [B, S_loc, H, D], k/v [B, S_loc, H_kv, D]: rows [rank*S_loc, (rank+1)*S_loc) of the full
+    sequence; seq_len = valid rows of the full sequence (default P*S_loc; the padding rows of the
+    last shards are masked as keys, and their outputs are unspecified). joint: (q, k, v)
+    [B, J, H(_kv), D], the same on every rank. Returns [B, S_loc, H, D] in q's dtype, or
+    (that, joint output [B, J, H, D]) when joint is given.
+    """
+    B, S_loc, H, Hkv, D = _check_qkv(q, k, v)
+    J = _check_joint(joint, B, D, H, Hkv, q.dtype, q.device)
+    P = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    layout = UlyssesLayout.from_shard(S_loc, H, Hkv, P, seq_len=seq_len, joint_len=J)
+    used = layout.seqused_k(causal)
+    qh = dist_seq_to_head(q, layout.q_head_index, group=group)
+    kh = dist_seq_to_head(k, layout.kv_head_index, group=group)
+    vh = dist_seq_to_head(v, layout.kv_head_index, group=group)
+    jq = jk = jv = None
+    if joint is not None:
+        jq = layout.joint_q_heads(joint[0], rank)
+        jk, jv = (layout.joint_kv_heads(t, rank) for t in joint[1:])
+    out = local_attention(layout.assemble_q(qh, jq), layout.assemble_kv(kh, jk),
+                          layout.assemble_kv(vh, jv), causal=causal, softmax_scale=softmax_scale,
+                          seqused_k=used).to(q.dtype)
+    out_seq, out_joint = layout.split_out(out)
+    out = dist_head_to_seq(out_seq, group=group, num_heads=H)
+    if joint is None:
+        return out
+    return out, dist_gather_heads(out_joint.contiguous(), group=group, num_heads=H)
