@@ -34,6 +34,7 @@ import importlib
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -214,12 +215,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None)
 
 
 # ------------------------------------------------------------------------- derived metrics
-def derive(med: dict) -> dict:
+def derive(med: dict, raw: Optional[dict] = None) -> dict:
     """Derived metrics from per-method medians (us). A metric is None when an input is missing
-    (or the hiding ratio's denominator T_serial - T_FA is not positive)."""
+    (or the hiding ratio's denominator T_serial - T_FA is not positive).
+
+    With per-trial times `raw`, also the paired ratio: the median over trials of
+    T_fused / T_FA measured in the same trial (back to back), which a clock change between
+    trials (power or thermal throttling, seen on the H200) shifts far less than the medians."""
     fa, serial, fused = med.get("fa"), med.get("serial"), med.get("fused")
     out = {"e_res_us": None, "e_res_rel": None, "hiding": None, "speedup": None,
-           "fused_over_fa": None, "speedup_nccl": None, "layer_speedup": None}
+           "fused_over_fa": None, "fused_over_fa_paired": None, "speedup_nccl": None,
+           "layer_speedup": None}
+    if raw and raw.get("fa") and raw.get("fused") and len(raw["fa"]) == len(raw["fused"]):
+        out["fused_over_fa_paired"] = statistics.median([u / a for u, a in zip(raw["fused"], raw["fa"])])
     if fa is not None and fused is not None:
         out["e_res_us"] = fused - fa
         out["e_res_rel"] = (fused - fa) / fa
@@ -241,6 +249,7 @@ DERIVED_COLUMNS = (
     ("hiding", "H", lambda x: f"{100 * x:.0f}%"),
     ("speedup", "T_serial/T_fused", lambda x: f"{x:.3f}x"),
     ("fused_over_fa", "T_fused/T_FA", lambda x: f"{x:.4f}"),
+    ("fused_over_fa_paired", "T_fused/T_FA paired", lambda x: f"{x:.4f}"),
     ("speedup_nccl", "T_serial-NCCL/T_fused", lambda x: f"{x:.3f}x"),
     ("layer_speedup", "layer NCCL/fused", lambda x: f"{x:.3f}x"),
 )
@@ -653,7 +662,7 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
     point["median_us"] = {m: median(raw[m]) for m in names if point["finite"][m]}
     point["clocks"] = monitor.summary()
     point["clock_warnings"] = list(monitor.warnings)
-    point["derived"] = derive(point["median_us"])
+    point["derived"] = derive(point["median_us"], {m: raw[m] for m in point["median_us"]})
     del sets, calls, outputs
     return point
 

@@ -206,6 +206,9 @@ def test_derived_metrics_reproduce_the_papers_table():
 
 
 def test_derived_metrics_with_missing_inputs():
+    d = bench.derive({"fa": 100.0, "fused": 110.0},
+                     {"fa": [100.0, 200.0, 100.0], "fused": [101.0, 204.0, 102.0]})
+    assert d["fused_over_fa_paired"] == pytest.approx(1.02)  # median of 1.01, 1.02, 1.02
     d = bench.derive({"fa": 100.0, "fused": 110.0})
     assert d["e_res_us"] == 10.0 and d["hiding"] is None and d["speedup"] is None
     d = bench.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
