@@ -1,0 +1,26 @@
+"""fa-a2a: FlashAttention-4 with the Ulysses post-attention All-to-All fused into its epilogue.
+
+Public names are imported lazily, so `import fa_a2a` (and the CPU-only tools such as
+`python -m fa_a2a.bench` without a GPU) do not load the CuTe DSL.
+"""
+
+_EXPORTS = {
+    "ulysses_attention": "fa_a2a.op",
+    "ulysses_attention_emulated": "fa_a2a.op",
+    "pre_a2a": "fa_a2a.op",
+    "post_a2a": "fa_a2a.op",
+    "UlyssesAttention": "fa_a2a.attention",
+    "fa4_forward": "fa_a2a.fused",
+    "fa4_a2a_forward": "fa_a2a.fused",
+    "PlatformModel": "fa_a2a.xstage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fa_a2a' has no attribute {name!r}")
