@@ -18,6 +18,9 @@ Two O paths (compile-time `o_store`):
   S_loc < tile_m are written exactly once.
 fa_a2a.fused picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
 
+The log-sum-exp rows (optional, fp32 windows (P, B, H, S_loc)) take the same route, one scalar
+store per row, from the thread that owns the row.
+
 Ordering: the storing warp waits only until the bulk store has *read* shared memory
 (cp.async.bulk.wait_group.read), exactly as FA4 does before sO (aliased with sQ) is reused; it
 never waits for the remote writes to land. They drain while the next tile's Q-loop runs. The
@@ -44,7 +47,7 @@ from flash_attn.cute import utils
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
-from quack import copy_utils
+from quack import copy_utils, layout_utils
 
 
 def _assume_nested_aligned(t, *, canonicalize_singletons=False, align_bits=128):
@@ -112,6 +115,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         mK: cute.Tensor,  # (b, s, h_kv_loc, d)
         mV: cute.Tensor,  # (b, s, h_kv_loc, dv)
         mOWindows: cute.Tensor,  # (p, b, s_loc, h_loc, dv): this rank's head slice of every window
+        mLSEWindows: Optional[cute.Tensor],  # (p, b, h_loc, s_loc) fp32, or None
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
         stream: cuda.CUstream = None,
@@ -125,9 +129,20 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                 stride=((w.stride[1], w.stride[0]), w.stride[2], w.stride[3], w.stride[4]),
             ),
         )
+        mLSE = None
+        if const_expr(mLSEWindows is not None):
+            l = mLSEWindows.layout
+            # (p, b, h, s_loc) -> (b, h, (s_loc, p)): a flat row index s addresses rank s // s_loc
+            mLSE = cute.make_tensor(
+                mLSEWindows.iterator,
+                cute.make_layout(
+                    (l.shape[1], l.shape[2], (l.shape[3], l.shape[0])),
+                    stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
+                ),
+            )
         with _nested_stride_alignment():
             super().__call__(
-                mQ, mK, mV, mO, None, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream
+                mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream
             )
 
     @cute.jit
@@ -136,7 +151,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         acc_O: cute.Tensor,
         lse: cute.Tensor,
         mO: cute.Tensor,  # (s_loc, dv, h_loc, (b, p)): TMA coordinates or gmem
-        mLSE: Optional[cute.Tensor],
+        mLSE: Optional[cute.Tensor],  # ((s_loc, p), h_loc, b) fp32, or None
         sO: cute.Tensor,
         seqlen,
         gmem_tiled_copy_O: cute.TiledCopy,
@@ -163,6 +178,17 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         seqlen_loc = mO.shape[0]
         num_ranks = mO.shape[3][1]
         row0 = m_block * self.tile_m
+        if const_expr(mLSE is not None):
+            # one scalar per row, from the thread that holds column 0 of that row; the flat row
+            # index into the (s_loc, p) mode lands in rank row // s_loc, row row % s_loc
+            mLSE_cur = mLSE[None, head_idx, batch_idx]
+            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            taccOcO = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(tidx).partition_C(cO))
+            if taccOcO[0, 0][1] == 0:
+                for m in cutlass.range(cute.size(taccOcO, mode=[0]), unroll_full=True):
+                    row = row0 + taccOcO[m, 0][0]
+                    if row < seqlen.seqlen_q:
+                        mLSE_cur[row] = lse[m]
         dst_first = row0 // seqlen_loc
         dst_last = (row0 + self.tile_m - 1) // seqlen_loc
         if dst_last > num_ranks - 1:

@@ -86,7 +86,7 @@ def tile_m_for(head_dim: int, causal: bool = False) -> int:
     return _config(head_dim, causal).m_block_size
 
 
-def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
+def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool):
     """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st")."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
@@ -96,7 +96,7 @@ def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
     from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
 
     qhead_per_kvhead = q.shape[2] // k.shape[2]
-    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None)
+    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None)
     if key in _compile_cache:
         return _compile_cache[key]
     if kind == "fa4":
@@ -107,13 +107,14 @@ def _compile(kind: str, q, k, v, out, seqused_k, causal: bool):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
     tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
+    tlse = to_cute_tensor(lse, assumed_align=4)
     if kind != "fa4":
-        compiled = cute.compile(fa, tq, tk, tv, to, 1.0, tsk, stream, options="--enable-tvm-ffi")
+        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream, options="--enable-tvm-ffi")
     else:
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
         #                     window_l, window_r, sink, blocksparse, aux, cu_total_m, cu_total_splits, stream)
         compiled = cute.compile(
-            fa, tq, tk, tv, to, None, 1.0, None, None, None, tsk, None, None, None, None,
+            fa, tq, tk, tv, to, tlse, 1.0, None, None, None, tsk, None, None, None, None,
             None, AuxData(None, None), None, None, stream, options="--enable-tvm-ffi",
         )
     _compile_cache[key] = compiled
@@ -135,20 +136,27 @@ def fa4_forward(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Plain FA4 SM90 forward: q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D]."""
+    """Plain FA4 SM90 forward: q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D].
+
+    lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
     _check_qkv(q, k, v)
     _check_seqused_k(seqused_k, q)
+    B, S, H, _ = q.shape
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
+                            or lse.stride(-1) != 1):
+        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] with contiguous last dim")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} with contiguous last dim")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    compiled = _compile("fa4", q, k, v, out, seqused_k, causal)
+    compiled = _compile("fa4", q, k, v, out, lse, seqused_k, causal)
     if not _is_fake(q):
         from flash_attn.cute.utils import AuxData
 
-        compiled(q, k, v, out, None, scale, None, None, None, seqused_k, None, None, None, None,
+        compiled(q, k, v, out, lse, scale, None, None, None, seqused_k, None, None, None, None,
                  None, AuxData(None, None), None, None)
     return out
 
@@ -188,6 +196,7 @@ def fa4_a2a_forward(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    lse_windows: Optional[torch.Tensor] = None,
     o_store: Optional[str] = None,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
@@ -197,6 +206,8 @@ def fa4_a2a_forward(
     output buffer (contiguous; any window stride that is a multiple of 16 bytes). Writes
     out_windows[s // S_loc][b, s % S_loc, rank * H_loc + h] = attention(q, k, v)[b, s, h].
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
+    lse_windows: optional fp32 [P, B, H, S_loc] (each window contiguous): the rows' log-sum-exp
+    routed like O, lse_windows[s // S_loc][b, rank * H_loc + h, s % S_loc].
     o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
     """
     _check_qkv(q, k, v)
@@ -204,6 +215,13 @@ def fa4_a2a_forward(
     check_windows(out_windows, q, rank)
     H_loc = q.shape[2]
     dst = out_windows.narrow(3, rank * H_loc, H_loc)
+    lse_dst = None
+    if lse_windows is not None:
+        P, B, S_loc, H, _ = out_windows.shape
+        if (lse_windows.dtype != torch.float32 or tuple(lse_windows.shape) != (P, B, H, S_loc)
+                or lse_windows.stride()[1:] != (H * S_loc, S_loc, 1) or lse_windows.device != q.device):
+            raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
+        lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
     S_loc = out_windows.shape[2]
@@ -212,6 +230,6 @@ def fa4_a2a_forward(
         o_store = "tma" if aligned else "st"
     elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
         raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
-    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, seqused_k, causal)
+    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal)
     if not _is_fake(q):
-        compiled(q, k, v, dst, scale, seqused_k)
+        compiled(q, k, v, dst, lse_dst, scale, seqused_k)

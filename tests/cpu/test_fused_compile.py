@@ -20,8 +20,11 @@ def test_compiles_without_gpu(D, causal, dtype):
         q2 = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
         windows2 = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
         fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal)
-    assert ("a2a-tma", dtype, D, 1, causal, False) in fused._compile_cache
-    assert ("a2a-st", dtype, D, 1, causal, False) in fused._compile_cache  # 320 % tile_m != 0
+        lse_windows = torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device="cuda")
+        fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal, lse_windows=lse_windows)
+    assert ("a2a-tma", dtype, D, 1, causal, False, False) in fused._compile_cache
+    assert ("a2a-tma", dtype, D, 1, causal, False, True) in fused._compile_cache
+    assert ("a2a-st", dtype, D, 1, causal, False, False) in fused._compile_cache  # 320 % tile_m != 0
 
 
 def _fake_inputs(**over):
@@ -51,5 +54,7 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(ValueError, match="k: 3 KV heads"):
             k3 = torch.empty(1, 256, 3, 128, dtype=torch.bfloat16, device="cuda")
             fused.fa4_forward(q, k3, k3)
+        with pytest.raises(ValueError, match="lse_windows"):
+            fused.fa4_a2a_forward(q, k, v, w, 0, lse_windows=torch.empty(2, 1, 4, 100, device="cuda"))
         with pytest.raises(ValueError, match="seqused_k"):
             fused.fa4_forward(q, k, v, seqused_k=torch.empty(2, dtype=torch.int64, device="cuda"))

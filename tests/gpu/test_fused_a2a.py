@@ -19,7 +19,8 @@ def _reference_windows(outs, P):
     return torch.cat(per_src, dim=3)
 
 
-def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0, seqused=None, extra_keys=0):
+def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0, seqused=None, extra_keys=0,
+              with_lse=False):
     torch.manual_seed(1000 * P + S_loc + H_loc + D)
     S, H = P * S_loc, P * H_loc
     H_kv = kv_heads or H_loc
@@ -31,10 +32,20 @@ def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0,
     storage = torch.full((P * win_elems,), POISON, device="cuda", dtype=dtype)
     windows = storage.as_strided((P, B, S_loc, H, D), (win_elems, S_loc * H * D, H * D, D, 1))
     sk = None if seqused is None else torch.full((B,), seqused, device="cuda", dtype=torch.int32)
+    lse_windows = lses = None
+    if with_lse:
+        lse_windows = torch.full((P, B, H, S_loc), POISON, device="cuda")
+        lses = [torch.empty(B, H_loc, S, device="cuda") for _ in range(P)]
     for r in range(P):
-        fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk)
-    outs = [fa4_forward(qs[r], ks[r], vs[r], causal=causal, seqused_k=sk) for r in range(P)]
+        fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk, lse_windows=lse_windows)
+    outs = [fa4_forward(qs[r], ks[r], vs[r], causal=causal, seqused_k=sk, lse=None if lses is None else lses[r])
+            for r in range(P)]
     torch.cuda.synchronize()
+    if with_lse:
+        # lse [B, H_loc, S] of source r -> window d = s // S_loc, head r*H_loc + h, row s % S_loc
+        expected_lse = torch.cat([l.view(B, H_loc, P, S_loc).permute(2, 0, 1, 3) for l in lses], dim=2)
+        assert not torch.isnan(lse_windows).any(), "some LSE rows were never written"
+        assert torch.equal(lse_windows, expected_lse)
     expected = _reference_windows(outs, P)
     bad = (windows != expected) & ~(torch.isnan(windows) & torch.isnan(expected))
     if bad.any():
@@ -78,6 +89,11 @@ def test_fused_gqa_padded_windows_and_seqused():
     # GQA (4 query heads per KV head), a window stride larger than the window (as with VMM
     # granularity), and padded keys masked by seqused_k
     _run_case(4, 1, 384, 4, 128, torch.bfloat16, False, kv_heads=1, window_pad=4096, seqused=1400)
+
+
+@pytest.mark.parametrize("S_loc", [256, 200])  # TMA path, per-thread-store path
+def test_fused_routes_lse(S_loc):
+    _run_case(4, 2, S_loc, 2, 128, torch.bfloat16, False, with_lse=True)
 
 
 def test_fused_more_keys_than_queries():

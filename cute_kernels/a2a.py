@@ -1,0 +1,368 @@
+"""Device-initiated Ulysses all-to-all copies: every thread moves 16-byte vectors straight into
+the destination rank's window (a peer store when the window is remote).
+
+Row conventions are those of ulysses/layout.py (sequence layout [B, S_loc, H, D] on each rank,
+head layout [B, N, H_loc, D] with N = S_pad + J):
+
+PreA2A (seq -> head), q, k and v in ONE launch. Rank r writes, for every destination d,
+  dq[d, b, r*S_loc + s, j]  = q[b, s, q_map[d*H_loc + j]]          (q_map < 0: zero head)
+  dk[d, b, kv_row(r*S_loc + s), j] = k[b, s, kv_map[d*H_kv_loc + j]]  (same for v)
+with kv_row(g) = g for g < S (= seq_len) and g + J for padded rows, and with joint tokens
+(replicated, never sent) into its own window only:
+  dq[r, b, S_pad + t, j] = jq[b, t, q_map[r*H_loc + j]],  dk[r, b, S + t, j] = jk[b, t, kv_map[...]].
+Padded sequence rows (s >= seq_len) are copied like any row (whatever the caller holds there):
+they are masked as keys (seqused_k) and dropped as queries. kv_map repeats a KV head for every
+rank that needs it (GQA replication); q_map entries < 0 are zero-filled padding heads.
+
+PostA2A (head -> seq), rank r's o [B, P*S_loc, H_loc, D]:
+  scatter:   out[s // S_loc, b, s % S_loc, r*H_loc + h] = o[b, s, h]
+  broadcast: out[d, b, t, r*H_loc + h] = o[b, t, h] for every d (joint rows: all-gather of heads)
+
+Every window tensor is [P, ...] with a dim-0 stride (the window stride) that is a multiple of
+16 bytes; each window itself is contiguous. The kernels only issue stores: cross-rank
+visibility comes from the barrier kernel (cute_kernels/signal.py) that follows them.
+
+One thread per 16-byte vector, coordinates decoded from a linear index whose fastest modes are
+the (head, vector) pair of the destination, so a warp writes 512 contiguous bytes of one
+destination row group. Bandwidth: not measured yet.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+def _vec_elems(dtype) -> int:
+    return 128 // dtype.width
+
+
+class _RowCopy:
+    """Shared helpers: one 16-byte vector from src to dst (or zeros)."""
+
+    def __init__(self, dtype, head_dim: int, num_threads: int = 256):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.vec = _vec_elems(dtype)
+        if head_dim % self.vec:
+            raise ValueError(f"head_dim: must be a multiple of {self.vec} (16 bytes), got {head_dim}")
+        self.nvec = head_dim // self.vec
+        self.num_threads = num_threads
+
+    @cute.jit
+    def _move(self, src_vec: cute.Tensor, dst_vec: cute.Tensor, valid_src: cutlass.Boolean):
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        frag = cute.make_rmem_tensor((self.vec,), self.dtype)
+        if valid_src:
+            cute.copy(atom, src_vec, frag)
+        else:
+            frag.fill(0.0)
+        cute.copy(atom, frag, dst_vec)
+
+
+class PreA2A(_RowCopy):
+    """Sequence layout -> head layout for q, k, v (and joint q, k, v) in one launch."""
+
+    def __init__(self, dtype, head_dim: int, world_size: int, has_joint: bool, num_threads: int = 256):
+        super().__init__(dtype, head_dim, num_threads)
+        self.world_size = world_size
+        self.has_joint = has_joint
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, S_loc, H, D)
+        mK: cute.Tensor,  # (B, S_loc, H_kv, D)
+        mV: cute.Tensor,
+        mDQ: cute.Tensor,  # (P, B, N, H_loc, D)
+        mDK: cute.Tensor,  # (P, B, N, H_kv_loc, D)
+        mDV: cute.Tensor,
+        mQMap: cute.Tensor,  # (P * H_loc,) int32
+        mKVMap: cute.Tensor,  # (P * H_kv_loc,) int32
+        mJQ: cute.Tensor | None,  # (B, J, H, D)
+        mJK: cute.Tensor | None,  # (B, J, H_kv, D)
+        mJV: cute.Tensor | None,
+        rank: Int32,
+        seq_len: Int32,
+        stream,
+    ):
+        B, S_loc = mQ.shape[0], mQ.shape[1]
+        H_loc, H_kv_loc = mDQ.shape[3], mDK.shape[3]
+        P = const_expr(self.world_size)
+        per_row = B * S_loc * P * self.nvec
+        blocks_q = cute.ceil_div(per_row * H_loc, self.num_threads)
+        blocks_kv = cute.ceil_div(per_row * H_kv_loc, self.num_threads)
+        blocks_jq = Int32(0)
+        blocks_jkv = Int32(0)
+        if const_expr(self.has_joint):
+            J = mJQ.shape[1]
+            blocks_jq = cute.ceil_div(B * J * H_loc * self.nvec, self.num_threads)
+            blocks_jkv = cute.ceil_div(B * J * H_kv_loc * self.nvec, self.num_threads)
+        grid = blocks_q + 2 * blocks_kv + blocks_jq + 2 * blocks_jkv
+        self.kernel(
+            mQ, mK, mV, mDQ, mDK, mDV, mQMap, mKVMap, mJQ, mJK, mJV, rank, seq_len,
+            blocks_q, blocks_kv, blocks_jq, blocks_jkv,
+        ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mQMap: cute.Tensor,
+        mKVMap: cute.Tensor,
+        mJQ: cute.Tensor | None,
+        mJK: cute.Tensor | None,
+        mJV: cute.Tensor | None,
+        rank: Int32,
+        seq_len: Int32,
+        blocks_q: Int32,
+        blocks_kv: Int32,
+        blocks_jq: Int32,
+        blocks_jkv: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        # Regions of the grid: q | k | v | joint q | joint k | joint v.
+        if bidx < blocks_q:
+            self._seq_rows(mQ, mDQ, mQMap, rank, seq_len, False, bidx, tidx)
+        elif bidx < blocks_q + blocks_kv:
+            self._seq_rows(mK, mDK, mKVMap, rank, seq_len, True, bidx - blocks_q, tidx)
+        elif bidx < blocks_q + 2 * blocks_kv:
+            self._seq_rows(mV, mDV, mKVMap, rank, seq_len, True, bidx - blocks_q - blocks_kv, tidx)
+        else:
+            if const_expr(self.has_joint):
+                b0 = bidx - blocks_q - 2 * blocks_kv
+                if b0 < blocks_jq:
+                    self._joint_rows(mJQ, mDQ, mQMap, rank, seq_len, False, b0, tidx)
+                elif b0 < blocks_jq + blocks_jkv:
+                    self._joint_rows(mJK, mDK, mKVMap, rank, seq_len, True, b0 - blocks_jq, tidx)
+                else:
+                    self._joint_rows(mJV, mDV, mKVMap, rank, seq_len, True, b0 - blocks_jq - blocks_jkv, tidx)
+
+    @cute.jit
+    def _seq_rows(self, mX, mD, mMap, rank, seq_len, is_kv: cutlass.Constexpr, blk, tidx):
+        """Rows of this rank's shard to every destination; index order (b, s, d, j, v)."""
+        B, S_loc = mX.shape[0], mX.shape[1]
+        P = const_expr(self.world_size)
+        H_loc = mD.shape[3]
+        N = mD.shape[2]
+        i = blk * self.num_threads + tidx
+        if i < B * S_loc * P * H_loc * self.nvec:
+            v = i % self.nvec
+            t = i // self.nvec
+            j = t % H_loc
+            t = t // H_loc
+            d = t % P
+            t = t // P
+            s = t % S_loc
+            b = t // S_loc
+            g = rank * S_loc + s
+            row = g
+            if const_expr(is_kv):
+                if g >= seq_len:
+                    row = g + (N - P * S_loc)  # + J: padded key rows go after the joint rows
+            src_head = mMap[d * H_loc + j]
+            gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
+            gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
+            valid = src_head >= 0
+            h_read = src_head if valid else 0
+            self._move(
+                gX[(0, 0, 0, None), (b, s, h_read, v)],
+                gD[(0, 0, 0, 0, None), (d, b, row, j, v)],
+                valid,
+            )
+
+    @cute.jit
+    def _joint_rows(self, mX, mD, mMap, rank, seq_len, is_kv: cutlass.Constexpr, blk, tidx):
+        """Joint rows (replicated) into this rank's own window; index order (b, t, j, v)."""
+        B, J = mX.shape[0], mX.shape[1]
+        P = const_expr(self.world_size)
+        H_loc = mD.shape[3]
+        N = mD.shape[2]
+        i = blk * self.num_threads + tidx
+        if i < B * J * H_loc * self.nvec:
+            v = i % self.nvec
+            t = i // self.nvec
+            j = t % H_loc
+            t = t // H_loc
+            tj = t % J
+            b = t // J
+            row = (N - J) + tj  # q: S_pad + t
+            if const_expr(is_kv):
+                row = seq_len + tj  # k, v: S + t
+            src_head = mMap[rank * H_loc + j]
+            gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
+            gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
+            valid = src_head >= 0
+            h_read = src_head if valid else 0
+            self._move(
+                gX[(0, 0, 0, None), (b, tj, h_read, v)],
+                gD[(0, 0, 0, 0, None), (rank, b, row, j, v)],
+                valid,
+            )
+
+
+class PostA2A(_RowCopy):
+    """Head layout -> sequence layout (scatter), or an all-gather of heads (broadcast)."""
+
+    def __init__(self, dtype, head_dim: int, world_size: int, broadcast: bool = False, num_threads: int = 256):
+        super().__init__(dtype, head_dim, num_threads)
+        self.world_size = world_size
+        self.broadcast = broadcast
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # (B, R, H_loc, D): R = P*S_loc rows (scatter) or J rows (broadcast)
+        mOut: cute.Tensor,  # (P, B, S_loc or J, H_pad, D)
+        rank: Int32,
+        stream,
+    ):
+        B, R, H_loc = mO.shape[0], mO.shape[1], mO.shape[2]
+        total = B * R * H_loc * self.nvec
+        if const_expr(self.broadcast):
+            total = total * self.world_size
+        grid = cute.ceil_div(total, self.num_threads)
+        self.kernel(mO, mOut, rank).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mOut: cute.Tensor, rank: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        B, R, H_loc = mO.shape[0], mO.shape[1], mO.shape[2]
+        P = const_expr(self.world_size)
+        rows_out = mOut.shape[2]
+        i = bidx * self.num_threads + tidx
+        gO = cute.zipped_divide(mO, (1, 1, 1, self.vec))
+        gOut = cute.zipped_divide(mOut, (1, 1, 1, 1, self.vec))
+        if const_expr(not self.broadcast):
+            # index order (b, s, h, v): a warp reads/writes contiguous (h, v) runs.
+            if i < B * R * H_loc * self.nvec:
+                v = i % self.nvec
+                t = i // self.nvec
+                h = t % H_loc
+                t = t // H_loc
+                s = t % R
+                b = t // R
+                self._move(
+                    gO[(0, 0, 0, None), (b, s, h, v)],
+                    gOut[(0, 0, 0, 0, None), (s // rows_out, b, s % rows_out, rank * H_loc + h, v)],
+                    True,
+                )
+        else:
+            # index order (b, t, d, h, v)
+            if i < B * R * P * H_loc * self.nvec:
+                v = i % self.nvec
+                t = i // self.nvec
+                h = t % H_loc
+                t = t // H_loc
+                d = t % P
+                t = t // P
+                s = t % R
+                b = t // R
+                self._move(
+                    gO[(0, 0, 0, None), (b, s, h, v)],
+                    gOut[(0, 0, 0, 0, None), (d, b, s, rank * H_loc + h, v)],
+                    True,
+                )
+
+
+# ---- torch side: cached compile + launch -------------------------------------------------------
+_compile_cache: dict = {}
+
+
+def _cute_dtype(torch_dtype):
+    import torch
+
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+    if torch_dtype not in table:
+        raise ValueError(f"dtype: expected bfloat16, float16 or float32, got {torch_dtype}")
+    return table[torch_dtype]
+
+
+def _fake(dtype, shape, div):
+    from quack.compile_utils import make_fake_tensor
+
+    return make_fake_tensor(dtype, shape, divisibility=div)
+
+
+def compile_pre_a2a(torch_dtype, head_dim: int, world_size: int, has_joint: bool, extra_options: str = ""):
+    """Compile PreA2A once per (dtype, D, P, joint) against fake tensors (no GPU needed).
+
+    extra_options (e.g. "--keep-ptx --dump-dir=DIR"): compile anew, uncached.
+    """
+    key = ("pre", torch_dtype, head_dim, world_size, has_joint)
+    if extra_options or key not in _compile_cache:
+        dtype = _cute_dtype(torch_dtype)
+        div = _vec_elems(dtype)
+        kernel = PreA2A(dtype, head_dim, world_size, has_joint)
+        sym = cute.sym_int
+        src = lambda: _fake(dtype, (sym(), sym(), sym(), head_dim), div)  # noqa: E731
+        dst = lambda: _fake(dtype, (world_size, sym(), sym(), sym(), head_dim), div)  # noqa: E731
+        maps = [_fake(Int32, (sym(),), 1) for _ in range(2)]
+        joint = [src() for _ in range(3)] if has_joint else [None] * 3
+        compiled = cute.compile(
+            kernel, src(), src(), src(), dst(), dst(), dst(), *maps, *joint, Int32(0), Int32(0),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=f"--enable-tvm-ffi {extra_options}".strip(),
+        )
+        if extra_options:
+            return compiled
+        _compile_cache[key] = compiled
+    return _compile_cache[key]
+
+
+def compile_post_a2a(torch_dtype, head_dim: int, world_size: int, broadcast: bool = False,
+                     extra_options: str = ""):
+    """Compile PostA2A once per (dtype, D, P, broadcast) against fake tensors (see compile_pre_a2a)."""
+    key = ("post", torch_dtype, head_dim, world_size, broadcast)
+    if extra_options or key not in _compile_cache:
+        dtype = _cute_dtype(torch_dtype)
+        div = _vec_elems(dtype)
+        kernel = PostA2A(dtype, head_dim, world_size, broadcast)
+        sym = cute.sym_int
+        mO = _fake(dtype, (sym(), sym(), sym(), head_dim), div)
+        mOut = _fake(dtype, (world_size, sym(), sym(), sym(), head_dim), div)
+        compiled = cute.compile(
+            kernel, mO, mOut, Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=f"--enable-tvm-ffi {extra_options}".strip(),
+        )
+        if extra_options:
+            return compiled
+        _compile_cache[key] = compiled
+    return _compile_cache[key]
+
+
+def _aligned(t, name: str):
+    """16-byte vectors need a 16-byte aligned base, contiguous last dim, 16-byte-multiple strides."""
+    es = t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous")
+    if t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
+        raise ValueError(f"{name}: base address and strides must be multiples of 16 bytes")
+
+
+def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, joint=None) -> None:
+    """Launch PreA2A on the current stream (shapes are checked by the caller, fa_a2a.op)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _aligned(t, name)
+    jq, jk, jv = joint if joint is not None else (None, None, None)
+    if joint is not None:
+        for name, t in (("joint q", jq), ("joint k", jk), ("joint v", jv)):
+            _aligned(t, name)
+    compiled = compile_pre_a2a(q.dtype, q.shape[-1], dq.shape[0], joint is not None)
+    compiled(q, k, v, dq, dk, dv, q_map, kv_map, jq, jk, jv, rank, seq_len)
+
+
+def launch_post_a2a(o, out_windows, rank: int, broadcast: bool = False) -> None:
+    """Launch PostA2A on the current stream (shapes are checked by the caller, fa_a2a.op)."""
+    _aligned(o, "o")
+    _aligned(out_windows, "out_windows")
+    compiled = compile_post_a2a(o.dtype, o.shape[-1], out_windows.shape[0], broadcast)
+    compiled(o, out_windows, rank)

@@ -1,0 +1,163 @@
+"""Cross-rank barrier over per-rank flag windows (system-scope release/acquire), graph-capturable.
+
+Flags: an int32 tensor mSignal [P, P] whose row d is rank d's signal pad (one row per rank
+window, dim-0 stride = the window stride) and mSignal[d, s] is written only by rank s.
+Epochs: mEpoch[j] (device memory) counts the barriers CTA j's rank has passed; the kernel reads
+it, uses e = epoch + 1 and stores e back at the end, so no host argument changes between calls
+and a captured CUDA graph replays correctly any number of times. Flags are monotonic (never
+reset): a wait is satisfied by flag - e >= 0 (wrap-safe int32), so a fast rank that already
+signalled epoch e + 1 satisfies a slow rank's wait for e.
+
+Ordering (one CTA per local rank, thread t < P handles peer t):
+  1. fence.acq_rel.sys, then st.release.sys of e into mSignal[t, rank] (peer t's pad): the
+     stores this rank issued before the barrier (earlier kernels on the stream, e.g. the A2A
+     copies into peer windows) are ordered before the flag at system scope;
+  2. ld.acquire.sys spin on mSignal[rank, t] until it reaches e, bounded by `timeout_ns` of
+     %globaltimer; on timeout the epoch e is written to mError[j, t] ("rank rank_base + j gave
+     up on rank t at epoch e") and the wait ends: the kernel never hangs;
+  3. bar.sync + fence.acq_rel.sys, then thread 0 stores the new epoch.
+A CTA whose mError row already holds an error still signals but skips the waits (fail fast;
+the host turns mError into an exception naming the missing rank, see ulysses.transport).
+
+One launch can play several ranks (num_local CTAs, CTA j = rank rank_base + j): with
+num_local = P one process emulates all P ranks; all P CTAs are co-resident, so the spins make
+progress. P <= 32 (one warp per CTA).
+
+Cost: not measured yet.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+
+MAX_WORLD_SIZE = 32
+
+
+class BarrierKernel:
+    """Configuration: world size P and the number of ranks one launch plays (num_local)."""
+
+    def __init__(self, world_size: int, num_local: int = 1):
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size: must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
+        if not 1 <= num_local <= world_size:
+            raise ValueError(f"num_local: must be in [1, world_size={world_size}], got {num_local}")
+        self.world_size = world_size
+        self.num_local = num_local
+        self.num_threads = 32
+
+    @cute.jit
+    def __call__(
+        self,
+        mSignal: cute.Tensor,  # (P, P) int32, dim-0 stride = window stride
+        mEpoch: cute.Tensor,  # (num_local,) int32
+        mError: cute.Tensor,  # (num_local, P) int32
+        rank_base: Int32,
+        timeout_ns: Int64,
+        stream,
+    ):
+        self.kernel(mSignal, mEpoch, mError, rank_base, timeout_ns).launch(
+            grid=[self.num_local, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mSignal: cute.Tensor,
+        mEpoch: cute.Tensor,
+        mError: cute.Tensor,
+        rank_base: Int32,
+        timeout_ns: Int64,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        j, _, _ = cute.arch.block_idx()
+        P = const_expr(self.world_size)
+        rank = rank_base + j
+        e = mEpoch[j] + 1
+        prev_error = Int32(0)
+        if tidx < P:
+            prev_error = mError[j, tidx]
+        poisoned = cute.arch.vote_any_sync(prev_error != 0)
+        if tidx < P:
+            # 1. release: this rank's earlier stores, then the flag in peer tidx's pad.
+            cute.arch.fence_acq_rel_sys()
+            out_flag = mSignal.iterator + cute.crd2idx((tidx, rank), mSignal.layout)
+            cute.arch.store(out_flag, e, sem="release", scope="sys")
+            # 2. acquire: wait for peer tidx's flag in this rank's pad, bounded.
+            if not poisoned:
+                in_flag = mSignal.iterator + cute.crd2idx((rank, tidx), mSignal.layout)
+                seen = cute.arch.load(in_flag, Int32, sem="acquire", scope="sys")
+                start = cute.arch.globaltimer()
+                timed_out = False
+                while seen - e < 0 and not timed_out:
+                    seen = cute.arch.load(in_flag, Int32, sem="acquire", scope="sys")
+                    timed_out = cute.arch.globaltimer() - start > timeout_ns
+                if seen - e < 0:
+                    mError[j, tidx] = e
+        cute.arch.sync_threads()
+        cute.arch.fence_acq_rel_sys()
+        if tidx == 0:
+            mEpoch[j] = e
+
+
+# ---- torch side: cached compile + launch -------------------------------------------------------
+_compile_cache: dict = {}
+
+
+def _compiled(world_size: int, num_local: int, extra_options: str = ""):
+    key = (world_size, num_local)
+    if extra_options or key not in _compile_cache:
+        from quack.compile_utils import make_fake_tensor
+
+        s64 = cute.sym_int64
+        mSignal = cute.runtime.make_fake_tensor(
+            Int32, (world_size, world_size), stride=(s64(), 1), assumed_align=4
+        )
+        mEpoch = make_fake_tensor(Int32, (num_local,), divisibility=1)
+        mError = make_fake_tensor(Int32, (num_local, world_size), divisibility=1)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        compiled = cute.compile(
+            BarrierKernel(world_size, num_local), mSignal, mEpoch, mError, Int32(0), Int64(0),
+            stream, options=f"--enable-tvm-ffi {extra_options}".strip(),
+        )
+        if extra_options:
+            return compiled
+        _compile_cache[key] = compiled
+    return _compile_cache[key]
+
+
+def compile_barrier(world_size: int, num_local: int = 1, extra_options: str = ""):
+    """Compile (once per (world_size, num_local)) without launching: for CPU compile checks.
+
+    extra_options (e.g. "--keep-ptx --dump-dir=DIR"): compile anew, uncached.
+    """
+    BarrierKernel(world_size, num_local)  # argument checks
+    return _compiled(world_size, num_local, extra_options)
+
+
+def barrier(signal, epoch, error, rank_base: int, timeout_ns: int) -> None:
+    """Launch the barrier on the current stream; see the module docstring.
+
+    signal: int32 [P, P] (row d in rank d's window); epoch: int32 [num_local] and error: int32
+    [num_local, P], both on the launching device, zero-initialised once and then only touched
+    by this kernel (and by the host's error check).
+    """
+    import torch
+
+    if signal.dtype != torch.int32 or signal.dim() != 2 or signal.shape[0] != signal.shape[1]:
+        raise ValueError(f"signal: expected int32 [P, P], got {signal.dtype} {tuple(signal.shape)}")
+    if signal.stride(1) != 1:
+        raise ValueError("signal: each rank's row must be contiguous")
+    P = signal.shape[0]
+    if epoch.dtype != torch.int32 or epoch.dim() != 1:
+        raise ValueError(f"epoch: expected int32 [num_local], got {epoch.dtype} {tuple(epoch.shape)}")
+    num_local = epoch.shape[0]
+    if error.dtype != torch.int32 or tuple(error.shape) != (num_local, P):
+        raise ValueError(f"error: expected int32 [{num_local}, {P}], got {error.dtype} {tuple(error.shape)}")
+    if not 0 <= rank_base <= P - num_local:
+        raise ValueError(f"rank_base: {rank_base} not in [0, {P - num_local}]")
+    if timeout_ns <= 0:
+        raise ValueError(f"timeout_ns: must be > 0, got {timeout_ns}")
+    compiled = compile_barrier(P, num_local)
+    compiled(signal, epoch, error, rank_base, timeout_ns)

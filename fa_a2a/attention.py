@@ -1,0 +1,71 @@
+"""UlyssesAttention: a drop-in for the attention core of a DiT block under Ulysses parallelism.
+
+It replaces the `F.scaled_dot_product_attention(q, k, v)` call of an attention processor, on
+sequence shards: every rank of `group` calls it with its rows of the sequence, as the block's
+projections produced them. Two tensor layouts:
+  layout="bshd" (default): q [B, S_loc, H, D], k/v [B, S_loc, H_kv, D] (FA / xDiT convention);
+  layout="bhsd": q [B, H, S_loc, D], k/v [B, H_kv, S_loc, D] (the SDPA call in diffusers'
+  processors); transposed in and out (one copy each way).
+The output has q's layout. MMDiT joint (text) tokens, replicated on every rank, go in
+`joint=(joint_q, joint_k, joint_v)` in the same layout; forward then returns (out, joint_out).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .op import IMPLS, ulysses_attention
+
+__all__ = ["UlyssesAttention"]
+
+_LAYOUTS = ("bshd", "bhsd")
+
+
+class UlyssesAttention(nn.Module):
+    """Ulysses sequence-parallel attention with a selectable implementation (see fa_a2a.op).
+
+    impl: "fused" (FA4 with the post-A2A in its epilogue), "serial", "nccl" (permute +
+    all_to_all_single baseline) or "reference". causal / softmax_scale as in SDPA (scale
+    default 1/sqrt(D)). seq_len (forward): valid rows of the full sequence when P does not
+    divide it (the last shards end in padding rows; their outputs are zeros).
+    """
+
+    def __init__(self, group=None, *, impl: str = "fused", causal: bool = False,
+                 softmax_scale: Optional[float] = None, layout: str = "bshd"):
+        super().__init__()
+        if impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal: expected a bool, got {causal!r}")
+        self.group = group
+        self.impl = impl
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.layout = layout
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}, causal={self.causal}, layout={self.layout!r}"
+
+    def _in(self, x):
+        return x.transpose(1, 2) if self.layout == "bhsd" else x
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                joint: Optional[Sequence[torch.Tensor]] = None, seq_len: Optional[int] = None):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected a 4-D tensor in layout {self.layout!r}")
+        if joint is not None:
+            if not isinstance(joint, (tuple, list)) or len(joint) != 3:
+                raise ValueError("joint: expected a tuple (joint_q, joint_k, joint_v)")
+            joint = tuple(self._in(t) for t in joint)
+        res = ulysses_attention(self._in(q), self._in(k), self._in(v), group=self.group, impl=self.impl,
+                                joint=joint, causal=self.causal, softmax_scale=self.softmax_scale,
+                                seq_len=seq_len)
+        if joint is None:
+            return self._in(res)
+        return self._in(res[0]), self._in(res[1])

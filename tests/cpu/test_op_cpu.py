@@ -1,0 +1,269 @@
+"""fa_a2a.op / fa_a2a.attention on CPU: validation, padding, dispatch, torch.compile, gloo ranks.
+
+What runs on CPU: the "nccl" impl (permute + all_to_all_single over gloo, fp32 local attention)
+and the "reference" impl, on real ranks (one spawn of 4 processes; P = 2 and 4 are subgroups)
+and on one rank. Attention is checked against the fp64 oracle on the unsplit sequence (error
+<= 2x the fp32 oracle's + 1e-6); "nccl" and "reference" run the same local attention on the
+same head-layout data, so they must agree bit for bit (the moved data is exact). Padding rows of
+the shards hold large random values, so an unmasked padded key shows; padding rows of the
+outputs must be zero.
+"""
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fa_a2a.attention import UlyssesAttention
+from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
+from ulysses.layout import UlyssesLayout, split_seq
+from ulysses.reference import full_attention
+
+# (P, B, S, H, H_kv, D, J, causal): uneven S, head padding, GQA replicated (H_kv < P) and split,
+# joint tokens, causal, a rank holding padding only.
+CASES = [
+    (1, 2, 7, 3, 1, 16, 0, True),
+    (1, 1, 9, 4, 2, 8, 3, False),
+    (2, 2, 9, 5, 5, 16, 0, False),
+    (2, 1, 12, 6, 3, 8, 4, False),
+    (2, 2, 11, 4, 1, 8, 0, True),
+    (4, 2, 10, 8, 2, 16, 3, False),
+    (4, 1, 9, 12, 6, 8, 0, True),
+    (4, 2, 13, 7, 7, 8, 2, False),
+    (4, 1, 5, 6, 6, 8, 0, False),
+]
+
+
+def make_inputs(case, seed, dtype=torch.float32):
+    P, B, S, H, Hkv, D, J, causal = case
+    g = torch.Generator().manual_seed(seed)
+    full = tuple(torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    joint = tuple(torch.randn(B, J, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv)) if J else None
+    shards = []
+    for x in full:
+        parts = split_seq(x, P)
+        for r, t in enumerate(parts):  # poison the padding rows
+            first = max(0, min(t.shape[1], S - r * t.shape[1]))
+            t[:, first:] = (1e3 * torch.randn(t[:, first:].shape, generator=g)).to(dtype)
+        shards.append(parts)
+    return full, joint, shards
+
+
+def check_attention(out, ref, base):
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    base_err = (base.double() - ref).abs().max().item()
+    assert err <= 2 * base_err + 1e-6, (err, base_err)
+
+
+def check_rank(case, rank, res, full, joint):
+    """res: this rank's (out, joint_out or None) vs the oracle; padding rows zero."""
+    P, B, S, H, Hkv, D, J, causal = case
+    ref = full_attention(*full, joint=joint, causal=causal)
+    base = full_attention(*full, joint=joint, causal=causal, dtype=torch.float32)
+    (ref, jref), (base, jbase) = (ref, base) if joint is not None else ((ref, None), (base, None))
+    out, jout = res
+    L = UlyssesLayout(S, H, Hkv, P)
+    n, first = L.valid_rows(rank), rank * L.seq_loc
+    assert out.shape == (B, L.seq_loc, H, D)
+    if n:
+        check_attention(out[:, :n], ref[:, first:first + n], base[:, first:first + n])
+    assert (out[:, n:] == 0).all(), "padding rows of the output must be zero"
+    if joint is not None:
+        check_attention(jout, jref, jbase)
+
+
+def _split(res, joint):
+    return res if joint is not None else (res, None)
+
+
+# ---- one process (P = 1) -------------------------------------------------------------------------
+def _bad_calls():
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, 2, 16)
+    j = (torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16), torch.randn(1, 3, 2, 16))
+    return [
+        (dict(q=q, k=k, v=k, impl="flash"), "impl"),
+        (dict(q=q[0], k=k, v=k), "q:"),
+        (dict(q=q, k="k", v=k), "k:"),
+        (dict(q=q, k=k.double(), v=k), "k: dtype"),
+        (dict(q=q, k=torch.randn(1, 7, 2, 16), v=torch.randn(1, 7, 2, 16)), "k:"),
+        (dict(q=q, k=k, v=torch.randn(1, 8, 1, 16)), "v:"),
+        (dict(q=q, k=torch.randn(1, 8, 3, 16), v=torch.randn(1, 8, 3, 16)), "k:"),
+        (dict(q=q, k=k, v=k, joint=j[:2]), "joint"),
+        (dict(q=q, k=k, v=k, joint=(j[0], j[1], torch.randn(1, 3, 4, 16))), "joint[2]"),
+        (dict(q=q, k=k, v=k, joint=j, causal=True), "joint"),
+        (dict(q=q, k=k, v=k, softmax_scale=-1.0), "softmax_scale"),
+        (dict(q=q, k=k, v=k, causal=1), "causal"),
+        (dict(q=q, k=k, v=k, seq_len=9), "seq_len"),
+        (dict(q=q, k=k, v=k, impl="fused"), "CUDA"),
+        (dict(q=q, k=k, v=k, impl="serial"), "CUDA"),
+        (dict(q=q, k=k, v=k, group=object()), "group"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,match", _bad_calls())
+def test_bad_input_names_the_argument(kwargs, match):
+    kwargs.setdefault("impl", "reference")
+    q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
+    with pytest.raises(ValueError, match=match.replace("[", r"\[")):
+        ulysses_attention(q, k, v, **kwargs)
+
+
+def test_bad_module_and_emulated_arguments():
+    with pytest.raises(ValueError, match="impl"):
+        UlyssesAttention(impl="flash")
+    with pytest.raises(ValueError, match="layout"):
+        UlyssesAttention(layout="sbhd")
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="qs"):
+        ulysses_attention_emulated(q, [q], [q])
+    with pytest.raises(ValueError, match="ks, vs"):
+        ulysses_attention_emulated([q, q], [q], [q, q])
+    with pytest.raises(ValueError, match="impl"):
+        ulysses_attention_emulated([q, q], [q, q], [q, q], impl="nccl")
+    with pytest.raises(ValueError, match=r"qs\[1\]"):
+        ulysses_attention_emulated([q, q[:, :3]], [q, q[:, :3]], [q, q[:, :3]], impl="reference")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1])
+@pytest.mark.parametrize("impl", ["nccl", "reference"])
+def test_single_rank_matches_oracle(case, impl):
+    full, joint, (qs, ks, vs) = make_inputs(case, seed=7)
+    res = _split(ulysses_attention(qs[0], ks[0], vs[0], impl=impl, joint=joint, causal=case[-1]), joint)
+    check_rank(case, 0, res, full, joint)
+
+
+def test_module_bhsd_layout_and_scale():
+    case = (1, 2, 9, 4, 2, 8, 3, False)
+    full, joint, (qs, ks, vs) = make_inputs(case, seed=8)
+    scale = 0.3
+    mod = UlyssesAttention(impl="reference", softmax_scale=scale, layout="bhsd")
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+    out, jout = mod(t(qs[0]), t(ks[0]), t(vs[0]), joint=tuple(t(x) for x in joint))
+    ref, jref = full_attention(*full, joint=joint, softmax_scale=scale)
+    base, jbase = full_attention(*full, joint=joint, softmax_scale=scale, dtype=torch.float32)
+    check_attention(out.transpose(1, 2), ref, base)
+    check_attention(jout.transpose(1, 2), jref, jbase)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    case = (1, 1, 9, 4, 2, 8, 3, False)
+    _, joint, (qs, ks, vs) = make_inputs(case, seed=9)
+
+    def f(q, k, v, jq, jk, jv):
+        out, jout = ulysses_attention(q, k, v, impl="reference", joint=(jq, jk, jv))
+        return out * 2, jout + 1
+
+    eager = f(qs[0], ks[0], vs[0], *joint)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(qs[0], ks[0], vs[0], *joint)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def test_emulated_reference_matches_oracle():
+    case = (4, 2, 10, 8, 2, 16, 3, False)
+    full, joint, (qs, ks, vs) = make_inputs(case, seed=10)
+    outs, jouts = ulysses_attention_emulated(qs, ks, vs, impl="reference", joint=joint, seq_len=case[2])
+    for r in range(4):
+        check_rank(case, r, (outs[r], jouts[r]), full, joint)
+
+
+# ---- real ranks over gloo ------------------------------------------------------------------------
+def _check_group(P, group, rank):
+    for i, case in enumerate(c for c in CASES if c[0] == P):
+        causal, S = case[-1], case[2]
+        for dtype in (torch.float32, torch.bfloat16):
+            full, joint, (qs, ks, vs) = make_inputs(case, seed=100 + i, dtype=dtype)
+            results = {}
+            for impl in ("nccl", "reference"):
+                res = ulysses_attention(qs[rank], ks[rank], vs[rank], group=group, impl=impl, joint=joint,
+                                        causal=causal, seq_len=S)
+                results[impl] = _split(res, joint)
+            for a, b in zip(results["nccl"], results["reference"]):
+                assert (a is None and b is None) or torch.equal(a, b), (P, rank, case, dtype)
+            if dtype == torch.float32:
+                check_rank(case, rank, results["nccl"], full, joint)
+            else:  # bf16 output: within one bf16 rounding of the fp32 path
+                f32 = make_inputs(case, seed=100 + i)
+                ref = ulysses_attention(f32[2][0][rank].to(dtype).float(), f32[2][1][rank].to(dtype).float(),
+                                        f32[2][2][rank].to(dtype).float(), group=group, impl="nccl",
+                                        joint=None if joint is None else tuple(x.float() for x in joint),
+                                        causal=causal, seq_len=S)
+                ref = _split(ref, joint)[0]
+                assert torch.allclose(results["nccl"][0].float(), ref, rtol=1e-2, atol=1e-2)
+    # the module, SDPA layout, on this group
+    case = next(c for c in CASES if c[0] == P)
+    full, joint, (qs, ks, vs) = make_inputs(case, seed=5)
+    mod = UlyssesAttention(group, impl="nccl", causal=case[-1], layout="bhsd")
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out = mod(t(qs[rank]), t(ks[rank]), t(vs[rank]), joint=None if joint is None else tuple(map(t, joint)),
+              seq_len=case[2])
+    res = (t(out[0]), t(out[1])) if joint is not None else (t(out), None)
+    check_rank(case, rank, res, full, joint)
+
+
+def _gloo_worker(rank, world, init_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for P in (2, 4):
+            group = dist.new_group(list(range(P)))
+            if rank < P:
+                _check_group(P, group, rank)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_ranks_nccl_and_reference_impls():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gloo_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+
+
+# ---- transport: window views (emulated, CPU memory) ------------------------------------------------
+def test_emulated_windows_layout_and_cache():
+    from ulysses.transport import EmulatedTransport
+
+    t = EmulatedTransport(4, device="cpu")
+    w = t.windows("x", (2, 3, 5, 8), torch.bfloat16)
+    assert w.shape == (4, 2, 3, 5, 8) and w.stride()[1:] == (120, 40, 8, 1)
+    assert (w.stride(0) * 2) % 16 == 0 and w.stride(0) >= 240
+    assert (w == 0).all()
+    assert t.windows("x", (2, 3, 5, 8), torch.bfloat16) is w
+    other = t.windows("y", (2, 3, 5, 8), torch.bfloat16)
+    other.fill_(1)
+    assert (w == 0).all(), "distinct names must not share memory"
+    for d in range(4):  # windows do not overlap
+        w[d].fill_(d + 1)
+    assert [int(w[d].float().mean()) for d in range(4)] == [1, 2, 3, 4]
+    ptrs = t.pointer_table(w)
+    assert ptrs.dtype == torch.int64 and ptrs.tolist() == [w[d].data_ptr() for d in range(4)]
+    assert t.signal.shape == (4, 4) and t.signal.dtype == torch.int32
+    assert t.epoch.tolist() == [0] * 4 and t.error.shape == (4, 4)
+    t.check()  # no error recorded
+    with pytest.raises(ValueError, match="name"):
+        t.windows("", (1,), torch.float32)
+    with pytest.raises(ValueError, match="shape"):
+        t.windows("z", (-1,), torch.float32)
+    t.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        t.windows("x", (2, 3, 5, 8), torch.bfloat16)
+
+
+def test_transport_bad_arguments():
+    from ulysses.transport import EmulatedTransport, VmmTransport, get_transport
+
+    with pytest.raises(ValueError, match="world_size"):
+        EmulatedTransport(33, device="cpu")
+    with pytest.raises(ValueError, match="timeout_s"):
+        EmulatedTransport(2, device="cpu", timeout_s=0)
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="group"):
+            VmmTransport()
+    with pytest.raises(ValueError, match="backend"):
+        get_transport(backend="nvshmem")

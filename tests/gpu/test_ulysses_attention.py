@@ -1,0 +1,213 @@
+"""ulysses_attention on one GPU: emulated ranks, and 2/4 processes sharing the GPU (VMM windows).
+
+Checks, per impl ("serial", "fused"):
+  - bit-identical to the reference path: ulysses.reference's A2As around fa4_forward
+    (the moved data is exact and FA4 is deterministic, so atol = 0 on the valid rows);
+  - attention within FA4's tolerance rule: error vs the fp64 oracle on the unsplit sequence
+    <= 2x the error of the same attention computed in the input dtype (torch SDPA) + 1e-3;
+  - padding rows of the outputs are zero; fresh inputs on every run (stale windows show);
+  - 1000 CUDA-graph replays with buffer reuse stay bit-exact; torch.compile(fullgraph) works;
+  - real ranks (processes on one GPU) equal the emulated run bit for bit, also with a rank that
+    starts late, and under CUDA-graph replay.
+"""
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fa_a2a.fused import fa4_forward
+from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
+from ulysses.layout import UlyssesLayout, split_seq
+from ulysses.reference import emulated_post_a2a, emulated_pre_a2a, full_attention
+
+DTYPE = torch.bfloat16
+# (P, B, S, H, H_kv, D, J, causal). FA4 compiles once per (D, GQA ratio, causal, seqused_k):
+# the cases share compiles on purpose.
+CASES = [
+    (4, 1, 1024, 8, 8, 128, 0, False),
+    (4, 2, 1001, 6, 2, 128, 77, False),  # uneven S (S_loc = 251), head padding, GQA, joint
+    (2, 1, 512, 4, 2, 64, 0, True),  # causal, GQA with 2 query heads per KV head
+]
+
+
+def make_inputs(case, seed):
+    P, B, S, H, Hkv, D, J, causal = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    full = tuple(torch.randn(B, S, h, D, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv))
+    joint = tuple(torch.randn(B, J, h, D, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv)) if J else None
+    shards = []
+    for x in full:
+        parts = split_seq(x, P)
+        for r, t in enumerate(parts):  # poison the padding rows: an unmasked padded key shows
+            n = max(0, min(t.shape[1], S - r * t.shape[1]))
+            t[:, n:] = (100 * torch.randn(t[:, n:].shape, device="cuda", generator=g)).to(DTYPE)
+        shards.append(parts)
+    return full, joint, shards
+
+
+def reference_outputs(case, joint, shards):
+    """ulysses.reference's A2As around fa4_forward: what every impl must equal bit for bit."""
+    P, B, S, H, Hkv, D, J, causal = case
+    L = UlyssesLayout(S, H, Hkv, P, joint_len=J)
+    used = L.seqused_k(causal)
+    used = None if used is None else torch.full((B,), used, dtype=torch.int32, device="cuda")
+    outs = [fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, seqused_k=used)
+            for q, k, v in emulated_pre_a2a(L, *shards, joint)]
+    return emulated_post_a2a(L, outs)
+
+
+def check_tolerance(case, rank, out, jout, full, joint):
+    P, B, S, H, Hkv, D, J, causal = case
+    ref = full_attention(*full, joint=joint, causal=causal)
+    base = full_attention(*full, joint=joint, causal=causal, dtype=DTYPE)
+    (ref, jref), (base, jbase) = (ref, base) if joint is not None else ((ref, None), (base, None))
+    L = UlyssesLayout(S, H, Hkv, P)
+    n, first = L.valid_rows(rank), rank * L.seq_loc
+    pairs = [(out[:, :n], ref[:, first:first + n], base[:, first:first + n])]
+    if joint is not None:
+        pairs.append((jout, jref, jbase))
+    for got, r, b in pairs:
+        assert torch.isfinite(got).all()
+        err = (got.double() - r).abs().max().item()
+        base_err = (b.double() - r).abs().max().item()
+        assert err <= 2 * base_err + 1e-3, (case, rank, err, base_err)
+    assert (out[:, n:] == 0).all(), "padding rows must be zero"
+
+
+def check_exact(case, rank, out, jout, want_seq, want_joint):
+    P, B, S, H, Hkv, D, J, causal = case
+    n = UlyssesLayout(S, H, Hkv, P).valid_rows(rank)
+    assert torch.equal(out[:, :n], want_seq[rank][:, :n]), (case, rank)
+    if want_joint is not None:
+        assert torch.equal(jout, want_joint), (case, rank)
+
+
+def run_emulated(case, impl, joint, shards):
+    res = ulysses_attention_emulated(*shards, impl=impl, joint=joint, causal=case[-1], seq_len=case[2])
+    return res if joint is not None else (res, [None] * case[0])
+
+
+@pytest.mark.parametrize("impl", ["serial", "fused"])
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_ranks_exact_and_within_tolerance(case, impl):
+    for run in range(2):  # the second run reuses the windows with fresh inputs
+        full, joint, shards = make_inputs(case, seed=10 * run + 1)
+        outs, jouts = run_emulated(case, impl, joint, shards)
+        want_seq, want_joint = reference_outputs(case, joint, shards)
+        for r in range(case[0]):
+            check_exact(case, r, outs[r], jouts[r], want_seq, want_joint)
+            check_tolerance(case, r, outs[r], jouts[r], full, joint)
+
+
+@pytest.mark.parametrize("impl", ["serial", "fused"])
+def test_1000_graph_replays_stay_exact(impl):
+    case = CASES[1]
+    full, joint, shards = make_inputs(case, seed=3)
+    static = [[t.clone() for t in s] for s in shards]
+    static_joint = tuple(t.clone() for t in joint)
+    run_emulated(case, impl, static_joint, static)  # allocates windows, compiles
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        g_outs, g_jouts = run_emulated(case, impl, static_joint, static)
+    torch.cuda.current_stream().wait_stream(s)
+    for rnd in range(10):
+        full, joint, shards = make_inputs(case, seed=100 + rnd)
+        for dst, src in zip(static, shards):
+            for a, b in zip(dst, src):
+                a.copy_(b)
+        for a, b in zip(static_joint, joint):
+            a.copy_(b)
+        want_seq, want_joint = reference_outputs(case, joint, shards)
+        for _ in range(100):
+            graph.replay()
+        torch.cuda.synchronize()
+        for r in range(case[0]):
+            check_exact(case, r, g_outs[r], g_jouts[r], want_seq, want_joint)
+    from fa_a2a.op import _emulated
+
+    transport = _emulated[("emulated", case[0], torch.device("cuda", torch.cuda.current_device()))]
+    transport.check()
+
+
+def test_torch_compile_fullgraph():
+    case = CASES[0]
+    full, joint, shards = make_inputs(case, seed=5)
+
+    def f(qs, ks, vs):
+        outs = ulysses_attention_emulated(qs, ks, vs, impl="fused")
+        return [o.float() * 2 for o in outs]
+
+    eager = f(*shards)
+    compiled = torch.compile(f, fullgraph=True)(*shards)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+# ---- real ranks: processes sharing the GPU -------------------------------------------------------
+def _real_ranks(P, group, rank):
+    case = (P, 1, P * 256, 8, 8, 128, 0, False) if P == 2 else CASES[1]
+    for impl in ("serial", "fused"):
+        for rnd in range(3):
+            full, joint, shards = make_inputs(case, seed=1000 + rnd)
+            if rank == rnd % P:
+                time.sleep(0.5)  # a late rank: the others wait inside the barrier kernel
+            res = ulysses_attention(shards[0][rank], shards[1][rank], shards[2][rank], group=group, impl=impl,
+                                    joint=joint, causal=case[-1], seq_len=case[2])
+            out, jout = res if joint is not None else (res, None)
+            want_seq, want_joint = reference_outputs(case, joint, shards)
+            check_exact(case, rank, out, jout, want_seq, want_joint)
+            check_tolerance(case, rank, out, jout, full, joint)
+        # CUDA graph on real ranks
+        q, k, v = (s[rank].clone() for s in shards)
+        jt = tuple(t.clone() for t in joint) if joint is not None else None
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            g = ulysses_attention(q, k, v, group=group, impl=impl, joint=jt, causal=case[-1], seq_len=case[2])
+        torch.cuda.current_stream().wait_stream(s)
+        g_out, g_jout = g if joint is not None else (g, None)
+        for rnd in range(3):
+            full, joint, shards = make_inputs(case, seed=2000 + rnd)
+            q.copy_(shards[0][rank]), k.copy_(shards[1][rank]), v.copy_(shards[2][rank])
+            if jt is not None:
+                for a, b in zip(jt, joint):
+                    a.copy_(b)
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+            want_seq, want_joint = reference_outputs(case, joint, shards)
+            check_exact(case, rank, g_out, g_jout, want_seq, want_joint)
+    from ulysses.transport import get_transport
+
+    get_transport(group).check()
+
+
+def _worker(rank, world, init_file):
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    from ulysses.transport import close_transports
+
+    try:
+        for P in (2, 4):
+            group = dist.new_group(list(range(P)))
+            if rank < P:
+                _real_ranks(P, group, rank)
+            dist.barrier()
+        close_transports()  # collective; not on the error path (spawn ends the other ranks)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_real_ranks_two_and_four_processes_one_gpu():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
