@@ -24,9 +24,12 @@ Backends:
                      Bootstrap traffic (socket address, checks) goes over the process group,
                      which may be gloo: NCCL refuses two ranks on one GPU.
 
-torch symmetric memory (torch.distributed._symmetric_memory) is the documented alternative for
-ranks on distinct GPUs; it is not used: its buffer_ptrs are not promised to sit at one stride
-(so no single rank-window descriptor), and it refuses ranks that share a device.
+  SymmetricMemoryTransport  ranks on distinct GPUs through torch symmetric memory
+                     (torch.distributed._symmetric_memory, backend "symm"). Its buffer_ptrs are
+                     not promised to sit at one stride, which the rank-window layout needs: the
+                     transport checks each allocation and raises ValueError (use "vmm") when the
+                     peers' buffers are not at one positive stride. It refuses ranks that share a
+                     device (seen on an H200). Not run on a GPU yet (needs >= 2 GPUs).
 
 Collective calls: `windows()` with a new (name, shape, dtype) allocates, and every rank must
 make the same calls in the same order (VmmTransport checks name and size against its peers).
@@ -53,6 +56,8 @@ __all__ = [
     "Transport",
     "EmulatedTransport",
     "VmmTransport",
+    "SymmetricMemoryTransport",
+    "uniform_window_stride",
     "get_transport",
     "rank_windows",
     "close_transports",
@@ -213,6 +218,63 @@ class EmulatedTransport(Transport):
         flat = torch.zeros(self.world_size * window_bytes, dtype=torch.uint8, device=self.device)
         self._buffers.append(flat)
         return flat, window_bytes
+
+    def close(self) -> None:
+        super().close()
+        self._buffers.clear()
+
+
+def uniform_window_stride(buffer_ptrs: Sequence[int], nbytes: int) -> int:
+    """The stride W (bytes) at which peers' buffers of `nbytes` sit: buffer_ptrs[d] = ptrs[0] + d*W.
+
+    Raises ValueError when they do not sit at one positive stride, a multiple of 16 bytes, with
+    room for nbytes in each window (the rank-window layout then cannot address them)."""
+    ptrs = [int(p) for p in buffer_ptrs]
+    if not ptrs:
+        raise ValueError("buffer_ptrs: empty")
+    if len(ptrs) == 1:
+        return _round_up(nbytes, 128)
+    stride = ptrs[1] - ptrs[0]
+    uniform = all(p == ptrs[0] + d * stride for d, p in enumerate(ptrs))
+    if not uniform or stride < nbytes or stride % 16:
+        raise ValueError(
+            f"buffer_ptrs: peers' buffers are not at one positive stride >= {nbytes} bytes "
+            f"(offsets from rank 0: {[p - ptrs[0] for p in ptrs]}); use the 'vmm' transport")
+    return stride
+
+
+class SymmetricMemoryTransport(Transport):
+    """One process per GPU; windows are torch symmetric-memory buffers that sit at one stride."""
+
+    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized")
+        self.group = group if group is not None else dist.group.WORLD
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"device: SymmetricMemoryTransport needs a CUDA device, got {device}")
+        self._buffers: list[torch.Tensor] = []
+        super().__init__(dist.get_world_size(self.group), device, (dist.get_rank(self.group),), timeout_s)
+
+    def host_barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def _allocate(self, name: str, nbytes: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(buf, self.group.group_name)
+        window_bytes = uniform_window_stride(handle.buffer_ptrs, nbytes)
+        buf.zero_()
+        torch.cuda.synchronize(self.device)
+        self.host_barrier()  # every window zeroed before any peer stores into it
+        self._buffers.append(buf)
+        span = (self.world_size - 1) * window_bytes + nbytes
+        return tensor_from_address(int(handle.buffer_ptrs[0]), span, self.device), window_bytes
 
     def close(self) -> None:
         super().close()
@@ -394,23 +456,25 @@ _transports: dict = {}
 def get_transport(group=None, *, backend: str | None = None, timeout_s: float | None = None) -> Transport:
     """The process's transport for `group` (created on first use; collective then).
 
-    backend: "vmm" (default; also for ranks on distinct GPUs). `FA_A2A_TRANSPORT` overrides the
-    default. `FA_A2A_TIMEOUT_S` sets the barrier timeout (default 30 s).
+    backend: "vmm" (default; ranks sharing a GPU or on distinct GPUs) or "symm" (torch symmetric
+    memory, distinct GPUs only). `FA_A2A_TRANSPORT` overrides the default. `FA_A2A_TIMEOUT_S` sets
+    the barrier timeout (default 30 s).
     """
     import torch.distributed as dist
 
     backend = backend or os.environ.get("FA_A2A_TRANSPORT", "vmm")
-    if backend not in ("vmm", "ipc"):
-        raise ValueError(f"backend: expected 'vmm' (or its alias 'ipc'), got {backend!r}")
+    if backend not in ("vmm", "ipc", "symm"):
+        raise ValueError(f"backend: expected 'vmm' (or its alias 'ipc') or 'symm', got {backend!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized")
     if group is None:
         group = dist.group.WORLD
     if timeout_s is None:
         timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    key = (group.group_name, torch.cuda.current_device())
+    key = (group.group_name, torch.cuda.current_device(), backend)
     if key not in _transports or _transports[key].closed:
-        _transports[key] = VmmTransport(group, timeout_s=timeout_s)
+        cls = SymmetricMemoryTransport if backend == "symm" else VmmTransport
+        _transports[key] = cls(group, timeout_s=timeout_s)
     return _transports[key]
 
 

@@ -267,3 +267,16 @@ def test_transport_bad_arguments():
             VmmTransport()
     with pytest.raises(ValueError, match="backend"):
         get_transport(backend="nvshmem")
+
+
+def test_uniform_window_stride():
+    from ulysses.transport import uniform_window_stride
+
+    assert uniform_window_stride([4096], 1000) == 1024
+    assert uniform_window_stride([1 << 20, 3 << 20, 5 << 20], 1 << 20) == 2 << 20
+    with pytest.raises(ValueError, match="buffer_ptrs"):
+        uniform_window_stride([0, 4096, 9000], 1024)  # not one stride
+    with pytest.raises(ValueError, match="buffer_ptrs"):
+        uniform_window_stride([8192, 0], 1024)  # negative stride
+    with pytest.raises(ValueError, match="buffer_ptrs"):
+        uniform_window_stride([0, 512], 1024)  # windows would overlap

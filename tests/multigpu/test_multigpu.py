@@ -17,14 +17,17 @@ NPROC = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
 
 @pytest.mark.multigpu
 @pytest.mark.skipif(NPROC < 2, reason="needs >= 2 GPUs")
-def test_torchrun_real_ranks():
-    env = dict(os.environ)
+@pytest.mark.parametrize("backend", ["vmm", "symm"])
+def test_torchrun_real_ranks(backend):
+    env = dict(os.environ, FA_A2A_TRANSPORT=backend)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
            os.path.abspath(__file__)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    if backend == "symm" and proc.stdout.count("RANK SYMM-NONUNIFORM") == NPROC:
+        pytest.skip("torch symmetric memory placed the peers' buffers at no single stride here")
     assert proc.stdout.count("RANK OK") == NPROC, proc.stdout[-4000:]
 
 
@@ -58,7 +61,13 @@ def _main():
         want, want_joint = emulated_post_a2a(L, [fa4_forward(q, k, v, causal=causal, seqused_k=used) for q, k, v in heads])
         n = L.valid_rows(rank)
         for impl in ("serial", "fused", "nccl", "reference"):
-            res = ulysses_attention(*(s[rank] for s in shards), impl=impl, joint=joint, causal=causal, seq_len=S)
+            try:
+                res = ulysses_attention(*(s[rank] for s in shards), impl=impl, joint=joint, causal=causal, seq_len=S)
+            except ValueError as e:  # only the "symm" backend may refuse, and only for this reason
+                if os.environ.get("FA_A2A_TRANSPORT") == "symm" and "one positive stride" in str(e):
+                    print(f"RANK SYMM-NONUNIFORM {rank}", flush=True)
+                    return
+                raise
             out, jout = res if joint is not None else (res, None)
             assert (out[:, n:] == 0).all(), (impl, i)
             if impl == "reference":
