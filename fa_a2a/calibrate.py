@@ -262,6 +262,21 @@ def measure_fa4_sigma(seqlens: tuple[int, int], n_sm: int, device, reps: int = 1
 # --------------------------------------------------------------------------------------------
 # plots
 # --------------------------------------------------------------------------------------------
+def _finish(fig, ax, out_dir: str, filename: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label, save as PNG and close one figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, filename)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str]:
     import matplotlib
 
@@ -284,28 +299,22 @@ def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str
                 mfc="none", label="local-memory control")
     ax.plot(g_grid * us, model.issue_time(v0, g_grid) * us, "-", label=r"model max($T^0_{iss}$, V/R − G)")
     ax.axvline(model.recovery_gap(v0) * us, ls=":", c="gray", label="G*")
-    ax.set_xlabel("producer-side gap G (µs)")
-    ax.set_ylabel(r"issue time $T_{iss}$ (µs)")
-    ax.set_title(f"(a) issue time vs gap, K={gs['num_ctas']}, B={gs['bytes_per_cta'] // KiB} KiB")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "fig3a_issue_vs_gap.png"))
-    fig.savefig(paths[-1], dpi=130)
-    plt.close(fig)
+    paths.append(_finish(
+        fig, ax, out_dir, "fig3a_issue_vs_gap.png",
+        "producer-side gap G (µs)", r"issue time $T_{iss}$ (µs)",
+        f"(a) issue time vs gap, K={gs['num_ctas']}, B={gs['bytes_per_cta'] // KiB} KiB",
+    ))
 
     # (b) period vs gap
     fig, ax = plt.subplots(figsize=(5, 3.6))
     ax.plot(g_dst * us, [r["period_s"] * us for r in gs["dest"]], "o", label=f"measured ({dest})")
     ax.plot(g_grid * us, model.period(v0, g_grid) * us, "-", label=r"max($T^0_{iss}$ + G, V/R)")
     ax.plot(g_grid * us, model.completion_coupled_period(v0, g_grid) * us, "--", label="completion-coupled G + V/R")
-    ax.set_xlabel("producer-side gap G (µs)")
-    ax.set_ylabel(r"period $T_{period}$ (µs)")
-    ax.set_title("(b) burst period vs gap")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "fig3b_period_vs_gap.png"))
-    fig.savefig(paths[-1], dpi=130)
-    plt.close(fig)
+    paths.append(_finish(
+        fig, ax, out_dir, "fig3b_period_vs_gap.png",
+        "producer-side gap G (µs)", r"period $T_{period}$ (µs)",
+        "(b) burst period vs gap",
+    ))
 
     # (c) isolated knee
     iso = res["isolated"]
@@ -324,14 +333,11 @@ def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str
         ax.axvline(cf["knee_volume"] / MiB, ls=":", c="gray", label="knee")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("aggregate burst volume V (MiB)")
-    ax.set_ylabel(r"isolated issue time $T^{iso}_{iss}$ (µs)")
-    ax.set_title(f"(c) isolated-burst knee, K={iso['num_ctas']}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "fig3c_isolated_knee.png"))
-    fig.savefig(paths[-1], dpi=130)
-    plt.close(fig)
+    paths.append(_finish(
+        fig, ax, out_dir, "fig3c_isolated_knee.png",
+        "aggregate burst volume V (MiB)", r"isolated issue time $T^{iso}_{iss}$ (µs)",
+        f"(c) isolated-burst knee, K={iso['num_ctas']}",
+    ))
 
     # (d) zero-gap period vs V across K
     zg = res["zero_gap"]
@@ -343,14 +349,11 @@ def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str
     vmax = max(r["volume"] for r in zg["points"])
     vg = np.linspace(0, vmax, 50)
     ax.plot(vg / MiB, vg / model.drain_rate * us, "k--", label=f"V/R, R={model.drain_rate / GB:.0f} GB/s")
-    ax.set_xlabel("aggregate burst volume V (MiB)")
-    ax.set_ylabel(r"zero-gap period $T^{ss}_{period}$ (µs)")
-    ax.set_title("(d) drain rate across producer counts")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "fig3d_zero_gap_period.png"))
-    fig.savefig(paths[-1], dpi=130)
-    plt.close(fig)
+    paths.append(_finish(
+        fig, ax, out_dir, "fig3d_zero_gap_period.png",
+        "aggregate burst volume V (MiB)", r"zero-gap period $T^{ss}_{period}$ (µs)",
+        "(d) drain rate across producer counts",
+    ))
     return paths
 
 
