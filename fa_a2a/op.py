@@ -148,7 +148,7 @@ class _WindowPlan:
     """
 
     def __init__(self, transport, layout, B: int, D: int, dtype: torch.dtype):
-        P, N = layout.world_size, layout.num_rows
+        N = layout.num_rows
         h, hk = layout.heads_loc, layout.kv_heads_loc
         self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
         nq, nk = B * N * h * D, B * N * hk * D
@@ -581,8 +581,6 @@ def pre_a2a(q, k, v, in_windows, rank: int, *, seq_len: Optional[int] = None, jo
     N = S_pad + J and heads as ulysses.layout.UlyssesLayout assigns them. Writes rank `rank`'s
     rows into every rank's window (see cute_kernels/a2a.py for the row order).
     """
-    from ulysses.layout import UlyssesLayout
-
     if isinstance(in_windows, torch.Tensor):
         _check_tensor(in_windows, "in_windows", 6)
         if in_windows.shape[1] != 3:

@@ -483,8 +483,6 @@ def rank_windows(shape, *, dtype: torch.dtype, device=None, group=None, name: st
 
     shape[0] must be the group size P. `device` must be the current CUDA device (or None).
     """
-    import torch.distributed as dist
-
     shape = tuple(int(s) for s in shape)
     if not shape:
         raise ValueError("shape: expected (P, ...)")

@@ -1,7 +1,6 @@
 """CPU tier of graphs/ and fa_a2a.bench: argument validation, derived metrics, table, model
 helpers, plots, the cross-rank max (two gloo processes), and the no-GPU run of the script."""
 import importlib.util
-import json
 import math
 import os
 import subprocess

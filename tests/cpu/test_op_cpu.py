@@ -8,19 +8,17 @@ same head-layout data, so they must agree bit for bit (the moved data is exact).
 the shards hold large random values, so an unmasked padded key shows; padding rows of the
 outputs must be zero.
 """
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fa_a2a.attention import UlyssesAttention
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import full_attention
+
+from tests.multiproc import run_on_gloo_groups
 
 # (P, B, S, H, H_kv, D, J, causal): uneven S, head padding, GQA replicated (H_kv < P) and split,
 # joint tokens, causal, a rank holding padding only.
@@ -206,23 +204,8 @@ def _check_group(P, group, rank):
     check_rank(case, rank, res, full, joint)
 
 
-def _gloo_worker(rank, world, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        for P in (2, 4):
-            group = dist.new_group(list(range(P)))
-            if rank < P:
-                _check_group(P, group, rank)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_gloo_ranks_nccl_and_reference_impls():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_gloo_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+    run_on_gloo_groups(_check_group, (2, 4))
 
 
 # ---- transport: window views (emulated, CPU memory) ------------------------------------------------

@@ -6,19 +6,16 @@ the shards hold large random values (not zeros), so an unmasked padded key shows
 the gloo A2As is checked bit-exactly against coordinate hashes. All gloo work runs in one spawn of
 4 processes; P = 1, 2, 3, 4 are subgroups of it.
 """
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ulysses.layout import UlyssesLayout, gather_seq, seq_to_head, split_seq
 from ulysses.reference import (dist_gather_heads, dist_head_to_seq, dist_seq_to_head,
                                emulated_post_a2a, emulated_pre_a2a, emulated_ulysses_attention,
                                full_attention, local_attention, ulysses_reference_attention)
+
+from tests.multiproc import run_on_gloo_groups
 
 # (P, B, S, H, H_kv, D, J, causal): odd heads, uneven S, GQA with kv heads < P and > P, joint.
 CASES = [
@@ -199,21 +196,10 @@ def _check_attention(P, group, rank):
             check_attention(jout, jref, jbase)
 
 
-def _gloo_worker(rank, world, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        for P in range(1, world + 1):
-            group = dist.new_group(list(range(P)))  # every rank takes part in creating it
-            if rank < P:
-                _check_moves(P, group, rank)
-                _check_attention(P, group, rank)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _check_moves_and_attention(P, group, rank):
+    _check_moves(P, group, rank)
+    _check_attention(P, group, rank)
 
 
 def test_gloo_ranks_match_emulated_and_oracle():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_gloo_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+    run_on_gloo_groups(_check_moves_and_attention, (1, 2, 3, 4))

@@ -5,15 +5,13 @@ barrier and checks its own window bit-exactly; a random rank sleeps before each 
 rank must not let anyone read early. Then a rank skips a barrier: the others' barriers time out
 and check() names the missing rank. One spawn of 4 processes; P = 2 is a subgroup.
 """
-import datetime
-import os
 import random
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.multiproc import run_on_gloo_groups
 
 ROUNDS = 6
 
@@ -70,21 +68,10 @@ def _timeout(P, group, rank):
     t.close()
 
 
-def _worker(rank, world, init_file):
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        for P in (2, 4):
-            group = dist.new_group(list(range(P)))
-            if rank < P:
-                _exchange(P, group, rank)
-                _timeout(P, group, rank)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _exchange_and_timeout(P, group, rank):
+    _exchange(P, group, rank)
+    _timeout(P, group, rank)
 
 
 def test_vmm_transport_two_and_four_processes_one_gpu():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+    run_on_gloo_groups(_exchange_and_timeout, (2, 4), cuda=True, timeout_s=120)

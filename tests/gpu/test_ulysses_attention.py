@@ -10,20 +10,17 @@ Checks, per impl ("serial", "fused"):
   - real ranks (processes on one GPU) equal the emulated run bit for bit, also with a rank that
     starts late, and under CUDA-graph replay.
 """
-import datetime
-import os
-import tempfile
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fa_a2a.fused import fa4_forward
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import emulated_post_a2a, emulated_pre_a2a, full_attention
+
+from tests.multiproc import run_on_gloo_groups
 
 DTYPE = torch.bfloat16
 # (P, B, S, H, H_kv, D, J, causal). FA4 compiles once per (D, GQA ratio, causal, seqused_k):
@@ -191,23 +188,7 @@ def _real_ranks(P, group, rank):
     get_transport(group).check()
 
 
-def _worker(rank, world, init_file):
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def test_real_ranks_two_and_four_processes_one_gpu():
     from ulysses.transport import close_transports
 
-    try:
-        for P in (2, 4):
-            group = dist.new_group(list(range(P)))
-            if rank < P:
-                _real_ranks(P, group, rank)
-            dist.barrier()
-        close_transports()  # collective; not on the error path (spawn ends the other ranks)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_real_ranks_two_and_four_processes_one_gpu():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+    run_on_gloo_groups(_real_ranks, (2, 4), cuda=True, timeout_s=300, teardown=close_transports)

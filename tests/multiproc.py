@@ -1,0 +1,38 @@
+"""Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it)."""
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None):
+    """Spawn max(sizes) processes; for each P in sizes, ranks < P of a new gloo group run
+    check(P, group, rank) (a module-level function). With cuda=True every process uses GPU 0
+    (ranks sharing one GPU). teardown(), if given, runs on every rank after the last size."""
+    world = max(sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (check, tuple(sizes), world, cuda, timeout_s, teardown, os.path.join(tmp, "init"))
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
+
+
+def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        for P in sizes:
+            group = dist.new_group(list(range(P)))  # every rank takes part in creating it
+            if rank < P:
+                check(P, group, rank)
+            dist.barrier()
+        if teardown is not None:
+            teardown()  # collective; not on the error path (spawn ends the other ranks)
+    finally:
+        dist.destroy_process_group()
