@@ -32,6 +32,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k, v: dtype must match q ({q.dtype}), got {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v: must be on one device")
+    if q.device.type != "cuda":
+        raise ValueError(f"q: must be a CUDA tensor (SM90), got device {q.device}")
     if q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(f"q: head dim must be one of {_HEAD_DIMS}, got {q.shape[-1]}")
     if k.shape != v.shape:
@@ -121,6 +123,12 @@ def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool):
     return compiled
 
 
+def _address(t: torch.Tensor) -> int:
+    """Device address of t's first element (its storage offset in bytes for a fake tensor)."""
+    offset = t.storage_offset() * t.element_size()
+    return offset if _is_fake(t) else t.data_ptr()
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -145,12 +153,13 @@ def fa4_forward(
     _check_seqused_k(seqused_k, q)
     B, S, H, _ = q.shape
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
-                            or lse.stride(-1) != 1):
-        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] with contiguous last dim")
+                            or lse.stride(-1) != 1 or lse.device != q.device):
+        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim")
     if out is None:
         out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} with contiguous last dim")
+    elif (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1
+          or out.device != q.device):
+        raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     compiled = _compile("fa4", q, k, v, out, lse, seqused_k, causal)
     if not _is_fake(q):
@@ -177,13 +186,15 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int, num_hea
         raise ValueError(f"out_windows: P * S_loc = {P}*{S_loc} must equal q's sequence length {q.shape[1]}")
     if H != P * H_loc:
         raise ValueError(f"out_windows: H = {H} must equal P * H_loc = {P}*{H_loc}")
-    if not 0 <= rank < P:
-        raise ValueError(f"rank: {rank} not in [0, {P})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < P:
+        raise ValueError(f"rank: expected an int in [0, {P}), got {rank!r}")
     es = out_windows.element_size()
     if out_windows.stride()[1:] != (S_loc * H * D, H * D, D, 1):
         raise ValueError("out_windows: each window out_windows[d] must be a contiguous [B, S_loc, H, D]")
     if (out_windows.stride(0) * es) % 16 != 0 and P > 1:
         raise ValueError("out_windows: the window stride (dim 0) must be a multiple of 16 bytes")
+    if _address(out_windows) % 16 != 0:
+        raise ValueError("out_windows: the base address must be 16-byte aligned")
 
 
 def fa4_a2a_forward(

@@ -91,6 +91,8 @@ def input_sets_needed(bytes_per_set: int, l2_bytes: Optional[int] = None, *, fac
 
 
 def round_up(n: int, multiple: int) -> int:
+    if multiple < 1:
+        raise ValueError(f"multiple: expected >= 1, got {multiple!r}")
     return -(-n // multiple) * multiple
 
 
@@ -200,19 +202,24 @@ class GpuClockMonitor:
         self.samples.setdefault(label, []).append((float(sm_clock_mhz), float(temperature_c)))
 
     def drift(self, label: str) -> Optional[float]:
-        """(last - first) / first of the label's SM-clock samples; None with < 2 samples."""
-        s = self.samples.get(label, [])
-        if len(s) < 2 or s[0][0] <= 0:
+        """Largest relative clock change among the label's SM-clock samples, signed by direction
+        (a dip in the middle counts, not only first vs last); None with < 2 samples."""
+        s = [c for c, _ in self.samples.get(label, [])]
+        if len(s) < 2 or min(s) <= 0:
             return None
-        return (s[-1][0] - s[0][0]) / s[0][0]
+        hi, lo = max(s), min(s)
+        falling = s.index(hi) < len(s) - 1 - s[::-1].index(lo)  # the maximum comes before the minimum
+        return (lo - hi) / hi if falling else (hi - lo) / lo
 
     def check(self, label: str) -> Optional[str]:
         d = self.drift(label)
         if d is None or abs(d) <= self.drift_tol:
             return None
         s = self.samples[label]
+        clocks = [c for c, _ in s]
         msg = (f"SM clock drifted {100 * d:+.1f}% during {label!r} "
-               f"({s[0][0]:.0f} -> {s[-1][0]:.0f} MHz, {s[0][1]:.0f} -> {s[-1][1]:.0f} C): "
+               f"({s[0][0]:.0f} -> {s[-1][0]:.0f} MHz, range {min(clocks):.0f}-{max(clocks):.0f} MHz, "
+               f"{s[0][1]:.0f} -> {s[-1][1]:.0f} C): "
                "rerun this point once clocks are stable")
         self.warnings.append(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -47,6 +47,13 @@ def test_bad_inputs_name_the_argument():
             fused.fa4_forward(q96, q96, q96)
         with pytest.raises(ValueError, match="rank"):
             fused.fa4_a2a_forward(q, k, v, w, 2)
+        with pytest.raises(ValueError, match="rank"):
+            fused.fa4_a2a_forward(q, k, v, w, 1.0)
+        with pytest.raises(ValueError, match="base address"):
+            flat = torch.empty(w.numel() + 1, dtype=w.dtype, device="cuda")
+            fused.fa4_a2a_forward(q, k, v, flat.as_strided(w.shape, w.stride(), 1), 0)
+        with pytest.raises(ValueError, match="out:"):
+            fused.fa4_forward(q, k, v, out=q.narrow(1, 0, 8))
         with pytest.raises(ValueError, match="out_windows: P \\* S_loc"):
             fused.fa4_a2a_forward(q, k, v, w.narrow(2, 0, 100), 0)
         with pytest.raises(ValueError, match="out_windows: H"):
@@ -58,3 +65,9 @@ def test_bad_inputs_name_the_argument():
             fused.fa4_a2a_forward(q, k, v, w, 0, lse_windows=torch.empty(2, 1, 4, 100, device="cuda"))
         with pytest.raises(ValueError, match="seqused_k"):
             fused.fa4_forward(q, k, v, seqused_k=torch.empty(2, dtype=torch.int64, device="cuda"))
+
+
+def test_cpu_tensors_are_refused():
+    q = torch.randn(1, 128, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
+        fused.fa4_forward(q, q, q)

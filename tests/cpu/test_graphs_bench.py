@@ -67,6 +67,9 @@ def test_capture_and_time_graphs_validate_before_touching_cuda():
     with pytest.raises(ValueError, match="values"):
         timing.median([])
     assert timing.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+    assert timing.round_up(5, 4) == 8
+    with pytest.raises(ValueError, match="multiple"):
+        timing.round_up(5, 0)
 
 
 def test_clock_monitor_drift_warning():
@@ -86,6 +89,12 @@ def test_clock_monitor_drift_warning():
     assert s["fa"]["sm_clock_mhz"] == {"first": 1980, "last": 1890, "min": 1890, "max": 1980}
     assert s["fused"]["temperature_c"]["max"] == 70 and s["fa"]["n"] == 3
     assert math.isclose(s["fa"]["drift"], (1890 - 1980) / 1980)
+    # a dip in the middle warns even when first and last agree (seen on an H200: 1680 -> 1485 -> 1680)
+    for mhz in (1680, 1485, 1680):
+        mon.record("dip", mhz, 50)
+    assert math.isclose(mon.drift("dip"), (1485 - 1680) / 1680)
+    with pytest.warns(RuntimeWarning, match=r"-11\.6%.*range 1485-1680 MHz"):
+        assert mon.check("dip")
     with pytest.raises(ValueError, match="drift_tol"):
         GpuClockMonitor(enabled=False, drift_tol=0)
 
@@ -208,6 +217,12 @@ def test_derived_metrics_with_missing_inputs():
     d = bench.derive({"fa": 100.0, "fused": 110.0},
                      {"fa": [100.0, 200.0, 100.0], "fused": [101.0, 204.0, 102.0]})
     assert d["fused_over_fa_paired"] == pytest.approx(1.02)  # median of 1.01, 1.02, 1.02
+    # hiding ratio only when T_serial - T_FA stands out of the per-trial noise
+    med = {"fa": 100.0, "serial": 104.0, "fused": 101.0}
+    steady = {"fa": [100.0, 100.5, 99.5], "serial": [104.0, 104.5, 103.5], "fused": [101.0] * 3}
+    assert bench.derive(med, steady)["hiding"] == pytest.approx(0.75)
+    noisy = {"fa": [100.0, 103.0, 97.0], "serial": [104.0, 101.0, 105.0], "fused": [101.0] * 3}
+    assert bench.derive(med, noisy)["hiding"] is None
     d = bench.derive({"fa": 100.0, "fused": 110.0})
     assert d["e_res_us"] == 10.0 and d["hiding"] is None and d["speedup"] is None
     d = bench.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
