@@ -164,10 +164,11 @@ class PreA2A(_RowCopy):
             b = t // S_loc
             g = rank * S_loc + s
             row = g
+            src_head = mMap[d * H_loc + j]
             if const_expr(is_kv):
                 if g >= seq_len:
                     row = g + (N - P * S_loc)  # + J: padded key rows go after the joint rows
-            src_head = mMap[d * H_loc + j]
+                    src_head = Int32(-1)  # stored as zeros: masked keys, but 0 * NaN = NaN in P @ V
             gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
             gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
             valid = src_head >= 0

@@ -60,12 +60,16 @@ def _check_problem(q, k, v, joint, impl: str, causal, softmax_scale, seq_len, wo
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(t, name)
     B, S_loc, H, D = q.shape
+    if min(B, S_loc, H, D) < 1:
+        raise ValueError(f"q: every dim of [B, S_loc, H, D] must be >= 1, got {tuple(q.shape)}")
+    if not q.is_floating_point():
+        raise ValueError(f"q: expected a floating-point dtype, got {q.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     if (k.shape[0], k.shape[1], k.shape[3]) != (B, S_loc, D):
         raise ValueError(f"k: expected [{B}, {S_loc}, H_kv, {D}] like q {tuple(q.shape)}, got {tuple(k.shape)}")
     H_kv = k.shape[2]
-    if H % H_kv:
+    if H_kv < 1 or H % H_kv:
         raise ValueError(f"k: {H_kv} KV heads do not divide q's {H} heads")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -100,6 +104,8 @@ def _check_problem(q, k, v, joint, impl: str, causal, softmax_scale, seq_len, wo
             raise ValueError(f"q: impl={impl!r} needs CUDA tensors, got device {q.device}")
         if q.dtype not in _KERNEL_DTYPES:
             raise ValueError(f"q: dtype must be bfloat16 or float16 for impl={impl!r}, got {q.dtype}")
+        if D not in (64, 128):
+            raise ValueError(f"q: head dim must be 64 or 128 for impl={impl!r}, got {D}")
         if (D * q.element_size()) % 16:
             raise ValueError(f"q: head dim {D} is not a multiple of 16 bytes")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -129,7 +135,7 @@ def _contiguous16(t: torch.Tensor) -> torch.Tensor:
     es = t.element_size()
     if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1]):
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned base
 
 
 # ---- rank windows: plan of one problem on one transport ------------------------------------------
@@ -282,8 +288,8 @@ def _nccl_forward(q, k, v, joint, layout, group, rank, causal, scale, out, joint
 
     P = layout.world_size
     qh = _nccl_seq_to_head(q, layout.q_head_index, group)
-    kh = _nccl_seq_to_head(k, layout.kv_head_index, group)
-    vh = _nccl_seq_to_head(v, layout.kv_head_index, group)
+    kh = _nccl_seq_to_head(layout.zero_padding(k, rank), layout.kv_head_index, group)
+    vh = _nccl_seq_to_head(layout.zero_padding(v, rank), layout.kv_head_index, group)
     jq = jk = jv = None
     if joint is not None:
         jq = layout.joint_q_heads(joint[0], rank)
@@ -399,7 +405,8 @@ def _forward_emulated(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax
                for q, k, v in zip(qs, ks, vs)]
     layout, joint = layouts[0]
     for r in range(1, P):
-        if layouts[r][0] != layout or qs[r].dtype != qs[0].dtype or qs[r].device != qs[0].device:
+        if (layouts[r][0] != layout or qs[r].shape != qs[0].shape or ks[r].shape != ks[0].shape
+                or qs[r].dtype != qs[0].dtype or qs[r].device != qs[0].device):
             raise ValueError(f"qs[{r}]: every rank's q, k, v must match rank 0's shapes, dtype and device")
     scale = _scale(softmax_scale, qs[0].shape[-1])
     if impl == "reference":

@@ -171,6 +171,17 @@ class UlyssesLayout:
         rank = self._check_range(rank, "rank", self.world_size)
         return max(0, min(self.seq_loc, self.seq_len - rank * self.seq_loc))
 
+    def zero_padding(self, x, rank: int):
+        """x [B, S_loc, ...] of `rank` with its padding rows (>= valid_rows(rank)) zeroed: a copy
+        when the rank holds padding, x itself otherwise. Keys there are masked (probability 0), but
+        0 * NaN = NaN: whatever the caller left in its padding rows must not reach P @ V."""
+        n = self.valid_rows(rank)
+        if n >= x.shape[1]:
+            return x
+        y = x.clone()
+        y[:, n:] = 0
+        return y
+
     def q_row(self, s: int) -> int:
         """Head-layout row of global query row s (< S_pad): s."""
         return self._check_range(s, "s", self.seq_pad)

@@ -144,8 +144,8 @@ def emulated_pre_a2a(layout: UlyssesLayout, qs, ks, vs, joint=None):
     [seq S | joint J | padding], q heads layout.q_head_index[r], k/v heads layout.kv_head_index[r].
     """
     qh = seq_to_head(qs, layout.q_head_index)
-    kh = seq_to_head(ks, layout.kv_head_index)
-    vh = seq_to_head(vs, layout.kv_head_index)
+    kh = seq_to_head([layout.zero_padding(k, r) for r, k in enumerate(ks)], layout.kv_head_index)
+    vh = seq_to_head([layout.zero_padding(v, r) for r, v in enumerate(vs)], layout.kv_head_index)
     ranks = []
     for r in range(layout.world_size):
         jq = jk = jv = None
@@ -242,8 +242,8 @@ def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False
     layout = UlyssesLayout.from_shard(S_loc, H, Hkv, P, seq_len=seq_len, joint_len=J)
     used = layout.seqused_k(causal)
     qh = dist_seq_to_head(q, layout.q_head_index, group=group)
-    kh = dist_seq_to_head(k, layout.kv_head_index, group=group)
-    vh = dist_seq_to_head(v, layout.kv_head_index, group=group)
+    kh = dist_seq_to_head(layout.zero_padding(k, rank), layout.kv_head_index, group=group)
+    vh = dist_seq_to_head(layout.zero_padding(v, rank), layout.kv_head_index, group=group)
     jq = jk = jv = None
     if joint is not None:
         jq = layout.joint_q_heads(joint[0], rank)

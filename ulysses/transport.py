@@ -465,13 +465,19 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
     backend = backend or os.environ.get("FA_A2A_TRANSPORT", "vmm")
     if backend not in ("vmm", "ipc", "symm"):
         raise ValueError(f"backend: expected 'vmm' (or its alias 'ipc') or 'symm', got {backend!r}")
+    backend = "vmm" if backend == "ipc" else backend
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized")
     if group is None:
         group = dist.group.WORLD
+    explicit_timeout = timeout_s is not None
     if timeout_s is None:
         timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     key = (group.group_name, torch.cuda.current_device(), backend)
+    cached = _transports.get(key)
+    if cached is not None and not cached.closed and explicit_timeout and cached.timeout_s != timeout_s:
+        raise ValueError(f"timeout_s: the transport of this group exists with timeout {cached.timeout_s:g} s; "
+                         "close_transports() first to change it")
     if key not in _transports or _transports[key].closed:
         cls = SymmetricMemoryTransport if backend == "symm" else VmmTransport
         _transports[key] = cls(group, timeout_s=timeout_s)

@@ -100,6 +100,9 @@ def _bad_calls():
         (dict(q=q, k=k, v=k, impl="fused"), "CUDA"),
         (dict(q=q, k=k, v=k, impl="serial"), "CUDA"),
         (dict(q=q, k=k, v=k, group=object()), "group"),
+        (dict(q=q, k=k[:, :, :0], v=k[:, :, :0]), "k:"),  # no KV heads
+        (dict(q=q[..., :0], k=k[..., :0], v=k[..., :0]), "q:"),  # head dim 0
+        (dict(q=q.int(), k=k.int(), v=k.int()), "q: expected a floating-point"),
     ]
 
 
@@ -125,6 +128,9 @@ def test_bad_module_and_emulated_arguments():
         ulysses_attention_emulated([q, q], [q, q], [q, q], impl="nccl")
     with pytest.raises(ValueError, match=r"qs\[1\]"):
         ulysses_attention_emulated([q, q[:, :3]], [q, q[:, :3]], [q, q[:, :3]], impl="reference")
+    q2 = torch.randn(2, 4, 2, 8)  # rank 1 with another batch size
+    with pytest.raises(ValueError, match=r"qs\[1\]"):
+        ulysses_attention_emulated([q, q2], [q, q2], [q, q2], impl="reference")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1])
@@ -263,3 +269,17 @@ def test_uniform_window_stride():
         uniform_window_stride([8192, 0], 1024)  # negative stride
     with pytest.raises(ValueError, match="buffer_ptrs"):
         uniform_window_stride([0, 512], 1024)  # windows would overlap
+
+
+def test_nan_in_padding_rows_does_not_leak():
+    # S = 7 over P = 2: rank 1's shard has one padding row; the caller may leave NaN there
+    torch.manual_seed(5)
+    full = [torch.randn(1, 7, 2, 8) for _ in range(3)]
+    shards = [split_seq(x, 2) for x in full]
+    poisoned = [[t.clone() for t in s] for s in shards]
+    for s in poisoned:
+        s[1][:, 3:] = float("nan")
+    clean = ulysses_attention_emulated(*shards, impl="reference", seq_len=7)
+    dirty = ulysses_attention_emulated(*poisoned, impl="reference", seq_len=7)
+    for a, b in zip(clean, dirty):
+        assert torch.isfinite(b).all() and torch.equal(a, b)

@@ -43,6 +43,7 @@ def make_inputs(case, seed):
         for r, t in enumerate(parts):  # poison the padding rows: an unmasked padded key shows
             n = max(0, min(t.shape[1], S - r * t.shape[1]))
             t[:, n:] = (100 * torch.randn(t[:, n:].shape, device="cuda", generator=g)).to(DTYPE)
+            t[:, n:, :1, :1] = float("nan")  # and NaN: masked keys weigh 0, but 0 * NaN = NaN
         shards.append(parts)
     return full, joint, shards
 
