@@ -28,9 +28,11 @@ consumer learns that the data is visible from a barrier kernel launched after th
 same stream (system-scope release/acquire flags, cute_kernels/signal.py): kernel completion
 orders every store of this grid before that barrier's release.
 
-Measured (H200, 2026-12-02, bf16, D=128, H_loc=3, emulated P=8, CUDA-graph medians; details in
-notes/measurements.md): T_fused / T_FA4 = 1.0006, 1.0012, 1.0015, 1.0079 at M = 8K, 16K, 32K, 64K
-with the TMA path (64K within its ±0.7% repeat noise); the per-thread-store path costs 1.008-1.013.
+Measured (H200, 2026-12-02, bf16, D=128, H_loc=3, emulated P=8, CUDA-graph replays; details in
+notes/measurements.md): `python -m fa_a2a.bench`, per-trial paired T_fused / T_FA4 = 0.999, 1.003,
+0.996, 0.998, 0.998 at M = 8K, 16K, 32K, 48K, 64K (medians: 1.000, 1.001, 1.003, 0.998, 0.997);
+`examples/fused_speed.py` (lower of two medians) gave 1.0006, 1.0012, 1.0015, 1.0079 at 8K-64K,
+its two 64K repeats of the fused kernel 0.7% apart. The per-thread-store path costs 1.008-1.013.
 Output bit-identical to FA4's output moved by the reference A2A (tests/gpu/test_fused_a2a.py).
 """
 

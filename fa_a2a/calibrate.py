@@ -459,7 +459,7 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
     if "control" in iso:
         cf_ctrl = fit_capacity(vi, np.array([x["issue_s"] for x in iso["control"]]), r)
     log(f"isolated sweep: Q {'=' if cf.knee_found else '>='} {cf.capacity / MiB:.2f} MiB"
-        f"{'' if cf.knee_found else ' (no knee in range: lower bound)'}, knee at V = {cf.knee_volume / MiB:.2f} MiB")
+        + (f", knee at V = {cf.knee_volume / MiB:.2f} MiB" if cf.knee_found else " (no knee in range: lower bound)"))
 
     model = PlatformModel(t_iss0=t0, drain_rate=r, capacity=cf.capacity)
     res = {
@@ -508,7 +508,8 @@ def markdown_table(model: PlatformModel, res: dict, fa: dict, header: str) -> st
         (f"T_iss0 (K={gs['num_ctas']}, B={b0 // KiB} KiB)", f"{model.t_iss0 / US:.3f} us",
          "gap-sweep plateau, G >= V/R"),
         ("Q (capacity)", f"{'' if cf['knee_found'] else '>= '}{model.capacity / MiB:.2f} MiB",
-         f"isolated-burst knee at V = {cf['knee_volume'] / MiB:.2f} MiB, K = {iso['num_ctas']} "
+         (f"isolated-burst knee at V = {cf['knee_volume'] / MiB:.2f} MiB" if cf["knee_found"]
+          else "no knee in the swept range: a lower bound") + f", K = {iso['num_ctas']} "
          f"(fit rms {cf['rms_rel_error']:.1%})"),
         *([("Q of the local control", f"{'' if iso['control_fit']['knee_found'] else '>= '}"
             f"{iso['control_fit']['capacity'] / MiB:.2f} MiB", "same sweep, local buffer")]
@@ -522,7 +523,8 @@ def markdown_table(model: PlatformModel, res: dict, fa: dict, header: str) -> st
         ("FA4 G* = [V/R − T_iss0]+", f"{fa['recovery_gap_s'] / US:.3f} us", "model"),
         ("FA4 capacity bound [V − R·T_iss0]+ <= Q",
          f"{fa['peak_outstanding_B'] / MiB:.3f} <= {model.capacity / MiB:.2f} MiB: "
-         f"{'holds' if fa['capacity_ok'] else 'FAILS'}", "model"),
+         f"{'holds' if fa['capacity_ok'] else 'FAILS' if cf['knee_found'] else 'unknown (Q is a lower bound)'}",
+         "model"),
         ("sigma (FA4 time per KV tile)", f"{sigma / US:.3f} us" if sigma else "n/a", fa["sigma"].get("method", "")),
         ("M_ub* = b_n·G*/sigma", f"{fa['m_ub_tokens']:.0f} tokens" if "m_ub_tokens" in fa else "n/a",
          f"b_n = {FA_TILE_N}"),
