@@ -267,8 +267,22 @@ class SymmetricMemoryTransport(Transport):
         import torch.distributed._symmetric_memory as symm_mem
 
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        import torch.distributed as dist
+
         handle = symm_mem.rendezvous(buf, self.group.group_name)
-        window_bytes = uniform_window_stride(handle.buffer_ptrs, nbytes)
+        # each rank sees its own addresses: agree before raising, or the ranks that passed would
+        # wait for the others in the host barrier below
+        refusal = None
+        try:
+            window_bytes = uniform_window_stride(handle.buffer_ptrs, nbytes)
+        except ValueError as exc:
+            refusal = exc
+        ok = torch.tensor([refusal is None], dtype=torch.int32, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if not ok.item():
+            del handle, buf
+            raise refusal or ValueError(
+                "buffer_ptrs: a peer's buffers are not at one positive stride; use the 'vmm' transport")
         buf.zero_()
         torch.cuda.synchronize(self.device)
         self.host_barrier()  # every window zeroed before any peer stores into it
