@@ -438,19 +438,6 @@ def lookup(name: str):
     return None, "; ".join(why)
 
 
-def nccl_post_a2a(o, send, recv, out, group=None):
-    """The post-attention A2A as yunchang/xDiT run it: o [B, S, H_loc, D] (S = P*S_loc) -> permute
-    to [P, B, S_loc, H_loc, D], all_to_all_single, permute into out [B, S_loc, P*H_loc, D]."""
-    import torch.distributed as dist
-
-    B, S, H_loc, D = o.shape
-    P = send.shape[0]
-    send.copy_(o.view(B, P, S // P, H_loc, D).transpose(0, 1))
-    dist.all_to_all_single(recv, send, group=group)
-    out.view(B, S // P, P, H_loc, D).copy_(recv.permute(1, 2, 0, 3, 4))
-    return out
-
-
 def get_transport(group):
     """ulysses.transport's transport for `group` (peer windows at one stride + in-stream barrier)."""
     return importlib.import_module("ulysses.transport").get_transport(group)
@@ -569,14 +556,17 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
                     per_set.append(lambda q=q, k=k, v=v, w=w: fused_fn(q, k, v, w, rank, causal=c))
                     outs.append(mine(w))
                 elif m in ("a2a_nccl", "serial_nccl"):
+                    from ulysses.reference import dist_head_to_seq  # permute + all_to_all_single
+
                     send = torch.empty(P, B, S_loc, H_loc, D, device=dev, dtype=dtype)
                     recv, out = torch.empty_like(send), torch.empty(B, S_loc, H, D, device=dev, dtype=dtype)
                     if m == "a2a_nccl":
-                        per_set.append(lambda o=s["o_in"], a=send, b=recv, out=out: nccl_post_a2a(o, a, b, out, group))
+                        per_set.append(lambda o=s["o_in"], a=send, b=recv, out=out:
+                                       dist_head_to_seq(o, group=group, buffers=(a, b, out)))
                     else:
                         o = torch.empty_like(q)
                         per_set.append(lambda q=q, k=k, v=v, o=o, a=send, b=recv, out=out: (
-                            fa4(q, k, v, out=o, causal=c), nccl_post_a2a(o, a, b, out, group)))
+                            fa4(q, k, v, out=o, causal=c), dist_head_to_seq(o, group=group, buffers=(a, b, out))))
                     outs.append(out)
                 elif m in ("layer_fused", "layer_nccl"):
                     impl = m.split("_")[1]

@@ -240,70 +240,30 @@ def _plan(transport, layout, B: int, D: int, dtype) -> _WindowPlan:
 
 
 # ---- the NCCL baseline -------------------------------------------------------------------------
-def _identity(head_index, H: int) -> bool:
-    flat = [h for row in head_index for h in row]
-    return flat == list(range(H))
-
-
-def _nccl_seq_to_head(x, head_index, group):
-    """[B, S_loc, H, D] -> [B, P*S_loc, h, D], heads head_index[rank]: permute + all_to_all_single."""
-    import torch.distributed as dist
-    from ulysses.layout import take_heads
-
-    B, S_loc, H, D = x.shape
-    P, h = len(head_index), len(head_index[0])
-    if not _identity(head_index, H):
-        x = take_heads(x, [i for row in head_index for i in row])
-    send = x.reshape(B, S_loc, P, h, D).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(B, P * S_loc, h, D)
-
-
-def _nccl_head_to_seq(o, P: int, group):
-    """[B, P*S_loc, H_loc, D] -> [B, S_loc, P*H_loc, D]: permute + all_to_all_single + permute."""
-    import torch.distributed as dist
-
-    B, S_pad, h, D = o.shape
-    send = o.reshape(B, P, S_pad // P, h, D).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, S_pad // P, P * h, D)
-
-
-def _local_attention(q, k, v, causal, scale, seqused_k: Optional[int]):
+def _local_attention(q, k, v, *, causal, softmax_scale, seqused_k: Optional[int]):
+    """FA4 on CUDA tensors (the NCCL baseline's attention), the fp32 reference on CPU ones."""
     if q.is_cuda:
         from fa_a2a.fused import fa4_forward
 
         used = None if seqused_k is None else torch.full((q.shape[0],), seqused_k, dtype=torch.int32, device=q.device)
         return fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
-                           softmax_scale=scale, seqused_k=used)
+                           softmax_scale=softmax_scale, seqused_k=used)
     from ulysses.reference import local_attention
 
-    return local_attention(q, k, v, causal=causal, softmax_scale=scale, seqused_k=seqused_k).to(q.dtype)
+    return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k)
 
 
 def _nccl_forward(q, k, v, joint, layout, group, rank, causal, scale, out, joint_out):
-    import torch.distributed as dist
+    """The baseline users run today (yunchang, xDiT): permute + all_to_all_single around FA4."""
+    from ulysses.reference import ulysses_reference_attention
 
-    P = layout.world_size
-    qh = _nccl_seq_to_head(q, layout.q_head_index, group)
-    kh = _nccl_seq_to_head(layout.zero_padding(k, rank), layout.kv_head_index, group)
-    vh = _nccl_seq_to_head(layout.zero_padding(v, rank), layout.kv_head_index, group)
-    jq = jk = jv = None
-    if joint is not None:
-        jq = layout.joint_q_heads(joint[0], rank)
-        jk, jv = (layout.joint_kv_heads(t, rank) for t in joint[1:])
-    o = _local_attention(layout.assemble_q(qh, jq), layout.assemble_kv(kh, jk), layout.assemble_kv(vh, jv),
-                         causal, scale, layout.seqused_k(causal))
-    o_seq, o_joint = layout.split_out(o)
-    out.copy_(_nccl_head_to_seq(o_seq, P, group)[:, :, :layout.num_heads])
+    res = ulysses_reference_attention(q, k, v, group=group, joint=joint, causal=causal, softmax_scale=scale,
+                                      seq_len=layout.seq_len, attention=_local_attention)
+    o, jo = res if joint is not None else (res, None)
+    out.copy_(o)
     _zero_padding_rows(out, layout, rank)
     if joint is not None:
-        B, J, h, D = o_joint.shape
-        parts = torch.empty(P * B, J, h, D, dtype=o_joint.dtype, device=o_joint.device)
-        dist.all_gather_into_tensor(parts, o_joint.contiguous(), group=group)
-        joint_out.copy_(parts.view(P, B, J, h, D).permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :layout.num_heads])
+        joint_out.copy_(jo)
 
 
 # ---- one rank of a process group -----------------------------------------------------------------

@@ -202,8 +202,13 @@ def dist_seq_to_head(x: torch.Tensor, head_index: Sequence[Sequence[int]], *, gr
     return recv.transpose(0, 1).reshape(B, P * S_loc, h, D)
 
 
-def dist_head_to_seq(y: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
-    """Post-A2A of one rank: [B, S_pad, H_loc, D] -> [B, S_loc, num_heads, D] (twin of layout.head_to_seq)."""
+def dist_head_to_seq(y: torch.Tensor, *, group=None, num_heads: int | None = None,
+                     buffers=None) -> torch.Tensor:
+    """Post-A2A of one rank: [B, S_pad, H_loc, D] -> [B, S_loc, num_heads, D] (twin of layout.head_to_seq).
+
+    Permute, all_to_all_single, permute: the post-A2A as yunchang/xDiT run it. buffers: optional
+    preallocated (send, recv [P, B, S_loc, H_loc, D], out [B, S_loc, P*H_loc, D]) so the call
+    allocates nothing (CUDA-graph capture); out is returned (all P*H_loc heads)."""
     P = dist.get_world_size(group)
     if y.dim() != 4 or y.shape[1] % P:
         raise ValueError(f"y must be [B, S_pad, H_loc, D] with S_pad a multiple of {P}, got {list(y.shape)}")
@@ -211,10 +216,18 @@ def dist_head_to_seq(y: torch.Tensor, *, group=None, num_heads: int | None = Non
     num_heads = P * H_loc if num_heads is None else num_heads
     if not 1 <= num_heads <= P * H_loc:
         raise ValueError(f"num_heads must be in [1, {P * H_loc}], got {num_heads}")
-    send = y.reshape(B, P, S_pad // P, H_loc, D).transpose(0, 1).contiguous()
-    recv = torch.empty_like(send)
+    per_rank = y.view(B, P, S_pad // P, H_loc, D).transpose(0, 1)
+    if buffers is None:
+        send = per_rank.contiguous()
+        recv = torch.empty_like(send)
+    else:
+        send, recv, out = buffers
+        send.copy_(per_rank)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(B, S_pad // P, P * H_loc, D)[:, :, :num_heads]
+    if buffers is None:
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, S_pad // P, P * H_loc, D)[:, :, :num_heads]
+    out.view(B, S_pad // P, P, H_loc, D).copy_(recv.permute(1, 2, 0, 3, 4))
+    return out
 
 
 def dist_gather_heads(y: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
@@ -226,14 +239,16 @@ def dist_gather_heads(y: torch.Tensor, *, group=None, num_heads: int | None = No
 
 
 def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False, softmax_scale=None,
-                                seq_len=None):
+                                seq_len=None, attention=None):
     """Serial Ulysses attention called by every rank of `group` with its shard.
 
     q [B, S_loc, H, D], k/v [B, S_loc, H_kv, D]: rows [rank*S_loc, (rank+1)*S_loc) of the full
     sequence; seq_len = valid rows of the full sequence (default P*S_loc; the padding rows of the
     last shards are masked as keys, and their outputs are unspecified). joint: (q, k, v)
     [B, J, H(_kv), D], the same on every rank. Returns [B, S_loc, H, D] in q's dtype, or
-    (that, joint output [B, J, H, D]) when joint is given.
+    (that, joint output [B, J, H, D]) when joint is given. attention: the local attention,
+    attention(q, k, v, causal=, softmax_scale=, seqused_k=) (default: local_attention in fp32); the
+    NCCL baseline of fa_a2a.op passes FA4.
     """
     B, S_loc, H, Hkv, D = _check_qkv(q, k, v)
     J = _check_joint(joint, B, D, H, Hkv, q.dtype, q.device)
@@ -248,9 +263,9 @@ def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False
     if joint is not None:
         jq = layout.joint_q_heads(joint[0], rank)
         jk, jv = (layout.joint_kv_heads(t, rank) for t in joint[1:])
-    out = local_attention(layout.assemble_q(qh, jq), layout.assemble_kv(kh, jk),
-                          layout.assemble_kv(vh, jv), causal=causal, softmax_scale=softmax_scale,
-                          seqused_k=used).to(q.dtype)
+    attention = attention or local_attention
+    out = attention(layout.assemble_q(qh, jq), layout.assemble_kv(kh, jk), layout.assemble_kv(vh, jv),
+                    causal=causal, softmax_scale=softmax_scale, seqused_k=used).to(q.dtype)
     out_seq, out_joint = layout.split_out(out)
     out = dist_head_to_seq(out_seq, group=group, num_heads=H)
     if joint is None:

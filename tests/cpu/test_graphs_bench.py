@@ -13,6 +13,7 @@ import torch
 from fa_a2a import bench
 from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
+from ulysses.reference import dist_head_to_seq
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,7 +125,7 @@ def _two_rank_worker(rank, world, init_file, out_dir):
         got = timing.rank_max(values)
         send = torch.empty(world, B, S_LOC, H_LOC, D)
         out = torch.full((B, S_LOC, world * H_LOC, D), float("nan"))
-        bench.nccl_post_a2a(_o(rank, world), send, torch.empty_like(send), out)
+        dist_head_to_seq(_o(rank, world), buffers=(send, torch.empty_like(send), out))
         torch.save({"max": got, "a2a": out}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
