@@ -6,14 +6,13 @@ order of floating-point sums differs). The Ulysses op is wrapped to count its ca
 their shapes, so a model that silently ran unsharded would fail.
 """
 
-import socket
-
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 
 from fa_a2a import dit  # noqa: E402
+from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 CFG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
            num_attention_heads=4, joint_attention_dim=24, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
@@ -61,58 +60,34 @@ CASES = [(4, 4, 5), (3, 5, 4)]  # (height, width, text tokens): S = 16 (even), S
 N_ATTN = CFG["num_layers"] + CFG["num_single_layers"]
 
 
-def _worker(rank, world_size, port, failures):
-    import torch.distributed as dist
+def _check_flux(P, group, rank):
+    import fa_a2a.op as op
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        import fa_a2a.op as op
-
-        calls = []
-        real = op.ulysses_attention
-        op.ulysses_attention = lambda q, *a, **k: (calls.append(q.shape[1]), real(q, *a, **k))[1]
-        model = _model()
-        torch.set_grad_enabled(False)
-        for height, width, J in CASES:
-            x = _inputs(height, width, J)
-            ref = model(**x).sample
-            handle = dit.parallelize_flux(model, impl="reference")
-            calls.clear()
-            out = model(**x).sample
-            out_tuple = model(**x, return_dict=False)[0]
-            S_loc = -(-height * width // world_size)
-            if calls != [S_loc] * (2 * N_ATTN):
-                failures.put(f"rank {rank}: Ulysses calls saw q rows {calls}, expected {2 * N_ATTN} x {S_loc}")
-            handle.remove()
-            again = model(**x).sample
-            err = (out - ref).abs().max().item()
-            if out.shape != ref.shape or not err <= ATOL or not torch.equal(out, out_tuple):
-                failures.put(f"rank {rank} S={height * width}: shape {tuple(out.shape)} vs {tuple(ref.shape)}, "
-                             f"max error {err:.3g} > {ATOL}")
-            if not torch.equal(again, ref):
-                failures.put(f"rank {rank}: remove() did not restore the model")
-    except Exception as exc:  # reported by the parent
-        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    calls = []
+    real = op.ulysses_attention
+    op.ulysses_attention = lambda q, *a, **k: (calls.append(q.shape[1]), real(q, *a, **k))[1]
+    model = _model()
+    torch.set_grad_enabled(False)
+    for height, width, J in CASES:
+        x = _inputs(height, width, J)
+        ref = model(**x).sample
+        handle = dit.parallelize_flux(model, group=group, impl="reference")
+        calls.clear()
+        out = model(**x).sample
+        out_tuple = model(**x, return_dict=False)[0]
+        S_loc = -(-height * width // P)
+        assert calls == [S_loc] * (2 * N_ATTN), \
+            f"rank {rank}: Ulysses calls saw q rows {calls}, expected {2 * N_ATTN} x {S_loc}"
+        handle.remove()
+        again = model(**x).sample
+        err = (out - ref).abs().max().item()
+        assert out.shape == ref.shape and err <= ATOL and torch.equal(out, out_tuple), \
+            f"rank {rank} S={height * width}: shape {tuple(out.shape)} vs {tuple(ref.shape)}, max error {err:.3g} > {ATOL}"
+        assert torch.equal(again, ref), f"rank {rank}: remove() did not restore the model"
 
 
 def test_flux_gloo_two_ranks_matches_single_device():
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), failures), nprocs=2, start_method="spawn")
-    found = []
-    while not failures.empty():
-        found.append(failures.get())
-    assert not found, "\n".join(found)
+    run_on_gloo_groups(_check_flux, (2,), timeout_s=120)
 
 
 @pytest.mark.parametrize("P", [3, 4])
