@@ -331,33 +331,22 @@ def sigma_from_fa_time(t_fa_us: float, M: int, cfg: BenchConfig, num_sms: int) -
     return t_fa_us / (g["waves"] * g["kv_tiles"])
 
 
-def _xstage():
-    """The fa_a2a.xstage module, or (None, reason)."""
-    try:
-        return importlib.import_module("fa_a2a.xstage"), None
-    except Exception as e:
-        return None, f"fa_a2a.xstage not importable ({type(e).__name__}: {e})"
-
-
 def load_platform(path: Optional[str]):
     """(PlatformModel, description) from a calibration JSON, or the paper's 8xB200 calibration."""
-    xs, why = _xstage()
-    if xs is None:
-        raise ImportError(why)
+    from fa_a2a.xstage import PlatformModel
+
     if path is not None:
-        return xs.PlatformModel.from_json(path), f"calibration {path}"
+        return PlatformModel.from_json(path), f"calibration {path}"
     pm = PAPER_PLATFORM
-    model = xs.PlatformModel(t_iss0=pm["t_iss0_us"] * 1e-6, drain_rate=pm["drain_rate_GBps"] * 1e9,
+    model = PlatformModel(t_iss0=pm["t_iss0_us"] * 1e-6, drain_rate=pm["drain_rate_GBps"] * 1e9,
                              capacity=pm["capacity_MiB"] * 2**20)
     return model, ("the paper's 8xB200 calibration (T_iss0 0.76 us, R 717 GB/s, Q 4.25 MiB), "
                    "not this machine")
 
 
 def _fmt_test(result) -> str:
-    """'pass' or 'FAILS: <bounds>' for xstage's DesignTest (anything else: its str)."""
-    if hasattr(result, "ok"):
-        return "pass" if result.ok else "FAILS: " + ", ".join(getattr(result, "failing", ()) or ("?",))
-    return str(result)
+    """'pass' or 'FAILS: <bounds>' for xstage's DesignTest."""
+    return "pass" if result.ok else "FAILS: " + ", ".join(result.failing)
 
 
 def predictions(cfg: BenchConfig, model, sigma_us: float, num_sms: int) -> dict:
@@ -395,11 +384,7 @@ def format_predictions(pred: dict, source: str) -> str:
 def no_gpu(cfg: BenchConfig) -> int:
     print("No CUDA GPU: nothing was measured (the benchmark needs an SM90 GPU; run it there, or under "
           "torchrun --nproc-per-node=N for N GPUs).")
-    try:
-        model, source = load_platform(cfg.platform)
-    except ImportError as e:
-        print(f"No model predictions either: {e}.")
-        return 0
+    model, source = load_platform(cfg.platform)
     sigma = sigma_from_tflops(cfg, cfg.fa_tflops, cfg.num_sms)
     print(f"Sizes: B={cfg.batch}, H={cfg.heads} over P={cfg.world_size} (H_loc={cfg.heads_local}), "
           f"D={cfg.head_dim}, {cfg.dtype}{', causal' if cfg.causal else ''}; FA at {cfg.fa_tflops:g} TFLOP/s "
