@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fa_a2a.op import EMULATED_IMPLS, IMPLS
+
 __all__ = [
     "UlyssesFluxAttnProcessor",
     "FluxUlysses",
@@ -48,9 +50,6 @@ __all__ = [
     "shard_rows",
     "gather_rows",
 ]
-
-IMPLS = ("fused", "serial", "nccl", "reference")
-EMULATED_IMPLS = ("fused", "serial", "reference")
 
 
 def _check_impl(impl: str, emulated: bool) -> str:

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 IMPLS = ("fused", "serial", "nccl", "reference")
+EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
 _KERNEL_IMPLS = ("fused", "serial")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -359,7 +360,7 @@ _emulated: dict = {}
 
 def _forward_emulated(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax_scale, seq_len):
     P = len(qs)
-    if impl not in ("fused", "serial", "reference"):
+    if impl not in EMULATED_IMPLS:
         raise ValueError(f"impl: emulated ranks support 'fused', 'serial' and 'reference', got {impl!r}")
     layouts = [_check_problem(q, k, v, joint, impl, causal, softmax_scale, seq_len, P)
                for q, k, v in zip(qs, ks, vs)]
