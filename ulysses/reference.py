@@ -9,8 +9,8 @@ Three forms of one computation, all built on ulysses.layout:
 The emulated and distributed forms run the same local attention on the same head-layout tensors,
 so their outputs are bit-identical.
 
-The local attention is torch SDPA (math backend on CPU) computed in fp32 (fp64 for fp64 inputs),
-padded keys masked, result cast back to the input dtype before the post-A2A.
+The local attention is softmax(q k^T * scale) v written out in fp32 (fp64 for fp64 inputs), padded
+keys masked, result cast back to the input dtype before the post-A2A.
 
 Collectives: gloo (torch 2.13, CPU) supports all_to_all_single, all_to_all and all_gather; the A2As
 here use all_to_all_single (also on NCCL), the joint outputs all_gather.
@@ -21,7 +21,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .layout import (UlyssesLayout, _check_rank_list, gather_heads, head_to_seq, seq_to_head,
                      take_heads)
@@ -73,8 +72,12 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
     qt = q.to(dtype).transpose(1, 2)
     kt = k.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
     vt = v.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep, scale=scale)
-    return out.transpose(1, 2)
+    # Written out (not torch SDPA, whose CPU flash kernel turns a NaN query row into zeros): a NaN
+    # in q reaches its output row, a NaN in an unmasked key or value every row, on every path.
+    scores = (qt @ kt.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (scores.softmax(dim=-1) @ vt).transpose(1, 2)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):

@@ -87,7 +87,7 @@ def _bad_calls():
         (dict(q=q, k=k, v=k, impl="flash"), "impl"),
         (dict(q=q[0], k=k, v=k), "q:"),
         (dict(q=q, k="k", v=k), "k:"),
-        (dict(q=q, k=k.double(), v=k), "k: dtype"),
+        (dict(q=q, k=k.double(), v=k), "k: expected q.s dtype"),
         (dict(q=q, k=torch.randn(1, 7, 2, 16), v=torch.randn(1, 7, 2, 16)), "k:"),
         (dict(q=q, k=k, v=torch.randn(1, 8, 1, 16)), "v:"),
         (dict(q=q, k=torch.randn(1, 8, 3, 16), v=torch.randn(1, 8, 3, 16)), "k:"),

@@ -1,0 +1,233 @@
+"""The forwards behind fa_a2a.op: one rank's call (or P emulated ranks) for a resolved Problem.
+
+impl (one rank r of P; rows and heads as in ulysses/layout.py):
+  "fused"      pre-A2A kernel (q, k, v in one launch, 16-byte peer stores) -> barrier ->
+               fa_a2a.fused.fa4_a2a_forward (FA4 whose epilogue stores O tiles into the peers'
+               output windows) -> barrier -> copy of this rank's window into the output.
+  "serial"     pre-A2A -> barrier -> fa4_forward -> post-A2A kernel -> barrier -> copy.
+  "nccl"       permute + torch.distributed.all_to_all_single around the local attention: the
+               baseline users run today (yunchang, xDiT, DeepSpeed-Ulysses).
+  "reference"  the same pipeline with the fp32 reference attention (any device).
+One rank (P = 1) needs no communication: every impl runs the local attention on the whole input.
+The local attention is chosen in one place (`local_attention`): FA4 on CUDA tensors, the fp32
+reference (ulysses.reference) on CPU tensors and for impl "reference".
+Joint (text) tokens: the joint query rows go through fa4_forward (they are not sent: every rank
+holds all of them) and their outputs are all-gathered over heads by the PostA2A kernel in
+broadcast mode, inside the same barrier.
+Output rows >= seq_len (padding of an uneven S) are zero in every impl.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .problem import Problem
+
+__all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16"]
+
+
+def contiguous16(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the A2A kernels can read it (16-byte base and strides), else a copy."""
+    es = t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned base
+
+
+def head_maps(layout, device):
+    """int32 head maps of the pre-A2A kernel: global q head per (rank, local head) (-1 = padding), same for KV."""
+    q_map = [h if h < layout.num_heads else -1 for row in layout.q_head_index for h in row]
+    kv_map = [h for row in layout.kv_head_index for h in row]
+    return (torch.tensor(q_map, dtype=torch.int32, device=device),
+            torch.tensor(kv_map, dtype=torch.int32, device=device))
+
+
+def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: Optional[int],
+                    reference: bool = False):
+    """The one local-attention chooser: FA4 on CUDA tensors unless `reference`; the fp32 reference
+    (returned in q's dtype) on CPU tensors or with `reference`."""
+    if q.is_cuda and not reference:
+        from fa_a2a.fused import fa4_forward
+
+        used = None if seqused_k is None else torch.full((q.shape[0],), seqused_k, dtype=torch.int32, device=q.device)
+        return fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
+                           softmax_scale=softmax_scale, seqused_k=used)
+    from ulysses.reference import local_attention as reference_attention
+
+    return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               seqused_k=seqused_k).to(q.dtype)
+
+
+def _copy_out(layout, rank: int, res, out, joint_out) -> None:
+    """Write a rank's (out, joint_out) result into the preallocated outputs; padding rows zero."""
+    o, jo = res
+    out.copy_(o)
+    valid = layout.valid_rows(rank)
+    if valid < out.shape[1]:
+        out[:, valid:].zero_()
+    if joint_out is not None:
+        joint_out.copy_(jo)
+
+
+# ---- rank windows: plan of one problem on one transport ------------------------------------------
+class _WindowPlan:
+    """Windows, head maps and scratch of one (layout, B, D, dtype) on one transport, built once.
+
+    in-windows (one allocation per rank): q [B, N, H_loc, D] | k [B, N, H_kv_loc, D] | v (same),
+    N = S_pad + J; out-windows [B, S_loc, H_pad, D]; joint out-windows [B, J, H_pad, D].
+    """
+
+    def __init__(self, transport, layout, B: int, D: int, dtype: torch.dtype):
+        N = layout.num_rows
+        h, hk = layout.heads_loc, layout.kv_heads_loc
+        self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
+        nq, nk = B * N * h * D, B * N * hk * D
+        flat = transport.windows("ulysses.in", (nq + 2 * nk,), dtype)
+        self.dq = flat[:, :nq].unflatten(1, (B, N, h, D))
+        self.dk = flat[:, nq:nq + nk].unflatten(1, (B, N, hk, D))
+        self.dv = flat[:, nq + nk:].unflatten(1, (B, N, hk, D))
+        self.out_w = transport.windows("ulysses.out", (B, layout.seq_loc, layout.heads_pad, D), dtype)
+        self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
+                       if layout.joint_len else None)
+        self.q_map, self.kv_map = head_maps(layout, transport.device)
+        n = layout.seqused_k(False)
+        self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
+        self._scratch: dict = {}
+
+    def scratch(self, kind: str, rank: int, rows: int) -> torch.Tensor:
+        key = (kind, rank)
+        if key not in self._scratch:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("scratch buffers are allocated during CUDA-graph capture: "
+                                   "run the call once eagerly before capturing")
+            self._scratch[key] = torch.empty(self.B, rows, self.layout.heads_loc, self.D,
+                                             dtype=self.dtype, device=self.transport.device)
+        return self._scratch[key]
+
+    # one rank's steps; barriers between them are the caller's
+    def pre(self, rank: int, q, k, v, joint) -> None:
+        from cute_kernels.a2a import launch_pre_a2a
+
+        q, k, v = (contiguous16(t) for t in (q, k, v))
+        joint = tuple(contiguous16(t) for t in joint) if joint is not None else None
+        launch_pre_a2a(q, k, v, self.dq, self.dk, self.dv, self.q_map, self.kv_map, rank,
+                       self.layout.seq_len, joint)
+
+    def attend(self, rank: int, impl: str, causal: bool, scale: float) -> None:
+        from cute_kernels.a2a import launch_post_a2a
+        from fa_a2a.fused import fa4_a2a_forward, fa4_forward
+
+        lay = self.layout
+        q, k, v = self.dq[rank], self.dk[rank], self.dv[rank]
+        seqused = None if causal else self.seqused
+        if impl == "fused":
+            fa4_a2a_forward(q[:, :lay.seq_pad], k, v, self.out_w, rank, causal=causal,
+                            softmax_scale=scale, seqused_k=seqused)
+            if lay.joint_len:
+                jo = self.scratch("joint", rank, lay.joint_len)
+                fa4_forward(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale, seqused_k=seqused)
+                launch_post_a2a(jo, self.jout_w, rank, broadcast=True)
+        else:  # serial
+            o = self.scratch("out", rank, lay.num_rows)
+            fa4_forward(q, k, v, o, causal=causal, softmax_scale=scale, seqused_k=seqused)
+            launch_post_a2a(o[:, :lay.seq_pad], self.out_w, rank)
+            if lay.joint_len:
+                launch_post_a2a(o[:, lay.seq_pad:], self.jout_w, rank, broadcast=True)
+
+    def finish(self, rank: int, out: torch.Tensor, joint_out: Optional[torch.Tensor]) -> None:
+        H = self.layout.num_heads
+        jo = self.jout_w[rank][:, :, :H] if joint_out is not None else None
+        _copy_out(self.layout, rank, (self.out_w[rank][:, :, :H], jo), out, joint_out)
+
+
+_plans: dict = {}
+
+
+def _plan(transport, layout, B: int, D: int, dtype) -> _WindowPlan:
+    for stale in [k for k, p in _plans.items() if p.transport.closed]:
+        del _plans[stale]
+    key = (id(transport), layout, B, D, dtype)
+    if key not in _plans:
+        _plans[key] = _WindowPlan(transport, layout, B, D, dtype)
+    return _plans[key]
+
+
+# ---- one rank of a process group -----------------------------------------------------------------
+def _single_rank(p: Problem, q, k, v, joint):
+    """P = 1: no communication (all heads, no padding rows): the local attention on the whole input."""
+    lay = p.layout
+    jq, jk, jv = joint if joint is not None else (None, None, None)
+    o = local_attention(lay.assemble_q(q, jq), lay.assemble_kv(k, jk), lay.assemble_kv(v, jv), causal=p.causal,
+                        softmax_scale=p.scale, seqused_k=lay.seqused_k(p.causal), reference=p.impl == "reference")
+    return lay.split_out(o)
+
+
+def _collective_pipeline(p: Problem, q, k, v, joint, group):
+    """nccl / reference: permute + all_to_all_single around the local attention (ulysses.reference)."""
+    from ulysses.reference import ulysses_reference_attention
+
+    def attention(q, k, v, *, causal, softmax_scale, seqused_k):
+        return local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
+                               reference=p.impl == "reference")
+
+    res = ulysses_reference_attention(q, k, v, group=group, joint=joint, causal=p.causal, softmax_scale=p.scale,
+                                      seq_len=p.layout.seq_len, attention=attention)
+    return res if joint is not None else (res, None)
+
+
+def forward(p: Problem, q, k, v, joint, out, joint_out, group, rank: int) -> None:
+    """One rank's call: writes out [B, S_loc, H, D] (and joint_out [B, J, H, D])."""
+    if p.world_size == 1:
+        _copy_out(p.layout, 0, _single_rank(p, q, k, v, joint), out, joint_out)
+        return
+    if p.impl in ("nccl", "reference"):
+        _copy_out(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), out, joint_out)
+        return
+    from ulysses.transport import get_transport
+
+    transport = get_transport(group)
+    plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    plan.pre(rank, q, k, v, joint)
+    transport.barrier()
+    plan.attend(rank, p.impl, p.causal, p.scale)
+    transport.barrier()
+    plan.finish(rank, out, joint_out)
+
+
+# ---- P emulated ranks in one process --------------------------------------------------------------
+_emulated: dict = {}
+
+
+def _emulated_transport(world_size: int, device: torch.device):
+    from ulysses.transport import EmulatedTransport
+
+    key = (world_size, device)
+    if key not in _emulated or _emulated[key].closed:
+        _emulated[key] = EmulatedTransport(world_size, device)
+    return _emulated[key]
+
+
+def forward_emulated(p: Problem, qs, ks, vs, joint, outs, joint_outs) -> None:
+    """All P ranks' calls in one process (the real kernels and barriers over one local buffer)."""
+    P = p.world_size
+    if p.impl == "reference":
+        from ulysses.reference import emulated_ulysses_attention
+
+        res = emulated_ulysses_attention(list(qs), list(ks), list(vs), joint=joint, causal=p.causal,
+                                         softmax_scale=p.scale, seq_len=p.layout.seq_len)
+        o, jo = res if joint is not None else (res, None)
+        for r in range(P):
+            _copy_out(p.layout, r, (o[r], jo), outs[r], joint_outs[r] if joint is not None else None)
+        return
+    transport = _emulated_transport(P, qs[0].device)
+    plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    for r in range(P):
+        plan.pre(r, qs[r], ks[r], vs[r], joint)
+    transport.barrier()
+    for r in range(P):
+        plan.attend(r, p.impl, p.causal, p.scale)
+    transport.barrier()
+    for r in range(P):
+        plan.finish(r, outs[r], joint_outs[r] if joint is not None else None)

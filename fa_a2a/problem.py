@@ -1,0 +1,278 @@
+"""The one home of the op's argument checks: a call's signature, validated once and agreed by all ranks.
+
+`resolve` turns one rank's call of `ulysses_attention` into a `Problem` (the layout plus every
+fact the ranks must share). A new signature is checked in full, then, on a group of several
+ranks, agreed with the others: each rank sends its signature (or its own ValueError) to all, and
+every rank raises the same ValueError naming the first argument that differs and the ranks'
+values, before any data moves. The result is cached per signature, so a steady-state call (and a
+CUDA-graph replay, which never reaches Python) pays a dict lookup.
+
+Limit of a per-signature check: a rank that changes its signature alone after the ranks agreed on
+an earlier one enters the agreement while the others, whose signatures are cached, go on to move
+data; they meet no more (the fused/serial paths then fail within the transport's timeout, naming
+the missing rank; nccl/reference wait for the process group's timeout).
+
+Error grammar, here and in the kernels' launch checks: "arg: what was expected, got what came".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from ulysses.layout import UlyssesLayout
+
+__all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
+           "check_joint", "check_rank", "check_no_grad"]
+
+IMPLS = ("fused", "serial", "nccl", "reference")
+EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
+KERNEL_IMPLS = ("fused", "serial")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call's signature. Fields before `layout` must agree across ranks (their names say which
+    argument carries them); `layout` is derived from them."""
+
+    impl: str
+    batch: int
+    seq_loc: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    joint_len: int
+    causal: bool
+    softmax_scale: Optional[float]
+    seq_len: Optional[int]
+    world_size: int
+    layout: UlyssesLayout = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def agreed_fields(self) -> tuple:
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
+
+
+# Argument that carries each agreed field, for the cross-rank error message.
+_ARGUMENT = dict(impl="impl", batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)",
+                 head_dim="q (D)", dtype="q (dtype)", joint_len="joint (J rows; 0 = no joint)", causal="causal",
+                 softmax_scale="softmax_scale", seq_len="seq_len", world_size="world size")
+
+
+# ---- local checks ------------------------------------------------------------------------------------
+def check_tensor(t, name: str, ndim: int = 4) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def check_rank(rank, world_size: int) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    return rank
+
+
+def check_joint(joint) -> Optional[tuple]:
+    """joint=None or a 3-sequence of tensors -> a tuple (q, k, v) or None (J = 0 counts as None)."""
+    if joint is None:
+        return None
+    if isinstance(joint, torch.Tensor) or not isinstance(joint, (tuple, list)) or len(joint) != 3:
+        raise ValueError(f"joint: expected a tuple (joint_q, joint_k, joint_v), got {type(joint).__name__}")
+    for name, t in zip(("joint[0] (q)", "joint[1] (k)", "joint[2] (v)"), joint):
+        check_tensor(t, name)
+    return tuple(joint)
+
+
+def check_no_grad(*tensors) -> None:
+    """There is no backward yet: refuse inputs that require grad under grad mode (never cut autograd silently)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in zip(("q", "k", "v", "joint[0] (q)", "joint[1] (k)", "joint[2] (v)"), tensors):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but fa-a2a has no backward yet: call it under "
+                             "torch.no_grad() / torch.inference_mode(), or pass detached tensors")
+
+
+def _check_scalar_args(impl, causal, softmax_scale, seq_len) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal: expected a bool, got {causal!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+        raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name)
+    B, S_loc, H, D = q.shape
+    if min(B, S_loc, H, D) < 1:
+        raise ValueError(f"q: expected every dim of [B, S_loc, H, D] >= 1, got {tuple(q.shape)}")
+    if not q.is_floating_point():
+        raise ValueError(f"q: expected a floating-point dtype, got {q.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, S_loc, D):
+        raise ValueError(f"k: expected [{B}, {S_loc}, H_kv, {D}] like q {tuple(q.shape)}, got {tuple(k.shape)}")
+    H_kv = k.shape[2]
+    if H_kv < 1 or H % H_kv:
+        raise ValueError(f"k: expected a KV head count dividing q's {H} heads, got {H_kv}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
+
+
+def _check_joint_shapes(joint, q, H_kv, causal) -> int:
+    B, _, H, D = q.shape
+    for name, t, heads in (("joint[0] (q)", joint[0], H), ("joint[1] (k)", joint[1], H_kv),
+                           ("joint[2] (v)", joint[2], H_kv)):
+        if (t.shape[0], t.shape[2], t.shape[3]) != (B, heads, D) or t.shape[1] != joint[0].shape[1]:
+            raise ValueError(f"{name}: expected [{B}, J, {heads}, {D}], got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    J = joint[0].shape[1]
+    if J and causal:
+        raise ValueError("joint: expected no joint tokens with causal=True (MMDiT attention is not causal), got "
+                         f"{J} rows")
+    return J
+
+
+def _check_kernel_limits(q, k, v, impl) -> None:
+    """What the SM90 kernels (and FA4 behind the nccl impl on CUDA) take."""
+    if not q.is_cuda:
+        raise ValueError(f"q: impl={impl!r} needs CUDA tensors, got device {q.device}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"q: expected bfloat16 or float16 for impl={impl!r}, got {q.dtype}")
+    if q.shape[3] not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"q: expected head dim 64 or 128 for impl={impl!r}, got {q.shape[3]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous head dim (stride 1), got stride {t.stride(-1)}")
+
+
+def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int):
+    """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError."""
+    _check_scalar_args(impl, causal, softmax_scale, seq_len)
+    _check_qkv(q, k, v)
+    joint = check_joint(joint)
+    J = _check_joint_shapes(joint, q, k.shape[2], causal) if joint is not None else 0
+    if J == 0:
+        joint = None
+    if impl in KERNEL_IMPLS or (impl == "nccl" and q.is_cuda):
+        _check_kernel_limits(q, k, v, impl)
+    B, S_loc, H, D = q.shape
+    layout = UlyssesLayout.from_shard(S_loc, H, k.shape[2], world_size, seq_len=seq_len, joint_len=J)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    problem = Problem(impl, B, S_loc, H, k.shape[2], D, q.dtype, J, causal, scale, seq_len, world_size, layout)
+    return problem, joint
+
+
+# ---- cross-rank agreement ---------------------------------------------------------------------------
+def agree(problem: Optional[Problem], error: Optional[str], group) -> None:
+    """Collective over `group`: every rank raises the same ValueError if any rank's call was invalid
+    (its own message) or if the ranks' signatures differ (the first differing argument, all values)."""
+    import torch.distributed as dist
+
+    P = dist.get_world_size(group)
+    mine = ("error", error) if error is not None else ("ok", problem.agreed_fields())
+    everyone = [None] * P
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [(r, msg) for r, (kind, msg) in enumerate(everyone) if kind == "error"]
+    if failed:
+        r, msg = failed[0]
+        raise ValueError(msg if error is not None else f"rank {r} of {P}: {msg}")
+    fields = [dict(sig) for _, sig in everyone]
+    for name, _ in everyone[0][1]:
+        values = [f[name] for f in fields]
+        if any(x != values[0] for x in values[1:]):
+            shown = ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(values))
+            raise ValueError(f"{_ARGUMENT[name]}: expected the same value on every rank, got {shown}")
+
+
+# ---- per-signature cache --------------------------------------------------------------------------
+_resolved: dict = {}
+
+
+def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size, group_name):
+    """A hashable key of everything check_call looks at, or None when it cannot be built cheaply."""
+    try:
+        tensors = (q, k, v) if joint is None else (q, k, v, *joint)
+        facts = tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in tensors)
+        return (facts, joint is None, impl, causal, softmax_scale, seq_len, world_size, group_name)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, *, world_size: int, group=None,
+            group_name: str = ""):
+    """Validate (once per signature), agree across `group` when it has several ranks, cache.
+
+    Returns (Problem, joint tuple or None)."""
+    key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size, group_name)
+    try:
+        hit = _resolved.get(key) if key is not None else None
+    except TypeError:  # an unhashable argument (e.g. a list as seq_len): check_call names it
+        key = hit = None
+    if hit is not None:
+        return hit[0], (tuple(joint) if hit[1] else None)
+    problem = joint_out = error = None
+    try:
+        problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size)
+    except ValueError as e:
+        if world_size == 1 or group is None:
+            raise
+        error = str(e)
+    if world_size > 1 and group is not None:
+        agree(problem, error, group)
+    if key is not None:
+        _resolved[key] = (problem, joint_out is not None)
+    return problem, joint_out
+
+
+def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len):
+    """resolve for P emulated ranks in one process: lists of per-rank shards that must all match rank 0's."""
+    for name, xs in (("qs", qs), ("ks", ks), ("vs", vs)):
+        if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+            raise ValueError(f"{name}: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
+    P = len(qs)
+    if not len(ks) == len(vs) == P:
+        raise ValueError(f"ks, vs: expected {P} tensors like qs, got {len(ks)} and {len(vs)}")
+    if impl not in EMULATED_IMPLS:
+        raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
+    keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, "emulated")
+            for r in range(P)]
+    key = None if None in keys else tuple(keys)
+    try:
+        hit = _resolved.get(key) if key is not None else None
+    except TypeError:
+        key = hit = None
+    if hit is not None:
+        return hit[0], (tuple(joint) if hit[1] else None)
+    checked = []
+    for r in range(P):
+        check_tensor(qs[r], f"qs[{r}]")
+        checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P))
+    problem, joint_out = checked[0]
+    for r in range(1, P):
+        if checked[r][0] != problem or (qs[r].device, ks[r].shape) != (qs[0].device, ks[0].shape):
+            raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
+                             f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
+                             f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")
+    if key is not None:
+        _resolved[key] = (problem, joint_out is not None)
+    return problem, joint_out
