@@ -21,6 +21,10 @@ Predictions (all [x]+ = max(x, 0)):
     FA tiles:      Bt = b_m·d·s_out, V = K·Bt, M_ub* = b_n·G*/sigma                    (eq. 20)
     per-tile stall dt = [T_RS - T_cover]+                                             (eq. 15)
 
+FA4's tile shape comes from FA4 itself (fa4_tile_shape); FaTiles holds one forward's tile
+geometry (tiles, waves, bursts); fused_residual and FaTiles.wave_drain_bound apply the model and
+a drain-queue bound to FA with its output stores in the epilogue (fa_a2a.bench prints both).
+
 Units follow the paper: R in GB/s means 1e9 bytes/s; per-producer bytes in KB and capacities in MiB
 are binary (KiB = 1024 B, MiB = 2**20 B). With the paper's calibration (R = 717 GB/s, T_iss0 =
 0.76 us, K = 148, 32 KiB per producer) this gives V = 4.625 MiB, G* = 6.0 us, q_peak = 4.1 MiB <
@@ -71,13 +75,15 @@ def _pos(x: ArrayLike) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
-def _check_positive(name: str, value: float, *, allow_inf: bool = False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: expected a number, got {value!r}") from exc
-    if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
-        raise ValueError(f"{name}: must be a positive{'' if allow_inf else ' finite'} number, got {value!r}")
+def _check_positive(name: str, value: float, *, allow_inf: bool = False, allow_zero: bool = False) -> float:
+    """float(value) for an int or float (numpy's too) that is > 0 (>= 0 with allow_zero) and finite
+    (or inf with allow_inf); bools and strings are refused: True is not 1 s, "1e-6" is not a number."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or v < 0 or (v == 0 and not allow_zero) or (math.isinf(v) and not allow_inf):
+        what = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name}: must be a {what}{'' if allow_inf else ' finite'} number, got {value!r}")
     return v
 
 
@@ -97,6 +103,103 @@ def fa_burst_volume(num_producers: int, tile_m: int, head_dim: int, out_bytes: i
     if not isinstance(num_producers, (int, np.integer)) or num_producers <= 0:
         raise ValueError(f"num_producers: must be a positive integer, got {num_producers!r}")
     return int(num_producers) * fa_tile_burst_bytes(tile_m, head_dim, out_bytes)
+
+
+def fa4_tile_shape(head_dim: int, causal: bool = False) -> tuple[int, int]:
+    """(tile_m, tile_n) of FA4's SM90 forward for this head dim (head_dim_v = head_dim, no local
+    window): flash_attn.cute.interface._tile_size_fwd_sm90, the one table FA4 itself uses (imported
+    here, lazily, so that the model's arithmetic does not load FA4). For d = 128: (128, 128)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
+        raise ValueError(f"head_dim: expected a positive integer, got {head_dim!r}")
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    cfg = _tile_size_fwd_sm90(int(head_dim), int(head_dim), bool(causal), False)
+    return int(cfg.m_block_size), int(cfg.n_block_size)
+
+
+@dataclass(frozen=True)
+class FaTiles:
+    """The output tiles of one FA forward on `num_sms` SMs with one tile per CTA (FA4 SM90's
+    SingleTileScheduler, non-causal): they run in `waves` waves; each CTA's Q-loop walks
+    `kv_tiles` KV tiles and then stores its tile, a burst of Bt = tile_m·head_dim·out_bytes bytes.
+    Build it with FaTiles.fa4(...) to take FA4's own tile shape."""
+
+    seqlen: int
+    heads: int
+    head_dim: int
+    batch: int
+    out_bytes: int
+    num_sms: int
+    tile_m: int
+    tile_n: int
+
+    def __post_init__(self):
+        for name in ("seqlen", "heads", "head_dim", "batch", "out_bytes", "num_sms", "tile_m", "tile_n"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+
+    @classmethod
+    def fa4(cls, seqlen: int, heads: int, head_dim: int, *, num_sms: int, batch: int = 1, out_bytes: int = 2,
+            causal: bool = False) -> "FaTiles":
+        tile_m, tile_n = fa4_tile_shape(head_dim, causal)
+        return cls(seqlen, heads, head_dim, batch, out_bytes, num_sms, tile_m, tile_n)
+
+    @property
+    def tiles(self) -> int:
+        return self.batch * self.heads * math.ceil(self.seqlen / self.tile_m)
+
+    @property
+    def waves(self) -> int:
+        return math.ceil(self.tiles / self.num_sms)
+
+    @property
+    def kv_tiles(self) -> int:
+        return math.ceil(self.seqlen / self.tile_n)
+
+    @property
+    def producers(self) -> int:
+        """K: CTAs that finish a tile together (a full wave, or all tiles when fewer)."""
+        return min(self.num_sms, self.tiles)
+
+    @property
+    def burst_bytes(self) -> int:
+        return fa_tile_burst_bytes(self.tile_m, self.head_dim, self.out_bytes)
+
+    @property
+    def volume(self) -> int:
+        """V = K·Bt: the worst-case aligned burst (fa_burst_volume)."""
+        return fa_burst_volume(self.producers, self.tile_m, self.head_dim, self.out_bytes)
+
+    def wave_volumes(self) -> list:
+        """Bytes each wave stores when its tiles finish (the last wave may be partial)."""
+        full, last = divmod(self.tiles, self.num_sms)
+        return [self.num_sms * self.burst_bytes] * full + ([last * self.burst_bytes] if last else [])
+
+    def sigma_from_time(self, t_fa: float) -> float:
+        """Q-loop time per KV tile from a measured forward time: T_FA / (waves · KV tiles), the
+        per-tile fixed part included (use a long sequence, where it matters least)."""
+        return _check_positive("t_fa", t_fa) / (self.waves * self.kv_tiles)
+
+    def sigma_from_flops(self, flops_per_s: float) -> float:
+        """Q-loop time per KV tile of one CTA when the GPU runs `flops_per_s` over `num_sms` SMs:
+        4·tile_m·tile_n·head_dim FLOP per KV tile (QK^T and PV)."""
+        rate = _check_positive("flops_per_s", flops_per_s) / self.num_sms
+        return 4 * self.tile_m * self.tile_n * self.head_dim / rate
+
+    def wave_drain_bound(self, t_fa: float, drain_rate: float) -> float:
+        """Finish time of FA with its stores if the SMs never waited for them: wave w's tiles finish
+        at (w + 1)·T_FA/waves and the destination drains the bursts one after another at R, so
+        done = max(done, finish_w) + V_w/R and the bound is max(T_FA, done). Example (one H200,
+        windows in pinned host memory, 2026-12-03): M = 8192, H_loc = 3: 192 tiles on 132 SMs, T_FA
+        184.5 us, R 52 GB/s: the first wave's 4.3 MB drains from 92 to 175 us, the second's 2.0 MB
+        from 184.5 to 222 us: T_bound = 222 us."""
+        t = _check_positive("t_fa", t_fa)
+        r = _check_positive("drain_rate", drain_rate)
+        done = 0.0
+        for w, v in enumerate(self.wave_volumes()):
+            done = max(done, (w + 1) * t / self.waves) + v / r
+        return max(t, done)
 
 
 def qloop_gap_lower_bound(seqlen: ArrayLike, sigma_per_kv_tile: float, tile_n: int):
@@ -130,6 +233,7 @@ class DesignTest:
     peak_outstanding: float  # [V - R·T_iss0]+, bytes
     capacity: float          # Q, bytes
     recovery_gap: float      # G* = [V/R - T_iss0]+, seconds
+    capacity_is_lower_bound: bool = False  # Q >= capacity only (no knee was measured)
 
     @property
     def rate_ok(self) -> bool:
@@ -138,26 +242,34 @@ class DesignTest:
 
     @property
     def capacity_ok(self) -> bool:
-        """Single-burst capacity bound [V - R·T_iss0]+ <= Q."""
+        """Single-burst capacity bound [V - R·T_iss0]+ <= Q, shown to hold (with a lower bound
+        for Q it may hold without being shown: see `undecided`)."""
         return self.peak_outstanding <= self.capacity
 
     @property
+    def undecided(self) -> tuple[str, ...]:
+        """("capacity",) when Q is only known from below and the peak exceeds that bound."""
+        return ("capacity",) if self.capacity_is_lower_bound and not self.capacity_ok else ()
+
+    @property
     def ok(self) -> bool:
+        """Both bounds shown to hold."""
         return self.rate_ok and self.capacity_ok
 
     @property
     def failing(self) -> tuple[str, ...]:
-        """Names of the failing bounds: () when both hold, else a subset of ("rate", "capacity")."""
-        return tuple(n for n, good in (("rate", self.rate_ok), ("capacity", self.capacity_ok)) if not good)
+        """Names of the bounds shown to fail: a subset of ("rate", "capacity")."""
+        return tuple(n for n, good in (("rate", self.rate_ok), ("capacity", self.capacity_ok))
+                     if not good and n not in self.undecided)
 
     def __str__(self) -> str:
         rate = "ok" if self.rate_ok else "FAILS"
-        cap = "ok" if self.capacity_ok else "FAILS"
+        cap = "ok" if self.capacity_ok else "unknown (Q is a lower bound)" if self.undecided else "FAILS"
         return (
             f"V={self.volume / MiB:.3f} MiB, G={self.gap / US:.2f} us: "
             f"rate {self.injection_rate / GB:.1f} <= {self.drain_rate / GB:.1f} GB/s {rate}; "
-            f"capacity {self.peak_outstanding / MiB:.3f} <= {self.capacity / MiB:.3f} MiB {cap}; "
-            f"G* = {self.recovery_gap / US:.2f} us"
+            f"capacity {self.peak_outstanding / MiB:.3f} <= {'>= ' if self.capacity_is_lower_bound else ''}"
+            f"{self.capacity / MiB:.3f} MiB {cap}; G* = {self.recovery_gap / US:.2f} us"
         )
 
 
@@ -173,17 +285,26 @@ class PlatformModel:
     drain_rate: effective aggregate drain rate R, bytes/second.
     capacity: effective outstanding capacity Q, bytes (math.inf when not calibrated).
     meta: free-form provenance (card, date, K, B, destination); not used by predictions.
+    capacity_is_lower_bound: True when no isolated burst rose above the issue floor (no knee):
+        Q >= capacity is all that was measured, and capacity may then be 0 (nothing learnt).
+        The design test then leaves the capacity bound undecided instead of failing it.
     """
 
     t_iss0: float
     drain_rate: float
     capacity: float = math.inf
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    capacity_is_lower_bound: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.capacity_is_lower_bound, (bool, np.bool_)):
+            raise ValueError(f"capacity_is_lower_bound: expected a bool, got {self.capacity_is_lower_bound!r}")
+        lower = bool(self.capacity_is_lower_bound)
+        object.__setattr__(self, "capacity_is_lower_bound", lower)
         object.__setattr__(self, "t_iss0", _check_positive("t_iss0", self.t_iss0))
         object.__setattr__(self, "drain_rate", _check_positive("drain_rate", self.drain_rate))
-        object.__setattr__(self, "capacity", _check_positive("capacity", self.capacity, allow_inf=True))
+        object.__setattr__(self, "capacity", _check_positive("capacity", self.capacity, allow_inf=not lower,
+                                                             allow_zero=lower))
         if not isinstance(self.meta, Mapping):
             raise ValueError(f"meta: expected a mapping, got {type(self.meta).__name__}")
 
@@ -259,6 +380,7 @@ class PlatformModel:
             peak_outstanding=max(v - self.drain_rate * self.t_iss0, 0.0),
             capacity=self.capacity,
             recovery_gap=max(v / self.drain_rate - self.t_iss0, 0.0),
+            capacity_is_lower_bound=self.capacity_is_lower_bound,
         )
 
     def fa_min_seqlen(self, volume: float, sigma_per_kv_tile: float, tile_n: int) -> float:
@@ -280,6 +402,7 @@ class PlatformModel:
             "t_iss0_s": self.t_iss0,
             "drain_rate_Bps": self.drain_rate,
             "capacity_B": None if math.isinf(self.capacity) else self.capacity,
+            "capacity_is_lower_bound": self.capacity_is_lower_bound,
             "meta": dict(self.meta),
         }
 
@@ -310,27 +433,35 @@ class PlatformModel:
             if key not in d:
                 raise ValueError(f"{key}: missing from the platform model JSON")
         cap = d["capacity_B"]
+        meta = d.get("meta")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise ValueError(f"meta: expected a JSON object, got {type(meta).__name__}")
         return cls(
             t_iss0=d["t_iss0_s"],
             drain_rate=d["drain_rate_Bps"],
             capacity=math.inf if cap is None else cap,
-            meta=dict(d.get("meta") or {}),
+            meta=dict(meta or {}),
+            capacity_is_lower_bound=d.get("capacity_is_lower_bound", False),
         )
 
     @classmethod
     def from_json(cls, source: Union[str, os.PathLike]) -> "PlatformModel":
-        """Load from JSON text or from a file path (e.g. `python -m fa_a2a.calibrate`'s output)."""
-        if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.lstrip().startswith("{")):
+        """Load from JSON text or from a file path (e.g. `python -m fa_a2a.calibrate`'s output).
+        A string whose first non-blank character opens a JSON object or array is text, any other
+        string a path. Bad contents raise ValueError; a missing file FileNotFoundError."""
+        if isinstance(source, str) and source.lstrip()[:1] in ("{", "["):
+            text = source
+        elif isinstance(source, (str, os.PathLike)):
             with open(source) as f:
                 text = f.read()
-        elif isinstance(source, str):
-            text = source
         else:
             raise ValueError(f"source: expected JSON text or a path, got {type(source).__name__}")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"source: not valid JSON ({exc})") from exc
+        if not isinstance(d, dict):
+            raise ValueError(f"source: expected a JSON object (a platform model), got a JSON {type(d).__name__}")
         return cls.from_dict(d)
 
     # ---- calibration ------------------------------------------------------------------------
@@ -360,9 +491,27 @@ class PlatformModel:
         q = math.inf
         if (isolated_volumes is None) != (isolated_issue_times is None):
             raise ValueError("isolated_volumes, isolated_issue_times: give both or neither")
+        lower = False
         if isolated_volumes is not None:
-            q = fit_capacity(isolated_volumes, isolated_issue_times, r, floor=isolated_floor).capacity
-        return cls(t_iss0=t0, drain_rate=r, capacity=q, meta=dict(meta or {}))
+            cf = fit_capacity(isolated_volumes, isolated_issue_times, r, floor=isolated_floor)
+            q, lower = cf.capacity, not cf.knee_found
+        return cls(t_iss0=t0, drain_rate=r, capacity=q, meta=dict(meta or {}), capacity_is_lower_bound=lower)
+
+
+def fused_residual(model: PlatformModel, tiles: FaTiles, t_fa: float) -> dict:
+    """Burst–Gap prediction of E_res = T_fused - T_FA for FA whose epilogue stores each output
+    tile (seconds). Every wave but the last is followed by the next wave's Q-loop, a gap
+    G = T_FA/waves (measured, fixed part included); its aligned burst V_w costs the issue overhead
+    [V_w/R - G - T_iss0]+ (eq. 4). No Q-loop follows the last wave: the timed region ends when the
+    kernel's stores have drained, max(T_iss0, V_last/R) later. Returns {"gap", "stalls" (per
+    covered wave), "tail", "e_res"}. Like eq. 15 it counts a burst's whole overhead as stall; the
+    paper found that one-window estimate 0.45-0.82 us per tile above its measurements."""
+    t = _check_positive("t_fa", t_fa)
+    vols = tiles.wave_volumes()
+    gap = t / tiles.waves
+    stalls = [float(model.issue_overhead(v, gap)) for v in vols[:-1]]
+    tail = max(model.t_iss0, vols[-1] / model.drain_rate)
+    return {"gap": gap, "stalls": stalls, "tail": tail, "e_res": sum(stalls) + tail}
 
 
 def _json_default(o):
@@ -424,8 +573,8 @@ def fit_issue_floor(gaps: ArrayLike, issue_times: ArrayLike, volume: float, drai
 class CapacityFit:
     """Result of fit_capacity: Q and the issue floor used, T_iss0(V) = floor_intercept + floor_slope·V."""
 
-    capacity: float         # Q, bytes
-    knee_volume: float      # V at which the drain branch meets the floor, bytes
+    capacity: float         # Q, bytes; without a knee the lower bound max(V - R·floor)+ (0: none)
+    knee_volume: float      # V at which the drain branch meets the floor, bytes (nan: no knee)
     floor_intercept: float  # seconds
     floor_slope: float      # seconds per byte (0 for a constant floor)
     knee_found: bool        # False: no point rose above the floor; capacity is then a lower bound
@@ -463,9 +612,18 @@ def fit_capacity(volumes: ArrayLike, issue_times: ArrayLike, drain_rate: float, 
     local-memory control's issue times at the same volumes). When omitted the floor is fitted as
     an affine a + b·V to the points below the knee (start: the smallest third of the volumes),
     alternating with the Q search until the split stops changing.
+
+    When no point lies on the drain branch (no knee in the swept range, or points on the drain
+    line itself, which an affine floor fits as well) Q is not measured: knee_found is False and
+    capacity is the tightest lower bound max(V - R·floor)+ over the points, 0.0 when the sweep
+    says nothing about Q (PlatformModel.fit then marks its Q a lower bound).
     """
     v, t = _paired("volumes", volumes, "issue_times", issue_times, min_len=3)
     r = _check_positive("drain_rate", drain_rate)
+    if np.any(v <= 0):
+        raise ValueError(f"volumes: must be > 0, got {v.tolist()}")
+    if np.unique(v).size < 2:
+        raise ValueError(f"volumes: need at least 2 distinct volumes to fit a floor, got {v.tolist()}")
     if np.any(t <= 0):
         raise ValueError("issue_times: must be > 0")
     order = np.argsort(v)
