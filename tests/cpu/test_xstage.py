@@ -314,3 +314,129 @@ def test_calibration_pipeline_on_simulated_platform(tmp_path):
     assert "| FA4 capacity bound" in table and ("holds" in table or "FAILS" in table)
     with pytest.raises(ValueError, match="dests"):
         calibrate.run_sweeps(bench, [("control", "control")], plan)
+
+
+# ----------------------------------------------------------------------------------------------
+# edges (issue 12 item 6): no knee, zero volumes, non-numbers, JSON that is not an object
+# ----------------------------------------------------------------------------------------------
+def test_fit_on_the_drain_line_marks_q_a_lower_bound():
+    vi = 132 * np.geomspace(4, 512, 12) * KiB
+    ti = vi / TRUE.drain_rate  # every point on V/R: an affine floor fits it as well as a knee
+    cf = fit_capacity(vi, ti, TRUE.drain_rate)
+    assert not cf.knee_found and cf.capacity == pytest.approx(0.0, abs=1.0)
+    vz = np.array([8, 16, 32]) * MiB
+    m = PlatformModel.fit(zero_gap_volumes=vz, zero_gap_periods=vz / TRUE.drain_rate, plateau_volume=vz[0],
+                          plateau_gaps=[1e-3], plateau_issue_times=[1e-6], isolated_volumes=vi,
+                          isolated_issue_times=ti)
+    assert m.capacity_is_lower_bound and m.capacity >= 0 and m.drain_rate == pytest.approx(TRUE.drain_rate)
+    # the design test cannot fail the capacity bound on a lower bound: it leaves it undecided
+    dt = m.design_test(64 * MiB, 1.0)
+    assert dt.undecided == ("capacity",) and dt.failing == () and not dt.ok
+    assert "unknown (Q is a lower bound)" in str(dt)
+    assert PlatformModel.from_json(m.to_json()) == m
+    # a knee found: Q is exact and a larger peak fails
+    assert PAPER.design_test(2 * fa_burst_volume(K_B200, 128, 128, 2), 1.0).failing == ("capacity",)
+
+
+def test_fit_without_knee_gives_a_model():
+    rng = np.random.default_rng(7)
+    vi = 132 * np.geomspace(4, 32, 10) * KiB
+    ti = _noisy(rng, _issue_floor(vi))
+    vz = np.array([8, 16, 32]) * MiB
+    m = PlatformModel.fit(zero_gap_volumes=vz, zero_gap_periods=vz / TRUE.drain_rate, plateau_volume=vz[0],
+                          plateau_gaps=[1e-3], plateau_issue_times=[1e-6], isolated_volumes=vi,
+                          isolated_issue_times=ti)
+    assert m.capacity_is_lower_bound and 0 <= m.capacity <= TRUE.capacity
+
+
+@pytest.mark.parametrize("volumes", [[0.0, 0.0, 0.0], [0.0, 1e6, 2e6], [1e6, 1e6, 1e6]])
+def test_fit_capacity_refuses_degenerate_volumes(volumes, capfd):
+    with pytest.raises(ValueError, match="volumes"):
+        fit_capacity(volumes, [1e-6, 2e-6, 3e-6], 1e12)
+    assert "LAPACK" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(t_iss0=True, drain_rate=1e9), "t_iss0"),
+    (dict(t_iss0=1e-6, drain_rate=True), "drain_rate"),
+    (dict(t_iss0="1e-6", drain_rate=1e9), "t_iss0"),
+    (dict(t_iss0=1e-6, drain_rate=1e9, capacity=False), "capacity"),
+    (dict(t_iss0=1e-6, drain_rate=1e9, capacity=0.0), "capacity"),
+    (dict(t_iss0=1e-6, drain_rate=1e9, capacity=-1.0, capacity_is_lower_bound=True), "capacity"),
+    (dict(t_iss0=1e-6, drain_rate=1e9, capacity=math.inf, capacity_is_lower_bound=True), "capacity"),
+    (dict(t_iss0=1e-6, drain_rate=1e9, capacity_is_lower_bound=1), "capacity_is_lower_bound"),
+])
+def test_platform_model_refuses_non_numbers(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PlatformModel(**kwargs)
+
+
+def test_from_json_bad_contents_raise_value_error(tmp_path):
+    for text, name in ((" [1]", "source"), ("[]", "source"), ('{"format": 1}', "format"),
+                       ("{not json", "source")):
+        with pytest.raises(ValueError, match=name):
+            PlatformModel.from_json(text)
+    d = PAPER.to_dict()
+    d["meta"] = [1]
+    with pytest.raises(ValueError, match="meta"):
+        PlatformModel.from_dict(d)
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON list"):
+        PlatformModel.from_json(path)
+    with pytest.raises(FileNotFoundError):
+        PlatformModel.from_json(str(tmp_path / "missing.json"))
+    old = PAPER.to_dict()
+    del old["capacity_is_lower_bound"]  # files written before the flag existed still load
+    assert PlatformModel.from_dict(old) == PAPER
+
+
+# ----------------------------------------------------------------------------------------------
+# FA4 tiles on a platform
+# ----------------------------------------------------------------------------------------------
+def test_fa4_tile_shape_is_fa4s_table():
+    iface = pytest.importorskip("flash_attn.cute.interface")
+    from fa_a2a.xstage import fa4_tile_shape
+
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            cfg = iface._tile_size_fwd_sm90(d, d, causal, False)
+            assert fa4_tile_shape(d, causal) == (cfg.m_block_size, cfg.n_block_size), (d, causal)
+    assert fa4_tile_shape(128) == (128, 128)
+    for bad in (0, True, 12.0):
+        with pytest.raises(ValueError, match="head_dim"):
+            fa4_tile_shape(bad)
+
+
+def test_fa_tiles_and_wave_bound():
+    from fa_a2a.xstage import FaTiles, fused_residual
+
+    t = FaTiles(seqlen=8192, heads=3, head_dim=128, batch=1, out_bytes=2, num_sms=132, tile_m=128, tile_n=128)
+    assert (t.tiles, t.waves, t.kv_tiles, t.producers) == (192, 2, 64, 132)
+    assert t.burst_bytes == 32 * KiB and t.volume == fa_burst_volume(132, 128, 128, 2)
+    assert t.wave_volumes() == [132 * 32 * KiB, 60 * 32 * KiB]
+    assert FaTiles(256, 1, 128, 1, 2, 132, 128, 128).producers == 2
+    # issue 19's bound at M = 8192 into host memory: T_FA 184.5 us, 52 GB/s -> 222 us
+    bound = t.wave_drain_bound(184.5 * US, 52 * GB)
+    assert bound == pytest.approx(184.5 * US + 60 * 32 * KiB / (52 * GB))
+    assert round(bound / US) == 222
+    # a fast destination: every burst drains within the next wave, the bound is T_FA + last drain
+    assert t.wave_drain_bound(184.5 * US, 4000 * GB) == pytest.approx(184.5 * US + 60 * 32 * KiB / (4000 * GB))
+    # a slow one: the first burst's drain is still running when the second wave finishes
+    slow = t.wave_drain_bound(184.5 * US, 20 * GB)
+    assert slow == pytest.approx(92.25 * US + 192 * 32 * KiB / (20 * GB))
+    sigma = t.sigma_from_flops(690e12)
+    assert sigma == pytest.approx(4 * 128**3 / (690e12 / 132))
+    assert t.sigma_from_time(t.waves * t.kv_tiles * sigma) == pytest.approx(sigma)
+    with pytest.raises(ValueError, match="seqlen"):
+        FaTiles(0, 3, 128, 1, 2, 132, 128, 128)
+    with pytest.raises(ValueError, match="flops_per_s"):
+        t.sigma_from_flops(math.inf)
+
+    host = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=1 * MiB)
+    r = fused_residual(host, t, 184.5 * US)
+    assert r["gap"] == pytest.approx(92.25 * US)
+    assert r["stalls"] == [0.0]  # 4.3 MB drains in 83 us < the 92 us Q-loop gap
+    assert r["tail"] == pytest.approx(60 * 32 * KiB / (52 * GB)) and r["e_res"] == r["tail"]
+    r = fused_residual(host, t, 100 * US)  # a shorter gap than the drain: issue overhead
+    assert r["stalls"][0] == pytest.approx(132 * 32 * KiB / (52 * GB) - 50 * US - 1 * US)
