@@ -158,7 +158,10 @@ def _plan(transport, layout, B: int, D: int, dtype) -> _WindowPlan:
 def _single_rank(p: Problem, q, k, v, joint):
     """P = 1: no communication (all heads, no padding rows): the local attention on the whole input."""
     lay = p.layout
-    jq, jk, jv = joint if joint is not None else (None, None, None)
+    if joint is None:
+        return local_attention(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=None,
+                               reference=p.impl == "reference"), None
+    jq, jk, jv = joint
     o = local_attention(lay.assemble_q(q, jq), lay.assemble_kv(k, jk), lay.assemble_kv(v, jv), causal=p.causal,
                         softmax_scale=p.scale, seqused_k=lay.seqused_k(p.causal), reference=p.impl == "reference")
     return lay.split_out(o)

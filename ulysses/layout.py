@@ -253,7 +253,7 @@ class UlyssesLayout:
 
     def assemble_kv(self, seq: torch.Tensor, joint: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S_pad, H_kv_loc, D] (+ joint [B, J, H_kv_loc, D]) -> [B, N, H_kv_loc, D], key row order."""
-        return self._assemble(seq, joint, self.kv_heads_loc, self.kv_row_source(seq.device))
+        return self._assemble(seq, joint, self.kv_heads_loc, self.kv_row_source)
 
     def split_out(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head-layout output [B, N, H_loc, D] -> (sequence rows [B, S_pad, ...], joint rows [B, J, ...])."""
@@ -289,7 +289,7 @@ class UlyssesLayout:
             raise ValueError(f"joint must be {list(expect)} {seq.dtype} on {seq.device}, "
                              f"got {list(joint.shape)} {joint.dtype} on {joint.device}")
         both = torch.cat([seq, joint], dim=1)
-        return both if row_source is None else both.index_select(1, row_source)
+        return both if row_source is None else both.index_select(1, row_source(seq.device))
 
 
 # ---- emulated ranks: explicit lists of per-rank tensors ---------------------------------------

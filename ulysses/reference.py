@@ -69,15 +69,15 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
         rows = torch.arange(Nq, device=q.device)[:, None]
         tri = torch.arange(Nk, device=q.device)[None, :] <= rows
         keep = tri if keep is None else keep & tri
-    qt = q.to(dtype).transpose(1, 2)
-    kt = k.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
-    vt = v.to(dtype).repeat_interleave(Hq // Hk, dim=2).transpose(1, 2)
     # Written out (not torch SDPA, whose CPU flash kernel turns a NaN query row into zeros): a NaN
     # in q reaches its output row, a NaN in an unmasked key or value every row, on every path.
-    scores = (qt @ kt.transpose(-1, -2)) * scale
+    qt = q.to(dtype).transpose(1, 2).reshape(B * Hq, Nq, D)
+    kt, vt = (x.to(dtype).repeat_interleave(Hq // Hk, dim=2) if Hq != Hk else x.to(dtype) for x in (k, v))
+    kt, vt = (x.transpose(1, 2).reshape(B * Hq, Nk, D) for x in (kt, vt))
+    scores = torch.bmm(qt, kt.transpose(1, 2)).mul_(scale)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return (scores.softmax(dim=-1) @ vt).transpose(1, 2)
+        scores.masked_fill_(~keep, float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1), vt).view(B, Hq, Nq, D).transpose(1, 2)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):

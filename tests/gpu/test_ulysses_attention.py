@@ -129,9 +129,9 @@ def test_1000_graph_replays_stay_exact(impl):
         torch.cuda.synchronize()
         for r in range(case[0]):
             check_exact(case, r, g_outs[r], g_jouts[r], want_seq, want_joint)
-    from fa_a2a.op import _emulated
+    from fa_a2a.forward import _emulated
 
-    transport = _emulated[("emulated", case[0], torch.device("cuda", torch.cuda.current_device()))]
+    transport = _emulated[(case[0], torch.device("cuda", torch.cuda.current_device()))]
     transport.check()
 
 
@@ -149,9 +149,31 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
+# ---- one rank (P = 1): no communication, FA4 on the whole input ----------------------------------
+@pytest.mark.parametrize("case", [(1, 2, 300, 6, 2, 128, 0, False), (1, 1, 257, 4, 4, 64, 33, False),
+                                  (1, 1, 200, 4, 2, 128, 0, True)])
+@pytest.mark.parametrize("impl", ["fused", "serial", "nccl", "reference"])
+def test_single_rank_every_impl(case, impl):
+    full, joint, shards = make_inputs(case, seed=11)
+    res = ulysses_attention(*(s[0] for s in shards), impl=impl, joint=joint, causal=case[-1], seq_len=case[2])
+    out, jout = res if joint is not None else (res, None)
+    check_tolerance(case, 0, out, jout, full, joint)
+    if impl != "reference":  # FA4 on the unsplit input (joint rows appended), bit for bit
+        q, k, v = (x if joint is None else torch.cat([x, j], dim=1) for x, j in zip(full, joint or (None,) * 3))
+        want = fa4_forward(q, k, v, causal=case[-1])
+        assert torch.equal(out, want[:, :case[2]])
+        if joint is not None:
+            assert torch.equal(jout, want[:, case[2]:])
+
+
 # ---- real ranks: processes sharing the GPU -------------------------------------------------------
 def _real_ranks(P, group, rank):
     case = (P, 1, P * 256, 8, 8, 128, 0, False) if P == 2 else CASES[1]
+    full, joint, shards = make_inputs(case, seed=999)
+    for impl in ("fused", "nccl"):  # ranks that disagree: every rank raises, nothing moves, no hang
+        with pytest.raises(ValueError, match="^causal: expected the same value on every rank"):
+            ulysses_attention(shards[0][rank], shards[1][rank], shards[2][rank], group=group, impl=impl,
+                              joint=None, causal=rank == 0, seq_len=case[2])
     for impl in ("serial", "fused"):
         for rnd in range(3):
             full, joint, shards = make_inputs(case, seed=1000 + rnd)
