@@ -7,7 +7,8 @@ window stride is deliberately not the window size (windows carved out of a large
 import pytest
 import torch
 
-from fa_a2a.op import _head_maps, post_a2a, pre_a2a
+from fa_a2a.forward import head_maps as _head_maps
+from fa_a2a.op import post_a2a, pre_a2a
 from ulysses.layout import UlyssesLayout, head_to_seq, split_seq
 from ulysses.reference import emulated_pre_a2a
 from ulysses.transport import BarrierTimeoutError, EmulatedTransport
