@@ -36,19 +36,23 @@ its two 64K repeats of the fused kernel 0.7% apart. The per-thread-store path co
 Output bit-identical to FA4's output moved by the reference A2A (tests/gpu/test_fused_a2a.py).
 """
 
+import inspect
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 import flash_attn.cute.flash_fwd_sm90 as _fa4_sm90
 from flash_attn.cute import utils
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
+from flash_attn.cute.tile_scheduler import StaticPersistentTileScheduler
+from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
 
@@ -74,32 +78,76 @@ def _assume_nested_aligned(t, *, canonicalize_singletons=False, align_bits=128):
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
 
 
+@lru_cache(maxsize=None)
+def _persistent_scheduler(num_ctas: int):
+    """FA4's static persistent scheduler with a grid of min(num_ctas, tiles) CTAs.
+
+    FA4's own get_grid_shape asks the driver for the SM count while tracing; here the count is a
+    compile-time fact (part of the compile key), so the kernel also compiles without a GPU.
+    """
+
+    class PersistentTileScheduler(StaticPersistentTileScheduler):
+        @staticmethod
+        def get_grid_shape(params, *, loc=None, ip=None):
+            return (cutlass.min(Int32(num_ctas), params.total_blocks_cluster), Int32(1), Int32(1))
+
+    return PersistentTileScheduler
+
+
 @contextmanager
-def _nested_stride_alignment():
-    """While FA4's __call__ is traced, let its alignment helper accept nested strides."""
-    saved = _fa4_sm90.assume_tensor_aligned
+def _fa4_patched(persistent_ctas: Optional[int]):
+    """While FA4's __call__ is traced: let its alignment helper accept nested strides and, for a
+    persistent kernel, let its non-causal scheduler be the static persistent one."""
+    saved = _fa4_sm90.assume_tensor_aligned, _fa4_sm90.SingleTileScheduler
     _fa4_sm90.assume_tensor_aligned = _assume_nested_aligned
+    if persistent_ctas is not None:
+        _fa4_sm90.SingleTileScheduler = _persistent_scheduler(persistent_ctas)
     try:
         yield
     finally:
-        _fa4_sm90.assume_tensor_aligned = saved
+        _fa4_sm90.assume_tensor_aligned, _fa4_sm90.SingleTileScheduler = saved
+
+
+_MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
+TIMESTAMP_FIELDS = ("smid", "cta", "cta_start", "epilogue", "sO_free", "store_issued", "end")
 
 
 class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     """FA4's SM90 forward whose output epilogue routes each O tile to its Ulysses rank.
 
-    Everything but the output path is FA4's (mainloop, softmax, scheduler, pipelines). The
-    tile configuration is FA4's own choice for the head dim (see fa_a2a.fused).
+    Everything but the output path and (optionally) the tile scheduler is FA4's (mainloop,
+    softmax, pipelines). The tile configuration is FA4's own choice for the head dim (see
+    fa_a2a.fused).
+
+    persistent_ctas: None (FA4's one tile per CTA) or the number of persistent CTAs (the SM
+    count): each CTA walks tiles c, c + grid, ... with FA4's static persistent scheduler, stages
+    O in its own shared-memory buffer (not aliased with sQ) and waits for the bulk store's read
+    of it only before it writes the next tile's O there (and once before it exits).
+    timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
     """
 
-    def __init__(self, *args, o_store: str = "tma", **kwargs):
+    def __init__(self, *args, o_store: str = "tma", persistent_ctas: Optional[int] = None,
+                 timestamps: bool = False, **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
         if o_store not in ("tma", "st"):
             raise ValueError(f"o_store: 'tma' or 'st', got {o_store!r}")
+        if persistent_ctas is not None:
+            if isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int) or persistent_ctas < 1:
+                raise ValueError(f"persistent_ctas: expected None or an int >= 1, got {persistent_ctas!r}")
+            if kwargs.get("is_causal", False):
+                raise ValueError("persistent_ctas: FA4 schedules causal tiles longest-first, one per CTA; "
+                                 "use None with causal=True")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
+        self.persistent_ctas = persistent_ctas
+        self.timestamps = timestamps
         super().__init__(*args, **kwargs)
+
+    @property
+    def own_o_staging(self) -> bool:
+        """O staged in its own smem buffer: the next tile's Q may then land while O drains."""
+        return self.persistent_ctas is not None
 
     # FA4 sets use_tma_O in __call__; here the O path is this kernel's own choice.
     @property
@@ -109,6 +157,31 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     @use_tma_O.setter
     def use_tma_O(self, _value) -> None:
         pass
+
+    def _get_shared_storage_cls(self):
+        if not self.own_o_staging:
+            return super()._get_shared_storage_cls()
+        # FA4's layout (Q not in registers) with sQ's range doubled: Q, then the O staging buffer
+        assert not self.Q_in_regs and cute.cosize(self.sO_layout) <= cute.cosize(self.sQ_layout)
+        self._sO_offset = int(cute.cosize(self.sQ_layout))  # elements; a multiple of the swizzle period
+        sQO_struct, sK_struct, sV_struct = [
+            cute.struct.Align[cute.struct.MemRange[self.dtype, n], self.buffer_align_bytes]
+            for n in (2 * self._sO_offset, cute.cosize(self.sK_layout), cute.cosize(self.sV_layout))
+        ]
+        cosize_sP = cute.cosize(self.sP_layout) if const_expr(self.sP_layout is not None) else 0
+        sP_struct = cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
+
+        @cute.struct
+        class SharedStorageQOKV:
+            mbar_ptr_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_ptr_K: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_ptr_V: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sV: sV_struct
+            sQ: sQO_struct
+            sK: sK_struct
+            sP: sP_struct
+
+        return SharedStorageQOKV
 
     @cute.jit
     def __call__(
@@ -120,6 +193,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         mLSEWindows: Optional[cute.Tensor],  # (p, b, h_loc, s_loc) fp32, or None
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
+        mTimes: Optional[cute.Tensor] = None,  # (b, h_loc, m_blocks, 7) int64 when timestamps
         stream: cuda.CUstream = None,
     ):
         w = mOWindows.layout
@@ -142,10 +216,35 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                     stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
                 ),
             )
-        with _nested_stride_alignment():
+        # the stamps ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
+        aux_data = AuxData([mTimes], None) if const_expr(self.timestamps) else AuxData()
+        with _fa4_patched(self.persistent_ctas):
             super().__call__(
-                mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream
+                mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, aux_data=aux_data,
+                stream=stream,
             )
+
+    def mma(self, *args, **kwargs):
+        """FA4's consumer warp groups, with this kernel's O staging buffer and final store wait."""
+        bound = _MMA_SIGNATURE.bind(self, *args, **kwargs)
+        a = bound.arguments
+        if const_expr(self.own_o_staging):
+            # the second half of the doubled sQ range (see _get_shared_storage_cls)
+            a["sO"] = cute.make_tensor(a["sQ"].iterator + self._sO_offset, a["sO"].layout)
+        if const_expr(self.timestamps):
+            self._times = a["aux_data"].tensors[0]
+            self._t_cta_start = cute.arch.globaltimer()
+        super().mma(*bound.args[1:], **bound.kwargs)
+        if const_expr(self.own_o_staging and self.o_store == "tma"):
+            # the last tile's bulk store must have read sO before the CTA's smem goes away
+            self._wait_o_store_read()
+
+    @cute.jit
+    def _wait_o_store_read(self):
+        """The storing warp (4) waits until its bulk stores have read shared memory."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def epilogue(
@@ -164,13 +263,20 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         head_idx: Int32,
         batch_idx: Int32,
     ):
+        t_epilogue = cute.arch.globaltimer() if const_expr(self.timestamps) else None
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # registers -> smem, as FA4 does
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # all MMA threads are done reading V (sO aliases sQ)
+        if const_expr(self.own_o_staging and self.o_store == "tma"):
+            # the previous tile's bulk store (issued by warp 4) has read sO
+            self._wait_o_store_read()
+        # all MMA threads are done reading V (sO aliases sQ) or, with its own buffer, the
+        # previous tile's O has left sO
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
         )
+        t_free = cute.arch.globaltimer() if const_expr(self.timestamps) else None
         smem_copy_atom_O = utils.get_smem_store_atom(
             self.arch.major * 10 + self.arch.minor, self.dtype
         )
@@ -195,6 +301,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         dst_last = (row0 + self.tile_m - 1) // seqlen_loc
         if dst_last > num_ranks - 1:
             dst_last = num_ranks - 1
+        t_issued = t_free
         if const_expr(self.o_store == "tma"):
             # smem writes visible to the TMA unit, then one warp issues the store
             cute.arch.fence_view_async_shared()
@@ -202,7 +309,6 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                 barrier_id=int(NamedBarrierFwd.Epilogue),
                 number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
             )
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 4:
                 cute.arch.barrier(
                     barrier_id=int(NamedBarrierFwd.Epilogue),
@@ -220,8 +326,12 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                 )
                 store_O()
                 cute.arch.cp_async_bulk_commit_group()
-                # wait until smem has been read, not until the (remote) writes are visible
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.timestamps):
+                    t_issued = cute.arch.globaltimer()
+                if const_expr(not self.own_o_staging):
+                    # wait until smem has been read, not until the (remote) writes are visible;
+                    # with its own O buffer that wait moves to the next tile's epilogue
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFwd.Epilogue),
@@ -245,3 +355,13 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                         cute.copy(
                             gmem_tiled_copy_O, tOrO[None, rest_m, None], tOgO[None, rest_m, None]
                         )
+            if const_expr(self.timestamps):
+                t_issued = cute.arch.globaltimer()
+        if const_expr(self.timestamps):
+            t_end = cute.arch.globaltimer()
+            mTimes = self._times[batch_idx, head_idx, m_block, None]
+            stamps = (Int64(cute.arch.smid()), Int64(cute.arch.block_idx()[0]), self._t_cta_start,
+                      t_epilogue, t_free, t_issued, t_end)
+            if tidx == 0:
+                for i in cutlass.range_constexpr(len(TIMESTAMP_FIELDS)):
+                    mTimes[i] = stamps[i]

@@ -9,6 +9,7 @@ CUDA-graph capturable.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -88,8 +89,9 @@ def tile_m_for(head_dim: int, causal: bool = False) -> int:
     return _config(head_dim, causal).m_block_size
 
 
-def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool):
-    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st")."""
+def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, persistent_ctas=None, times=None):
+    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st",
+    FA4's scheduler or `persistent_ctas` persistent CTAs, optionally with per-tile timestamps)."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
@@ -99,19 +101,23 @@ def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool):
 
     qhead_per_kvhead = q.shape[2] // k.shape[2]
     key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None)
+    if kind != "fa4":
+        key += (persistent_ctas, times is not None)
     if key in _compile_cache:
         return _compile_cache[key]
     if kind == "fa4":
         fa = _make_kernel(FlashAttentionForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
     else:
         fa = _make_kernel(FlashAttentionA2AForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead,
-                          causal, o_store=kind.removeprefix("a2a-"))
+                          causal, o_store=kind.removeprefix("a2a-"), persistent_ctas=persistent_ctas,
+                          timestamps=times is not None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
     tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
     tlse = to_cute_tensor(lse, assumed_align=4)
     if kind != "fa4":
-        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream, options="--enable-tvm-ffi")
+        ttimes = to_cute_tensor(times, assumed_align=8)
+        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, stream, options="--enable-tvm-ffi")
     else:
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
         #                     window_l, window_r, sink, blocksparse, aux, cu_total_m, cu_total_splits, stream)
@@ -121,6 +127,13 @@ def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool):
         )
     _compile_cache[key] = compiled
     return compiled
+
+
+def _num_sms(device: torch.device) -> int:
+    """SM count of the device (FA4's FLASH_ATTENTION_NUM_SMS, or 132, when compiling without one)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return int(os.environ.get("FLASH_ATTENTION_NUM_SMS", "132"))
 
 
 def _address(t: torch.Tensor) -> int:
@@ -209,6 +222,8 @@ def fa4_a2a_forward(
     seqused_k: Optional[torch.Tensor] = None,
     lse_windows: Optional[torch.Tensor] = None,
     o_store: Optional[str] = None,
+    persistent: Optional[bool] = None,
+    timestamps: Optional[torch.Tensor] = None,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
 
@@ -220,6 +235,11 @@ def fa4_a2a_forward(
     lse_windows: optional fp32 [P, B, H, S_loc] (each window contiguous): the rows' log-sum-exp
     routed like O, lse_windows[s // S_loc][b, rank * H_loc + h, s % S_loc].
     o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
+    persistent: one CTA per SM walking the tiles, O staged in its own shared-memory buffer so
+    that a CTA computes its next tile while the previous tile's store drains (see the kernel's
+    docstring); None: the default (False), refused with causal.
+    timestamps: optional int64 [B, H_loc, ceil(S / tile_m), 7], contiguous: a debug variant that
+    stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns).
     """
     _check_qkv(q, k, v)
     _check_seqused_k(seqused_k, q)
@@ -241,6 +261,20 @@ def fa4_a2a_forward(
         o_store = "tma" if aligned else "st"
     elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
         raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
-    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal)
+    if persistent is None:
+        persistent = False
+    elif not isinstance(persistent, bool):
+        raise ValueError(f"persistent: expected a bool or None, got {persistent!r}")
+    if persistent and causal:
+        raise ValueError("persistent: FA4 schedules causal tiles longest-first, one per CTA; got causal=True")
+    if timestamps is not None:
+        B, S = q.shape[0], q.shape[1]
+        shape = (B, H_loc, -(-S // tile_m_for(q.shape[-1], causal)), 7)
+        if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
+                or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
+                or timestamps.device != q.device):
+            raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
+    ctas = _num_sms(q.device) if persistent else None
+    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal, ctas, timestamps)
     if not _is_fake(q):
-        compiled(q, k, v, dst, lse_dst, scale, seqused_k)
+        compiled(q, k, v, dst, lse_dst, scale, seqused_k, timestamps)

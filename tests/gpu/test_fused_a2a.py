@@ -19,8 +19,21 @@ def _reference_windows(outs, P):
     return torch.cat(per_src, dim=3)
 
 
+def _windows(P, win_elems, dtype, host, keep):
+    """P windows of win_elems elements, NaN-poisoned, in HBM or in pinned host memory."""
+    if not host:
+        return torch.full((P * win_elems,), POISON, device="cuda", dtype=dtype)
+    from ulysses.transport import tensor_from_address
+
+    nbytes = P * win_elems * torch.empty(0, dtype=dtype).element_size()
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    keep.append(buf)
+    storage = tensor_from_address(buf.data_ptr(), nbytes, torch.device("cuda", torch.cuda.current_device()))
+    return storage.view(dtype).fill_(POISON)
+
+
 def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0, seqused=None, extra_keys=0,
-              with_lse=False):
+              with_lse=False, persistent=None, host=False):
     torch.manual_seed(1000 * P + S_loc + H_loc + D)
     S, H = P * S_loc, P * H_loc
     H_kv = kv_heads or H_loc
@@ -29,7 +42,8 @@ def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0,
     ks = [torch.randn(B, S_k, H_kv, D, device="cuda", dtype=dtype) for _ in range(P)]
     vs = [torch.randn(B, S_k, H_kv, D, device="cuda", dtype=dtype) for _ in range(P)]
     win_elems = B * S_loc * H * D + window_pad
-    storage = torch.full((P * win_elems,), POISON, device="cuda", dtype=dtype)
+    keep = []
+    storage = _windows(P, win_elems, dtype, host, keep)
     windows = storage.as_strided((P, B, S_loc, H, D), (win_elems, S_loc * H * D, H * D, D, 1))
     sk = None if seqused is None else torch.full((B,), seqused, device="cuda", dtype=torch.int32)
     lse_windows = lses = None
@@ -37,7 +51,8 @@ def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0,
         lse_windows = torch.full((P, B, H, S_loc), POISON, device="cuda")
         lses = [torch.empty(B, H_loc, S, device="cuda") for _ in range(P)]
     for r in range(P):
-        fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk, lse_windows=lse_windows)
+        fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk, lse_windows=lse_windows,
+                        persistent=persistent)
     outs = [fa4_forward(qs[r], ks[r], vs[r], causal=causal, seqused_k=sk, lse=None if lses is None else lses[r])
             for r in range(P)]
     torch.cuda.synchronize()
@@ -99,6 +114,59 @@ def test_fused_routes_lse(S_loc):
 def test_fused_more_keys_than_queries():
     # joint (text) keys appended after the image sequence: queries route, keys do not
     _run_case(2, 1, 256, 2, 128, torch.bfloat16, False, extra_keys=77)
+
+
+PERSISTENT_CASES = [
+    # P, B, S_loc, H_loc, D, dtype: more tiles than SMs, so CTAs run several tiles
+    (8, 2, 1024, 3, 128, torch.bfloat16),  # TMA path, 384 tiles
+    (4, 1, 320, 3, 128, torch.bfloat16),  # tiles straddle rank boundaries: per-thread stores
+    (8, 1, 100, 1, 128, torch.float16),  # S_loc < tile_m
+    (2, 2, 1536, 4, 64, torch.float16),  # D = 64 (tile_m 192), TMA path, 128 tiles
+    (8, 1, 1000, 3, 128, torch.bfloat16),  # straddling, 189 tiles
+]
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["hbm", "host"])
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype", PERSISTENT_CASES)
+def test_persistent_matches_fa4_plus_reference_a2a(P, B, S_loc, H_loc, D, dtype, host):
+    _run_case(P, B, S_loc, H_loc, D, dtype, False, persistent=True, host=host)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_fused_into_host_windows(persistent):
+    # FA4's scheduler and the persistent one, windows in pinned host memory, with LSE and GQA
+    _run_case(4, 1, 512, 4, 128, torch.bfloat16, False, kv_heads=2, with_lse=True, persistent=persistent,
+              host=True)
+
+
+def test_persistent_lse_and_seqused():
+    _run_case(4, 2, 384, 4, 128, torch.bfloat16, False, kv_heads=1, window_pad=4096, seqused=1400,
+              with_lse=True, persistent=True)
+
+
+def test_timestamps_debug_variant():
+    # every tile stamped once, in order, by the CTA that ran it; the output still exact
+    from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
+
+    P, B, S_loc, H_loc, D = 8, 1, 1024, 3, 128
+    q, k, v = (torch.randn(B, P * S_loc, H_loc, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = fa4_forward(q, k, v)
+    expected = _reference_windows([out] * P, P)[:, :, :, :H_loc]
+    n_m = P * S_loc // tile_m_for(D)
+    for persistent in (False, True):
+        ts = torch.zeros(B, H_loc, n_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
+        windows = torch.full((P, B, S_loc, P * H_loc, D), POISON, device="cuda", dtype=torch.bfloat16)
+        fa4_a2a_forward(q, k, v, windows, 0, persistent=persistent, timestamps=ts)
+        torch.cuda.synchronize()
+        assert torch.equal(windows[:, :, :, :H_loc], expected)
+        st = ts.view(-1, len(TIMESTAMP_FIELDS))
+        f = {name: st[:, i] for i, name in enumerate(TIMESTAMP_FIELDS)}
+        assert bool((f["cta_start"] > 0).all())
+        for a, b in zip(TIMESTAMP_FIELDS[2:], TIMESTAMP_FIELDS[3:]):
+            assert bool((f[a] <= f[b]).all()), (a, b)
+        n_ctas = len(set(f["cta"].tolist()))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert n_ctas == (min(sms, st.shape[0]) if persistent else st.shape[0])
 
 
 def test_tile_m_known():

@@ -1,0 +1,212 @@
+"""Does the fused FA4 + post-A2A kernel keep computing while its stores drain over a slow link?
+
+One-GPU proxy for a slow peer: the P Ulysses output windows sit in pinned host memory (GPU
+stores reach them over PCIe, zero-copy), or in HBM for comparison. One source rank's work
+(rank 0 of P = 8 emulated ranks, bf16, D = 128, H_loc = 3 by default): FA4 alone, the post-A2A
+kernel alone, serial (FA4 then post-A2A), and the fused kernel's variants:
+
+    fused          FA4's scheduler (one tile per CTA), O staged in sQ, TMA store
+    fused-pers     persistent CTAs, O in its own smem buffer, the store's read waited for
+                   only before the next tile's O is staged (cute_kernels/fa4_a2a_sm90.py)
+    fused-st-pers  the same scheduler with per-thread stores (the path of straddling S_loc)
+
+Every variant is first checked against serial bit for bit into NaN-poisoned windows. Times are
+CUDA-graph replay medians (graphs.time_graphs, inputs rotated past L2). Printed per row: time,
+ratio to FA4, hiding H = 1 - (T - T_FA)/(T_serial - T_FA), and a bound: FA4's tiles finish in
+ceil(tiles / SMs) waves at k*T_FA/waves, each wave's O drains at the A2A-only rate R after the
+previous wave's, so T >= max(T_FA, end of the last drain); H_bound is that bound's hiding.
+
+With --stamp-seqlens, one launch of each variant's debug build per destination records per-tile
+%globaltimer stamps (CTA start, epilogue entry, sO free, store issued, epilogue end); the summary
+says what a CTA waits for. Everything also goes to the JSON file named on the command line.
+
+    python examples/host_window_hiding.py OUT.json [--seqlens 8192 16384 32768] [--stamp-seqlens 8192]
+"""
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
+from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
+from fa_a2a.op import post_a2a
+from graphs import input_sets_needed, median, round_up, time_graphs
+from ulysses.transport import tensor_from_address
+
+VARIANTS = {
+    "fused": dict(o_store="tma", persistent=False),
+    "fused-pers": dict(o_store="tma", persistent=True),
+    "fused-st-pers": dict(o_store="st", persistent=True),
+}
+
+
+def make_windows(dest, P, S_loc, H, D, dtype, keep):
+    """[P, 1, S_loc, H, D] windows in HBM or in pinned host memory (wrapped as a CUDA tensor)."""
+    nbytes = P * S_loc * H * D * torch.empty(0, dtype=dtype).element_size()
+    if dest == "host":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        keep.append(host)
+        flat = tensor_from_address(host.data_ptr(), nbytes, torch.device("cuda", torch.cuda.current_device()))
+    else:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return flat.view(dtype).view(P, 1, S_loc, H, D)
+
+
+def wave_bound(t_fa, t_a2a, n_tiles, n_sms):
+    """Lower bound on the fused time if SMs never wait for stores: waves of tiles finish at
+    k*T_FA/waves, their bytes drain one wave after another at the A2A-only rate."""
+    waves = math.ceil(n_tiles / n_sms)
+    per_tile = t_a2a / n_tiles  # drain time of one tile's O at the A2A-only rate
+    drain_end = 0.0
+    for k in range(1, waves + 1):
+        tiles = min(n_sms, n_tiles - (k - 1) * n_sms)
+        drain_end = max(k * t_fa / waves, drain_end) + tiles * per_tile
+    return max(t_fa, drain_end)
+
+
+def hiding(t, t_fa, t_ser):
+    return 1.0 - (t - t_fa) / (t_ser - t_fa) if t_ser - t_fa > 1.0 else float("nan")
+
+
+def stamp_summary(st, t_kernel_us):
+    """What a CTA waits for, from one launch's per-tile stamps [tiles, 7] (ns)."""
+    f = {name: st[:, i] for i, name in enumerate(TIMESTAMP_FIELDS)}
+    t0 = int(f["cta_start"].min())
+    us = lambda x: float(x) / 1e3
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
+    # tiles of one CTA in order; a tile starts at its CTA's start or at its predecessor's end
+    by_cta = {}
+    for i in sorted(range(st.shape[0]), key=lambda i: int(f["epilogue"][i])):
+        by_cta.setdefault(int(f["cta"][i]), []).append(i)
+    first_main, later_main = [], []
+    for tiles in by_cta.values():
+        prev_end = None
+        for i in tiles:
+            start = int(f["cta_start"][i]) if prev_end is None else prev_end
+            (first_main if prev_end is None else later_main).append(us(int(f["epilogue"][i]) - start))
+            prev_end = int(f["end"][i])
+    # non-persistent: on each SM, a later CTA's start after the earlier CTA's end
+    by_sm = {}
+    for c, tiles in by_cta.items():
+        i = tiles[0]
+        by_sm.setdefault(int(f["smid"][i]), []).append((int(f["cta_start"][i]), int(f["end"][tiles[-1]])))
+    sm_gaps = []
+    for ctas in by_sm.values():
+        ctas.sort()
+        sm_gaps += [us(b[0] - a[1]) for a, b in zip(ctas, ctas[1:])]
+    span = us(int(f["end"].max()) - t0)
+    return dict(
+        ctas=len(by_cta), tiles=int(st.shape[0]),
+        mainloop_first_us=med(first_main), mainloop_later_us=med(later_main),
+        wait_sO_free_us=med([us(x) for x in (f["sO_free"] - f["epilogue"]).tolist()]),
+        wait_after_issue_us=med([us(x) for x in (f["end"] - f["store_issued"]).tolist()]),
+        wait_after_issue_max_us=max(us(x) for x in (f["end"] - f["store_issued"]).tolist()),
+        next_cta_start_after_prev_end_us=med(sm_gaps),
+        last_epilogue_end_us=span, kernel_event_us=t_kernel_us, kernel_end_after_last_tile_us=t_kernel_us - span,
+        last_first_wave_end_us=us(sorted(int(f["end"][t[0]]) for t in by_cta.values())[-1] - t0),
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--dests", nargs="+", default=["hbm", "host"], choices=["hbm", "host"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--stamp-seqlens", type=int, nargs="*", default=[8192])
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--heads-per-rank", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--trials", type=int, default=7)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (SM90)")
+    P, H_loc, D, dt = args.world_size, args.heads_per_rank, args.head_dim, torch.bfloat16
+    H = P * H_loc
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile_m = tile_m_for(D)
+    rows, stamps, raw = [], [], {}
+    print("| M | dest | variant | us | / FA4 | hiding H | bound us | H_bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for M in args.seqlens:
+        if M % (P * tile_m):
+            raise SystemExit(f"--seqlens: {M} is not a multiple of P * tile_m = {P * tile_m}")
+        S_loc = M // P
+        set_bytes = 4 * M * H_loc * D * 2
+        sets = [[torch.randn(1, M, H_loc, D, device="cuda", dtype=dt) for _ in range(4)]
+                for _ in range(input_sets_needed(set_bytes))]
+        n_tiles = (M // tile_m) * H_loc
+        keep = []
+        for dest in args.dests:
+            win = make_windows(dest, P, S_loc, H, D, dt, keep)
+            mine = win[:, :, :, :H_loc]
+            q, k, v, o = sets[0]
+            win.fill_(float("nan"))
+            fa4_forward(q, k, v, o)
+            post_a2a(o, win, 0)
+            torch.cuda.synchronize()
+            ref = mine.clone()
+            exact = {}
+            for name in args.variants:
+                win.fill_(float("nan"))
+                fa4_a2a_forward(q, k, v, win, 0, **VARIANTS[name])
+                torch.cuda.synchronize()
+                exact[name] = bool(torch.equal(mine, ref))
+            methods = {
+                "fa4": [lambda s=s: fa4_forward(s[0], s[1], s[2], s[3]) for s in sets],
+                "a2a": [lambda s=s: post_a2a(s[3], win, 0) for s in sets],
+                "serial": [lambda s=s: (fa4_forward(s[0], s[1], s[2], s[3]), post_a2a(s[3], win, 0)) for s in sets],
+            }
+            for name in args.variants:
+                kw = VARIANTS[name]
+                methods[name] = [lambda s=s, kw=kw: fa4_a2a_forward(s[0], s[1], s[2], win, 0, **kw) for s in sets]
+            est_us = 184.0 * (M / 8192) ** 2 * H_loc / 3  # FA4 on an H200, for ~2 ms per replay
+            n_calls = round_up(max(2, round(2000 / est_us)), len(sets))
+            times = time_graphs(methods, n_calls=n_calls, trials=args.trials, warmup=2)
+            t = {name: median(v) for name, v in times.items()}
+            bound = wave_bound(t["fa4"], t["a2a"], n_tiles, n_sms)
+            for name in methods:
+                h = hiding(t[name], t["fa4"], t["serial"]) if name not in ("fa4", "a2a") else float("nan")
+                row = dict(M=M, dest=dest, variant=name, us=t[name], trials_us=times[name],
+                           ratio_fa4=t[name] / t["fa4"], hiding=h, bound_us=bound,
+                           hiding_bound=hiding(bound, t["fa4"], t["serial"]), exact=exact.get(name))
+                rows.append(row)
+                flag = "" if exact.get(name, True) else " NOT EXACT"
+                print(f"| {M} | {dest} | {name}{flag} | {t[name]:.1f} | {row['ratio_fa4']:.3f} | "
+                      f"{h:.0%} | {bound:.1f} | {row['hiding_bound']:.0%} |", flush=True)
+            if M in args.stamp_seqlens:
+                q, k, v, _ = sets[0]
+                for name in args.variants:
+                    ts = torch.zeros(1, H_loc, M // tile_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
+                    run = lambda: fa4_a2a_forward(q, k, v, win, 0, timestamps=ts, **VARIANTS[name])
+                    run()
+                    torch.cuda.synchronize()
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    run()
+                    b.record()
+                    torch.cuda.synchronize()
+                    st = ts.view(-1, len(TIMESTAMP_FIELDS)).cpu()
+                    summ = dict(M=M, dest=dest, variant=name, **stamp_summary(st, a.elapsed_time(b) * 1e3))
+                    stamps.append(summ)
+                    raw[f"{M}/{dest}/{name}"] = st.tolist()
+            del win, mine, ref
+        del sets, keep
+        torch.cuda.empty_cache()
+    if stamps:
+        keys = [k for k in stamps[0] if k not in ("M", "dest", "variant")]
+        print("\nper-tile stamps, one launch (medians over tiles, us):")
+        for s in stamps:
+            print(f"{s['M']} {s['dest']} {s['variant']}: " + ", ".join(
+                f"{k}={s[k]:.1f}" if isinstance(s[k], float) else f"{k}={s[k]}" for k in keys))
+    card = torch.cuda.get_device_name()
+    with open(args.out, "w") as fh:
+        json.dump(dict(card=card, P=P, H_loc=H_loc, D=D, dtype="bf16", sms=n_sms, rows=rows,
+                       stamp_fields=TIMESTAMP_FIELDS, stamps=stamps, raw_stamps=raw), fh)
+
+
+if __name__ == "__main__":
+    main()
