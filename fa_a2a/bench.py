@@ -1,70 +1,60 @@
 """`python -m fa_a2a.bench`: steady-state sender-visible times of FA4 + Ulysses post-A2A vs M.
 
-Methods (the paper's Sec. 5.3 set plus the baseline users run today):
-  fa           FA4-only: fa_a2a.fused.fa4_forward on q, k, v [B, M, H_loc, D]
-  a2a          A2A-only: our post-A2A kernel alone, fa_a2a.op.post_a2a(o, out_windows, rank)
-  a2a_nccl     A2A-only, NCCL: permute + all_to_all_single + permute (real ranks only)
-  serial       FA4, then our post-A2A
-  serial_nccl  FA4, then permute + all_to_all_single (yunchang / xDiT / DeepSpeed; real ranks only)
-  fused        FA4 with the post-A2A in its epilogue: fa_a2a.fused.fa4_a2a_forward
-  layer_fused  whole Ulysses layer (pre-A2A + attention + post-A2A), impl="fused" (real ranks only)
-  layer_nccl   the same layer with impl="nccl" (real ranks only)
-Derived (from unrounded medians): E_res = T_fused - T_FA, hiding ratio
-H = 1 - (T_fused - T_FA) / (T_serial - T_FA), speedup T_serial / T_fused, and T_fused / T_FA.
+The methods are the rows of METHODS (the paper's Sec. 5.3 set, the baseline users run today, and
+the Ulysses op itself); `--help` lists them. Derived (from unrounded medians): E_res = T_fused -
+T_FA, hiding ratio H = 1 - (T_fused - T_FA) / (T_serial - T_FA), speedup T_serial / T_fused, and
+T_fused / T_FA.
 
-Timing (graphs.timing): each method is captured as N back-to-back calls in a CUDA graph; one
-timed replay is the N calls plus one cross-rank barrier (the paper's sender-side boundary);
-per-call us = elapsed / N; per trial the max over ranks; median over trials; method order rotated
-every trial; input sets rotated when they would fit in L2; SM clocks logged through NVML.
+Timing (graphs.timing, the project's one timing loop): each method is captured as N back-to-back
+calls in a CUDA graph; one timed replay is the N calls plus one cross-rank barrier (the paper's
+sender-side boundary); per-call us = elapsed / N; per trial the max over ranks; median over
+trials; method order rotated every trial; input sets rotated when they would fit in L2; SM clocks
+logged through NVML. Then the same N calls eagerly (no graph, 3 trials): host wall time per call,
+printed beside the graph time (GPU-bound when they agree).
 
 Ranks: under `torchrun --nproc-per-node=N` (one GPU per process) the ranks are real. In one
 process, P ranks are emulated: the process runs rank 0's work only and its "remote" stores go to
-P local windows in HBM; the other P-1 ranks' stores are never issued. NCCL methods then print
-"n/a (needs real ranks)". Without a GPU nothing is measured: the script prints the Burst-Gap
-model's predictions (fa_a2a.xstage) and exits 0.
+P local windows; the other P-1 ranks' stores are never issued ("Op emulated" runs all P ranks'
+work through fa_a2a.ulysses_attention_emulated). Methods that do not apply print "n/a (...)".
 
-Methods whose functions do not exist yet (or fail on their first call) are skipped with the
-reason printed; no number is printed that was not measured.
+Destinations (--dest): hbm puts the windows in this GPU's memory; host puts them in pinned host
+memory that the GPU's stores reach over PCIe (zero-copy under UVA): a one-GPU proxy for a slow
+peer with the same mechanism (bursts, finite outstanding capacity, backpressure on the issuer)
+but not NVLink's numbers. For each (M, destination) the Burst-Gap model of FA4's tile bursts
+(fa_a2a.xstage, platform from --platform) is printed beside the measured E_res and hiding ratio,
+with the wave drain bound at the measured A2A-only rate (xstage.FaTiles.wave_drain_bound).
+Without a GPU nothing is measured: the script prints the model's predictions and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+
+from fa_a2a.xstage import GB, US, FaTiles, PlatformModel, fused_residual
 
 DEFAULT_SEQLENS = (8192, 16384, 32768, 49152, 65536)
 QUICK_SEQLENS = (8192, 16384)
 DEFAULT_WORLD_SIZE = 8
-# (key, table label, needs real ranks)
-METHODS = (
-    ("fa", "FA4-only", False),
-    ("a2a", "A2A-only", False),
-    ("a2a_nccl", "A2A-only NCCL", True),
-    ("serial", "Serial", False),
-    ("serial_nccl", "Serial-NCCL", True),
-    ("fused", "Fused", False),
-    ("layer_fused", "Layer fused", True),
-    ("layer_nccl", "Layer NCCL", True),
-)
-METHOD_KEYS = tuple(k for k, _, _ in METHODS)
-LABELS = {k: label for k, label, _ in METHODS}
-NEEDS_REAL = {k for k, _, real in METHODS if real}
-NA_REAL = "n/a (needs real ranks)"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DESTS = ("hbm", "host")
+EAGER_TRIALS = 3
+NA_REAL = "n/a (needs real ranks)"
+NA_EMULATED = "n/a (emulated ranks only)"
+NA_HOST = "n/a (its windows are in HBM)"
 # The paper's calibration of its 8xB200 node (K=148 producers, 32 KB bursts): used for the
 # no-GPU predictions when --platform is not given. Not a measurement of this machine.
-PAPER_PLATFORM = {"t_iss0_us": 0.76, "drain_rate_GBps": 717.0, "capacity_MiB": 4.25}
+PAPER_PLATFORM = PlatformModel(t_iss0=0.76 * US, drain_rate=717 * GB, capacity=4.25 * 2**20)
+PAPER_SOURCE = "the paper's 8xB200 calibration (T_iss0 0.76 us, R 717 GB/s, Q 4.25 MiB), not this machine"
 # FA4 SM90 forward throughput measured on an H200 (bf16, D=128, non-causal, 16K-64K; DESIGN.md,
 # 2026-12-02): the no-GPU predictions turn it into the Q-loop time per KV tile.
 H200_FA4_TFLOPS = 690.0
@@ -72,9 +62,169 @@ H200_NUM_SMS = 132
 
 EMULATION_NOTE = (
     "Emulated ranks: one process runs source rank 0's work for P={P} ranks; its stores to the "
-    "{P} destination windows are local HBM stores, and the other {Pm1} ranks' stores are never "
+    "{P} destination windows stay on this GPU or its host, and the other {Pm1} ranks' stores are never "
     "issued. NCCL methods need real ranks."
 )
+HOST_NOTE = (
+    "--dest host: the windows are pinned host memory; the GPU's stores reach it over PCIe (UVA). A "
+    "one-GPU proxy for a slow peer, not NVLink: its drain rate, capacity and latency are the PCIe path's."
+)
+
+
+# ----------------------------------------------------------------------------------- methods
+class _Point:
+    """What a method's builder needs for one (M, destination): sizes, rank, and allocators."""
+
+    def __init__(self, cfg: "BenchConfig", M: int, dest: str, ctx: dict, gen: torch.Generator):
+        self.cfg, self.M, self.dest = cfg, M, dest
+        self.dev, self.group, self.rank = ctx["device"], ctx["group"], ctx["rank"]
+        self.dtype = DTYPES[cfg.dtype]
+        self.S_loc = M // cfg.world_size
+        self.gen = gen
+        self.keep = []  # pinned host buffers behind host windows: alive as long as the point
+
+    def randn(self, *shape):
+        return torch.randn(*shape, device=self.dev, dtype=self.dtype, generator=self.gen)
+
+    def windows(self, name: str) -> torch.Tensor:
+        """[P, B, S_loc, H, D] output windows of all ranks, filled with random values."""
+        cfg, P, H_loc = self.cfg, self.cfg.world_size, self.cfg.heads_local
+        shape = (P, cfg.batch, self.S_loc, cfg.heads, cfg.head_dim)
+        if cfg.real_ranks:  # peer buffers mapped at one stride (collective)
+            from ulysses.transport import get_transport
+
+            w = get_transport(self.group).windows(f"fa_a2a.bench.{name}", shape[1:], self.dtype)
+            w.narrow(3, self.rank * H_loc, H_loc).copy_(self.randn(P, cfg.batch, self.S_loc, H_loc, cfg.head_dim))
+            return w
+        if self.dest == "host":
+            from ulysses.transport import tensor_from_address
+
+            nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self.keep.append(host)
+            w = tensor_from_address(host.data_ptr(), nbytes, self.dev).view(self.dtype).view(shape)
+            w.copy_(self.randn(*shape))
+            return w
+        return self.randn(*shape)
+
+    def mine(self, w: torch.Tensor) -> torch.Tensor:
+        """The part of the windows this rank writes."""
+        H_loc = self.cfg.heads_local
+        return w.narrow(3, self.rank * H_loc, H_loc)
+
+
+# A builder takes (point, input set {"i": index, "q", "k", "v", "o_in"}) and returns (call, output): the call launches one call of
+# the method; the output is the tensor it writes (NaN-poisoned before the timed replays and
+# checked after them), or None to check the call's return value on an eager call after the run.
+def _build_fa(pt, s):
+    from fa_a2a.fused import fa4_forward
+
+    o = torch.empty_like(s["q"])
+    return (lambda: fa4_forward(s["q"], s["k"], s["v"], out=o, causal=pt.cfg.causal)), o
+
+
+def _build_a2a(pt, s):
+    from fa_a2a.op import post_a2a
+
+    w = pt.windows(f"a2a.{s['i']}")
+    return (lambda: post_a2a(s["o_in"], w, pt.rank)), pt.mine(w)
+
+
+def _build_serial(pt, s):
+    from fa_a2a.fused import fa4_forward
+    from fa_a2a.op import post_a2a
+
+    o, w = torch.empty_like(s["q"]), pt.windows(f"serial.{s['i']}")
+    return (lambda: (fa4_forward(s["q"], s["k"], s["v"], out=o, causal=pt.cfg.causal),
+                     post_a2a(o, w, pt.rank))), pt.mine(w)
+
+
+def _build_fused(pt, s):
+    from fa_a2a.fused import fa4_a2a_forward
+
+    w = pt.windows(f"fused.{s['i']}")
+    return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal)), pt.mine(w)
+
+
+def _nccl_buffers(pt):
+    cfg = pt.cfg
+    send = torch.empty(cfg.world_size, cfg.batch, pt.S_loc, cfg.heads_local, cfg.head_dim, device=pt.dev,
+                       dtype=pt.dtype)
+    out = torch.empty(cfg.batch, pt.S_loc, cfg.heads, cfg.head_dim, device=pt.dev, dtype=pt.dtype)
+    return send, torch.empty_like(send), out
+
+
+def _build_a2a_nccl(pt, s):
+    from ulysses.reference import dist_head_to_seq  # permute + all_to_all_single
+
+    bufs = _nccl_buffers(pt)
+    return (lambda: dist_head_to_seq(s["o_in"], group=pt.group, buffers=bufs)), bufs[2]
+
+
+def _build_serial_nccl(pt, s):
+    from fa_a2a.fused import fa4_forward
+    from ulysses.reference import dist_head_to_seq
+
+    bufs, o = _nccl_buffers(pt), torch.empty_like(s["q"])
+    return (lambda: (fa4_forward(s["q"], s["k"], s["v"], out=o, causal=pt.cfg.causal),
+                     dist_head_to_seq(o, group=pt.group, buffers=bufs))), bufs[2]
+
+
+def _layer_builder(impl: str):
+    def build(pt, s):
+        from fa_a2a.op import ulysses_attention
+
+        cfg = pt.cfg
+        x = [pt.randn(cfg.batch, pt.S_loc, cfg.heads, cfg.head_dim) for _ in range(3)]
+        return (lambda: ulysses_attention(*x, group=pt.group, impl=impl, causal=cfg.causal)), None
+    return build
+
+
+def _build_emulated(pt, s):
+    from fa_a2a.op import ulysses_attention_emulated
+
+    cfg = pt.cfg
+    qs, ks, vs = ([pt.randn(cfg.batch, pt.S_loc, cfg.heads, cfg.head_dim) for _ in range(cfg.world_size)]
+                  for _ in range(3))
+    return (lambda: ulysses_attention_emulated(qs, ks, vs, impl="fused", causal=cfg.causal)), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    key: str
+    label: str
+    what: str
+    build: Callable
+    ranks: str = "any"      # "any" | "real" (torchrun, one GPU per rank) | "emulated" (one process)
+    hbm_only: bool = False  # allocates its own windows in HBM: --dest host does not apply
+
+
+METHODS = (
+    Method("fa", "FA4-only", "fa_a2a.fused.fa4_forward on q, k, v [B, M, H_loc, D]", _build_fa),
+    Method("a2a", "A2A-only", "our post-A2A kernel alone, fa_a2a.op.post_a2a(o, windows, rank)", _build_a2a),
+    Method("a2a_nccl", "A2A-only NCCL", "permute + all_to_all_single + permute", _build_a2a_nccl, "real", True),
+    Method("serial", "Serial", "FA4, then our post-A2A", _build_serial),
+    Method("serial_nccl", "Serial-NCCL", "FA4, then permute + all_to_all_single (yunchang / xDiT / DeepSpeed)",
+           _build_serial_nccl, "real", True),
+    Method("fused", "Fused", "FA4 with the post-A2A in its epilogue: fa_a2a.fused.fa4_a2a_forward", _build_fused),
+    Method("layer_fused", "Layer fused", "whole Ulysses layer (pre-A2A + attention + post-A2A), impl='fused'",
+           _layer_builder("fused"), "real", True),
+    Method("layer_nccl", "Layer NCCL", "the same layer with impl='nccl'", _layer_builder("nccl"), "real", True),
+    Method("op_emulated", "Op emulated", "fa_a2a.ulysses_attention_emulated, impl='fused': all P ranks' work "
+           "(pre-A2A, fused attention, barrier) in one process", _build_emulated, "emulated", True),
+)
+BY_KEY = {m.key: m for m in METHODS}
+
+
+def not_applicable(m: Method, real_ranks: bool, dest: str) -> Optional[str]:
+    """Why method m does not run in this setting (a table cell), or None."""
+    if m.ranks == "real" and not real_ranks:
+        return NA_REAL
+    if m.ranks == "emulated" and real_ranks:
+        return NA_EMULATED
+    if m.hbm_only and dest != "hbm":
+        return NA_HOST
+    return None
 
 
 # ----------------------------------------------------------------------------------- config
@@ -93,6 +243,7 @@ class BenchConfig:
     calls: Optional[int]
     target_ms: float
     methods: tuple
+    dests: tuple
     quick: bool
     out: str
     platform: Optional[str]
@@ -109,8 +260,11 @@ class BenchConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fa_a2a.bench",
-        description="CUDA-graph steady-state benchmark of FA4 + Ulysses post-A2A: FA-only, A2A-only, "
-        "serial, NCCL serial, fused, across sequence lengths M.",
+        description="CUDA-graph steady-state benchmark of FA4 + Ulysses post-A2A across sequence lengths M, "
+        "windows in HBM or in pinned host memory, with the X-Stage Burst-Gap model beside the measurements.",
+        epilog="methods: " + "; ".join(f"{m.key} = {m.what}" + {"real": " (real ranks only)",
+                                                                  "emulated": " (emulated ranks only)"}.get(m.ranks, "")
+                                        for m in METHODS),
     )
     p.add_argument("--seqlens", "-M", type=int, nargs="+", default=None,
                    help=f"full sequence lengths M (default {' '.join(map(str, DEFAULT_SEQLENS))}; "
@@ -123,8 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "the real world size)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--methods", nargs="+", choices=METHOD_KEYS, default=None,
-                   help="subset of methods (default: all)")
+    p.add_argument("--methods", nargs="+", choices=[m.key for m in METHODS], default=None,
+                   help="subset of methods (default: all; listed below)")
+    p.add_argument("--dest", nargs="+", choices=DESTS, default=None,
+                   help="where the P output windows live: hbm (this GPU's memory, default) and/or host "
+                   "(pinned host memory reached by the GPU's stores over PCIe: a one-GPU proxy for a slow "
+                   "peer, NOT NVLink; emulated ranks only). Several: one row per M and destination")
     p.add_argument("--trials", type=int, default=None, help="timed replays per method (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed replays per method (default 3; quick 1)")
     p.add_argument("--calls", type=int, default=None,
@@ -134,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="M 8192 16384, 5 trials: under 2 minutes on one H200")
     p.add_argument("--out", default=os.path.join("results", "bench"), help="output folder for JSON and plots")
     p.add_argument("--platform", default=None,
-                   help="platform model JSON (python -m fa_a2a.calibrate) for the M_ub* line and predictions")
+                   help="platform model JSON (python -m fa_a2a.calibrate, of the destination measured) for "
+                   "the Burst-Gap predictions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--num-sms", type=int, default=None,
@@ -148,6 +307,26 @@ def _positive(value, name: str) -> int:
     if value is None or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return value
+
+
+def _positive_finite(value: float, name: str) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return value
+
+
+def load_platform(path: Optional[str]) -> tuple:
+    """(PlatformModel, description) from a calibration JSON, or the paper's 8xB200 calibration.
+    Bad contents raise ValueError naming --platform."""
+    if path is None:
+        return PAPER_PLATFORM, PAPER_SOURCE
+    if not Path(path).is_file():
+        raise ValueError(f"--platform: expected a platform model JSON file, got {path!r} (no such file)")
+    try:
+        model = PlatformModel.from_json(Path(path))
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--platform: {path} is not a platform model ({e})") from None
+    return model, f"calibration {path}"
 
 
 def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConfig:
@@ -188,23 +367,28 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
     if ns.calls is not None:
         _positive(ns.calls, "--calls")
     target_ms = ns.target_ms if ns.target_ms is not None else (5.0 if ns.quick else 25.0)
-    if not target_ms > 0:
-        raise ValueError(f"--target-ms: expected > 0, got {target_ms}")
-    methods = tuple(ns.methods) if ns.methods else METHOD_KEYS
-    bad = [m for m in methods if m not in METHOD_KEYS]
+    _positive_finite(target_ms, "--target-ms")
+    keys = [m.key for m in METHODS]
+    methods = tuple(ns.methods) if ns.methods else tuple(keys)
+    bad = [m for m in methods if m not in keys]
     if bad:
-        raise ValueError(f"--methods: unknown {bad}; choose from {list(METHOD_KEYS)}")
-    methods = tuple(k for k in METHOD_KEYS if k in methods)  # canonical order
-    if ns.platform is not None and not Path(ns.platform).is_file():
-        raise ValueError(f"--platform: no such file: {ns.platform}")
+        raise ValueError(f"--methods: unknown {bad}; choose from {keys}")
+    methods = tuple(k for k in keys if k in methods)  # canonical order
+    dests = tuple(d for d in DESTS if d in (ns.dest or ("hbm",)))
+    bad = [d for d in (ns.dest or ()) if d not in DESTS]
+    if bad:
+        raise ValueError(f"--dest: expected {' or '.join(DESTS)}, got {bad}")
+    if real and "host" in dests:
+        raise ValueError(f"--dest: host windows need emulated ranks (one process), got torchrun's "
+                         f"WORLD_SIZE={env_world}")
+    load_platform(ns.platform)  # bad contents are a usage error now, not a traceback later
     num_sms = ns.num_sms if ns.num_sms is not None else H200_NUM_SMS
     _positive(num_sms, "--num-sms")
-    if not ns.fa_tflops > 0:
-        raise ValueError(f"--fa-tflops: expected > 0, got {ns.fa_tflops}")
+    _positive_finite(ns.fa_tflops, "--fa-tflops")
     return BenchConfig(
         seqlens=seqlens, heads=ns.heads, head_dim=ns.head_dim, batch=ns.batch, world_size=world,
         real_ranks=real, dtype=ns.dtype, causal=ns.causal, trials=trials, warmup=warmup,
-        calls=ns.calls, target_ms=target_ms, methods=methods, quick=ns.quick, out=ns.out,
+        calls=ns.calls, target_ms=target_ms, methods=methods, dests=dests, quick=ns.quick, out=ns.out,
         platform=ns.platform, seed=ns.seed, plots=not ns.no_plots, num_sms=num_sms,
         fa_tflops=ns.fa_tflops,
     )
@@ -226,6 +410,8 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
     noise: the per-trial T_serial - T_FA must have a median above 3x its median absolute
     deviation (with emulated ranks the local A2A is 5-35 us against ~1% noise in T_FA: the
     sweep of 2026-12-02 printed H = 101%, 93%, 23%, 160% before this gate)."""
+    import statistics
+
     fa, serial, fused = med.get("fa"), med.get("serial"), med.get("fused")
     out = {"e_res_us": None, "e_res_rel": None, "hiding": None, "speedup": None,
            "fused_over_fa": None, "fused_over_fa_paired": None, "speedup_nccl": None,
@@ -265,20 +451,25 @@ DERIVED_COLUMNS = (
 )
 
 
+def _row_head(p: dict, with_dest: bool) -> list:
+    return [str(p["M"])] + ([p.get("dest", "hbm")] if with_dest else [])
+
+
 def format_table(points: Sequence[dict], methods: Sequence[str]) -> str:
-    """Markdown table, one row per M. Each point: {"M", "median_us": {key: us}, "status":
-    {key: text shown instead of a number}, "derived": derive(...)}. A derived column appears
-    only when some row has a value for it; methods that need real ranks and ran in no row (other
-    than Serial-NCCL, the baseline) are named in a note under the table instead of a column."""
+    """Markdown table, one row per (M, destination). Each point: {"M", "dest", "median_us":
+    {key: us}, "status": {key: text shown instead of a number}, "derived": derive(...)}. A derived
+    column appears only when some row has a value for it; a method that applies in no row (other
+    than Serial-NCCL, the baseline) is named in a note under the table instead of a column."""
     folded = [m for m in methods if m != "serial_nccl" and points
-              and all(p["status"].get(m) == NA_REAL and m not in p["median_us"] for p in points)]
+              and all(p["status"].get(m, "").startswith("n/a") and m not in p["median_us"] for p in points)]
     methods = [m for m in methods if m not in folded]
-    cols = [LABELS[m] + " (us)" for m in methods]
+    with_dest = any(p.get("dest", "hbm") != "hbm" for p in points)
+    cols = [BY_KEY[m].label + " (us)" for m in methods]
     dcols = [c for c in DERIVED_COLUMNS if any(p["derived"].get(c[0]) is not None for p in points)]
-    head = ["M"] + cols + [c[1] for c in dcols]
+    head = ["M"] + (["windows"] if with_dest else []) + cols + [c[1] for c in dcols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
-        cells = [str(p["M"])]
+        cells = _row_head(p, with_dest)
         for m in methods:
             t = p["median_us"].get(m)
             cells.append(f"{t:.1f}" if t is not None else p["status"].get(m, "not run"))
@@ -287,83 +478,61 @@ def format_table(points: Sequence[dict], methods: Sequence[str]) -> str:
             cells.append(fmt(v) if v is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     if folded:
-        lines.append("\nNeed real ranks, not run: " + ", ".join(LABELS[m] for m in folded) + ".")
+        why = {}
+        for m in folded:
+            why.setdefault(next(p["status"][m] for p in points), []).append(BY_KEY[m].label)
+        lines.append("\nNot run: " + "; ".join(f"{', '.join(v)} ({k[5:-1] if k.startswith('n/a (') else k})"
+                                                for k, v in why.items()) + ".")
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------- model (no GPU too)
-def fa4_sm90_tile(head_dim: int, causal: bool = False) -> tuple:
-    """(tile_m, tile_n) of FA4 4.0.0b36's SM90 forward (interface._tile_size_fwd_sm90, no local
-    window, head_dim_v = head_dim), copied so the CPU path does not import the CuTe DSL."""
-    if head_dim <= 64:
-        return 192, 128
-    if head_dim <= 96:
-        return 192, (128 if causal else 144)
-    if head_dim <= 128:
-        return 128, 128
-    if head_dim <= 192:
-        return 128, 112
-    return 128, 80
+def format_eager(points: Sequence[dict]) -> str:
+    """Eager wall time per call beside the graph time, one row per (M, destination, method)."""
+    with_dest = any(p.get("dest", "hbm") != "hbm" for p in points)
+    head = ["M"] + (["windows"] if with_dest else []) + ["method", "graph (us/call)", "eager wall (us/call)",
+                                                          "eager / graph"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in points:
+        for m in METHODS:
+            g, e = p["median_us"].get(m.key), p.get("eager_us", {}).get(m.key)
+            if g is None or e is None:
+                continue
+            lines.append("| " + " | ".join(_row_head(p, with_dest) + [m.label, f"{g:.1f}", f"{e:.1f}",
+                                                                      f"{e / g:.2f}"]) + " |")
+    return "\n".join(lines)
 
 
-def fa_geometry(M: int, cfg: BenchConfig, num_sms: int) -> dict:
-    """Tile counts of one rank's FA: CTAs (= output tiles), waves, KV tiles per Q-loop, the burst
-    per CTA Bt = tile_m * D * bytes and the aligned burst volume V = K * Bt, K = min(SMs, tiles)."""
-    tile_m, tile_n = fa4_sm90_tile(cfg.head_dim, cfg.causal)
-    tiles = cfg.batch * cfg.heads_local * math.ceil(M / tile_m)
-    k = min(num_sms, tiles)
-    bt = tile_m * cfg.head_dim * torch.tensor([], dtype=DTYPES[cfg.dtype]).element_size()
-    return {"tile_m": tile_m, "tile_n": tile_n, "tiles": tiles, "waves": math.ceil(tiles / num_sms),
-            "kv_tiles": math.ceil(M / tile_n), "K": k, "burst_bytes": bt, "volume_bytes": k * bt}
-
-
-def sigma_from_tflops(cfg: BenchConfig, tflops: float, num_sms: int) -> float:
-    """Q-loop time per KV tile (us) of one CTA at `tflops` spread over `num_sms` SMs:
-    4 * tile_m * tile_n * D flops per KV tile (QK^T and PV)."""
-    tile_m, tile_n = fa4_sm90_tile(cfg.head_dim, cfg.causal)
-    return 4 * tile_m * tile_n * cfg.head_dim / (tflops * 1e12 / num_sms) * 1e6
-
-
-def sigma_from_fa_time(t_fa_us: float, M: int, cfg: BenchConfig, num_sms: int) -> float:
-    """Q-loop time per KV tile (us) estimated from a measured FA time: T_FA / (waves * KV tiles).
-    Ignores prologue/epilogue and split-KV; use the largest M, where those matter least."""
-    g = fa_geometry(M, cfg, num_sms)
-    return t_fa_us / (g["waves"] * g["kv_tiles"])
-
-
-def load_platform(path: Optional[str]):
-    """(PlatformModel, description) from a calibration JSON, or the paper's 8xB200 calibration."""
-    from fa_a2a.xstage import PlatformModel
-
-    if path is not None:
-        return PlatformModel.from_json(path), f"calibration {path}"
-    pm = PAPER_PLATFORM
-    model = PlatformModel(t_iss0=pm["t_iss0_us"] * 1e-6, drain_rate=pm["drain_rate_GBps"] * 1e9,
-                             capacity=pm["capacity_MiB"] * 2**20)
-    return model, ("the paper's 8xB200 calibration (T_iss0 0.76 us, R 717 GB/s, Q 4.25 MiB), "
-                   "not this machine")
+# ------------------------------------------------------------------------- the model
+def _tiles(cfg: BenchConfig, M: int, num_sms: int) -> FaTiles:
+    es = torch.tensor([], dtype=DTYPES[cfg.dtype]).element_size()
+    return FaTiles.fa4(M, cfg.heads_local, cfg.head_dim, num_sms=num_sms, batch=cfg.batch, out_bytes=es,
+                       causal=cfg.causal)
 
 
 def _fmt_test(result) -> str:
-    """'pass' or 'FAILS: <bounds>' for xstage's DesignTest."""
-    return "pass" if result.ok else "FAILS: " + ", ".join(result.failing)
+    """'pass', 'FAILS: <bounds>' or 'undecided: capacity' for xstage's DesignTest."""
+    if result.ok:
+        return "pass"
+    if result.failing:
+        return "FAILS: " + ", ".join(result.failing)
+    return "undecided: " + ", ".join(result.undecided) + " (Q is a lower bound)"
 
 
-def predictions(cfg: BenchConfig, model, sigma_us: float, num_sms: int) -> dict:
-    """The Burst-Gap model's predictions for each M (times in us): the aligned burst V = K * Bt,
-    the recovery gap G*, the Q-loop gap G(M) = KV tiles * sigma (its fixed part dropped), the
-    issue overhead per burst [V/R - G - T_iss0]+, the design test at G(M), and the sufficient
-    sequence length M_ub* = tile_n * G* / sigma (xstage works in seconds and bytes)."""
+def predictions(cfg: BenchConfig, model: PlatformModel, sigma_us: float, num_sms: int) -> dict:
+    """The Burst-Gap model's predictions for each M (times in us) with no measurement: the aligned
+    burst V = K * Bt, the recovery gap G*, the Q-loop gap G(M) = KV tiles * sigma (its fixed part
+    dropped), the issue overhead per burst [V/R - G - T_iss0]+, the design test at G(M), and the
+    sufficient sequence length M_ub* = tile_n * G* / sigma."""
     rows = []
     mub = None
     for M in cfg.seqlens:
-        g = fa_geometry(M, cfg, num_sms)
-        V = g["volume_bytes"]
-        gap_s = g["kv_tiles"] * sigma_us * 1e-6
-        mub = model.fa_min_seqlen(V, sigma_us * 1e-6, g["tile_n"])
-        rows.append({"M": M, "K": g["K"], "volume_bytes": V, "gap_us": gap_s * 1e6,
-                     "recovery_gap_us": model.recovery_gap(V) * 1e6,
-                     "issue_overhead_us": model.issue_overhead(V, gap_s) * 1e6,
+        t = _tiles(cfg, M, num_sms)
+        V = t.volume
+        gap_s = t.kv_tiles * sigma_us * US
+        mub = model.fa_min_seqlen(V, sigma_us * US, t.tile_n)
+        rows.append({"M": M, "K": t.producers, "volume_bytes": V, "gap_us": gap_s / US,
+                     "recovery_gap_us": model.recovery_gap(V) / US,
+                     "issue_overhead_us": model.issue_overhead(V, gap_s) / US,
                      "design_test": _fmt_test(model.design_test(V, gap_s)), "m_ub": mub})
     return {"sigma_us": sigma_us, "num_sms": num_sms, "rows": rows, "m_ub": mub}
 
@@ -381,53 +550,80 @@ def format_predictions(pred: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+_MODEL_DEST = {"hbm": "hbm", "local": "hbm", "cuda-ipc": "hbm", "ipc": "hbm", "host": "host"}
+
+
+def model_applies(model: Optional[PlatformModel], dest: str) -> bool:
+    """A calibration describes the destination it measured (meta "dest"); one without says nothing."""
+    if model is None:
+        return False
+    measured = _MODEL_DEST.get(str(model.meta.get("dest")))
+    return measured is None or measured == dest
+
+
+def model_row(p: dict, cfg: BenchConfig, model: Optional[PlatformModel], num_sms: int) -> Optional[dict]:
+    """The model beside the measurements of one point (us): the design test of FA4's tile bursts
+    at the measured Q-loop gap G = T_FA/waves, the predicted E_res and hiding
+    (xstage.fused_residual), and the wave drain bound T_bound at the measured A2A-only rate
+    (xstage.FaTiles.wave_drain_bound) with its hiding. None without a measured FA time."""
+    med = p["median_us"]
+    if "fa" not in med:
+        return None
+    t = _tiles(cfg, p["M"], num_sms)
+    fa, serial = med["fa"], med.get("serial")
+    comm = serial - fa if serial is not None and serial > fa else None
+    row = {"M": p["M"], "dest": p.get("dest", "hbm"), "waves": t.waves, "volume_bytes": t.volume,
+           "gap_us": fa / t.waves, "e_res_us": p["derived"].get("e_res_us"), "hiding": p["derived"].get("hiding"),
+           "fused_us": med.get("fused"), "design_test": None, "e_res_model_us": None, "hiding_model": None,
+           "a2a_GBps": None, "t_bound_us": None, "hiding_bound": None}
+    if model_applies(model, row["dest"]):
+        row["design_test"] = _fmt_test(model.design_test(t.volume, fa / t.waves * US))
+        row["e_res_model_us"] = fused_residual(model, t, fa * US)["e_res"] / US
+        if comm:
+            row["hiding_model"] = 1 - row["e_res_model_us"] / comm
+    if "a2a" in med:
+        rate = cfg.batch * p["M"] * cfg.heads_local * cfg.head_dim * t.out_bytes / (med["a2a"] * US)
+        row["a2a_GBps"] = rate / GB
+        row["t_bound_us"] = t.wave_drain_bound(fa * US, rate) / US
+        if comm:
+            row["hiding_bound"] = 1 - (row["t_bound_us"] - fa) / comm
+    return row
+
+
+def format_model(rows: Sequence[dict], source: Optional[str]) -> str:
+    def f(x, fmt):
+        return "-" if x is None else fmt.format(x)
+
+    lines = [f"Burst-Gap model of FA4's tile bursts (platform: {source or 'none, give --platform'}; G = T_FA/waves "
+             "measured) and the wave drain bound at the measured A2A-only rate, beside the measurements:",
+             "| M | windows | waves | V (MiB) | G (us) | design test at G | E_res model (us) | E_res measured (us) "
+             "| H model | H measured | A2A GB/s | T_bound (us) | H bound | T_fused measured (us) |",
+             "|" + "---|" * 14]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            str(r["M"]), r["dest"], str(r["waves"]), f"{r['volume_bytes'] / 2**20:.2f}", f"{r['gap_us']:.1f}",
+            r["design_test"] or "-", f(r["e_res_model_us"], "{:+.1f}"), f(r["e_res_us"], "{:+.1f}"),
+            f(r["hiding_model"], "{:.0%}"), f(r["hiding"], "{:.0%}"), f(r["a2a_GBps"], "{:.0f}"),
+            f(r["t_bound_us"], "{:.1f}"), f(r["hiding_bound"], "{:.0%}"), f(r["fused_us"], "{:.1f}")]) + " |")
+    return "\n".join(lines)
+
+
 def no_gpu(cfg: BenchConfig) -> int:
     print("No CUDA GPU: nothing was measured (the benchmark needs an SM90 GPU; run it there, or under "
           "torchrun --nproc-per-node=N for N GPUs).")
     model, source = load_platform(cfg.platform)
-    sigma = sigma_from_tflops(cfg, cfg.fa_tflops, cfg.num_sms)
+    sigma = _tiles(cfg, cfg.seqlens[0], cfg.num_sms).sigma_from_flops(cfg.fa_tflops * 1e12) / US
     print(f"Sizes: B={cfg.batch}, H={cfg.heads} over P={cfg.world_size} (H_loc={cfg.heads_local}), "
           f"D={cfg.head_dim}, {cfg.dtype}{', causal' if cfg.causal else ''}; FA at {cfg.fa_tflops:g} TFLOP/s "
           f"on {cfg.num_sms} SMs.")
+    if "host" in cfg.dests:
+        print(HOST_NOTE + (" The model below is of another path: give --platform of a host calibration."
+                           if not model_applies(model, "host") or cfg.platform is None else ""))
     print(format_predictions(predictions(cfg, model, sigma, cfg.num_sms), source))
     return 0
 
 
 # ------------------------------------------------------------------------------ GPU helpers
-_SOURCES = {  # name -> modules to look in, in order
-    "fa4_forward": ("fa_a2a.fused",),
-    "fa4_a2a_forward": ("fa_a2a.fused",),
-    "post_a2a": ("fa_a2a.op",),
-    "ulysses_attention": ("fa_a2a", "fa_a2a.op"),
-}
-_NEEDS = {
-    "fa": ("fa4_forward",), "a2a": ("post_a2a",), "a2a_nccl": (), "serial": ("fa4_forward", "post_a2a"),
-    "serial_nccl": ("fa4_forward",), "fused": ("fa4_a2a_forward",),
-    "layer_fused": ("ulysses_attention",), "layer_nccl": ("ulysses_attention",),
-}
-
-
-def lookup(name: str):
-    """(function, None) or (None, why it is missing). Imported lazily: pieces land separately."""
-    why = []
-    for module in _SOURCES[name]:
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:
-            why.append(f"{module} not importable ({_first_line(e)})")
-            continue
-        fn = getattr(mod, name, None)
-        if fn is not None:
-            return fn, None
-        why.append(f"{module}.{name} does not exist yet")
-    return None, "; ".join(why)
-
-
-def get_transport(group):
-    """ulysses.transport's transport for `group` (peer windows at one stride + in-stream barrier)."""
-    return importlib.import_module("ulysses.transport").get_transport(group)
-
-
 def _versions() -> dict:
     from importlib import metadata
 
@@ -478,128 +674,82 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
+def _finite(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return bool(torch.isfinite(x).all())
+    if isinstance(x, (list, tuple)):
+        return all(_finite(t) for t in x)
+    return True
+
+
 # ------------------------------------------------------------------------------ one point
-def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
-    from graphs import GpuClockMonitor, capture, input_sets_needed, median, rank_max, round_up, time_graphs
+def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=None) -> dict:
+    from graphs import (GpuClockMonitor, capture, input_sets_needed, median, rank_max, round_up, time_eager,
+                        time_graphs)
 
-    dev, group, rank = ctx["device"], ctx["group"], ctx["rank"]
-    P, B, H, D, H_loc = cfg.world_size, cfg.batch, cfg.heads, cfg.head_dim, cfg.heads_local
-    S_loc = M // P
-    dtype = DTYPES[cfg.dtype]
-    fns, status = ctx["fns"], dict(ctx["status"])
-    todo = [m for m in cfg.methods if m not in status]
+    P, B, D, H_loc = cfg.world_size, cfg.batch, cfg.head_dim, cfg.heads_local
+    status = {}
+    for key in cfg.methods:
+        why = not_applicable(BY_KEY[key], cfg.real_ranks, dest)
+        if why is not None:
+            status[key] = why
 
-    es = torch.tensor([], dtype=dtype).element_size()
+    es = torch.tensor([], dtype=DTYPES[cfg.dtype]).element_size()
     x_bytes = B * M * H_loc * D * es
     # per call: q, k, v read, O written (plus O read and written once more by serial)
     n_sets = input_sets_needed(5 * x_bytes, ctx["l2_bytes"])
-    gen = torch.Generator(device=dev)
+    gen = torch.Generator(device=ctx["device"])
     gen.manual_seed(cfg.seed * 1_000_003 + M)
+    pt = _Point(cfg, M, dest, ctx, gen)
+    sets = [{"i": i, **{n: pt.randn(B, M, H_loc, D) for n in ("q", "k", "v", "o_in")}} for i in range(n_sets)]
 
-    def randn(*shape):
-        return torch.randn(*shape, device=dev, dtype=dtype, generator=gen)
-
-    sets = []
-    for _ in range(n_sets):
-        s = {"q": randn(B, M, H_loc, D), "k": randn(B, M, H_loc, D), "v": randn(B, M, H_loc, D),
-             "o_in": randn(B, M, H_loc, D)}
-        sets.append(s)
-
-    def windows(name):
-        if cfg.real_ranks:  # [P, B, S_loc, H, D]: peer buffers mapped at one stride (collective)
-            w = get_transport(group).windows(f"fa_a2a.bench.{name}", (B, S_loc, H, D), dtype)
-            w.narrow(3, rank * H_loc, H_loc).copy_(randn(P, B, S_loc, H_loc, D))
-            return w
-        return randn(P, B, S_loc, H, D)
-
-    def mine(w):  # the part of the windows this rank writes
-        return w.narrow(3, rank * H_loc, H_loc)
-
-    fa4, a2a, fused_fn, layer = (fns.get(n) for n in ("fa4_forward", "post_a2a", "fa4_a2a_forward",
-                                                       "ulysses_attention"))
-    c = cfg.causal
     calls, outputs = {}, {}
-    for m in todo:
+    for key in cfg.methods:
+        if key in status:
+            continue
         try:
-            per_set, outs = [], []
-            for i, s in enumerate(sets):
-                q, k, v = s["q"], s["k"], s["v"]
-                if m == "fa":
-                    o = torch.empty_like(q)
-                    per_set.append(lambda q=q, k=k, v=v, o=o: fa4(q, k, v, out=o, causal=c))
-                    outs.append(o)
-                elif m == "a2a":
-                    w = windows(f"{m}.{i}")
-                    per_set.append(lambda o=s["o_in"], w=w: a2a(o, w, rank))
-                    outs.append(mine(w))
-                elif m == "serial":
-                    o, w = torch.empty_like(q), windows(f"{m}.{i}")
-                    per_set.append(lambda q=q, k=k, v=v, o=o, w=w: (fa4(q, k, v, out=o, causal=c), a2a(o, w, rank)))
-                    outs.append(mine(w))
-                elif m == "fused":
-                    w = windows(f"{m}.{i}")
-                    per_set.append(lambda q=q, k=k, v=v, w=w: fused_fn(q, k, v, w, rank, causal=c))
-                    outs.append(mine(w))
-                elif m in ("a2a_nccl", "serial_nccl"):
-                    from ulysses.reference import dist_head_to_seq  # permute + all_to_all_single
-
-                    send = torch.empty(P, B, S_loc, H_loc, D, device=dev, dtype=dtype)
-                    recv, out = torch.empty_like(send), torch.empty(B, S_loc, H, D, device=dev, dtype=dtype)
-                    if m == "a2a_nccl":
-                        per_set.append(lambda o=s["o_in"], a=send, b=recv, out=out:
-                                       dist_head_to_seq(o, group=group, buffers=(a, b, out)))
-                    else:
-                        o = torch.empty_like(q)
-                        per_set.append(lambda q=q, k=k, v=v, o=o, a=send, b=recv, out=out: (
-                            fa4(q, k, v, out=o, causal=c), dist_head_to_seq(o, group=group, buffers=(a, b, out))))
-                    outs.append(out)
-                elif m in ("layer_fused", "layer_nccl"):
-                    impl = m.split("_")[1]
-                    xq, xk, xv = randn(B, S_loc, H, D), randn(B, S_loc, H, D), randn(B, S_loc, H, D)
-                    per_set.append(lambda xq=xq, xk=xk, xv=xv, impl=impl: layer(
-                        xq, xk, xv, group=group, impl=impl, causal=c))
-                    outs.append(None)  # checked on an eager call after the run
-            calls[m], outputs[m] = per_set, outs
+            built = [BY_KEY[key].build(pt, s) for s in sets]
+            calls[key], outputs[key] = [c for c, _ in built], [o for _, o in built]
         except Exception as e:
-            status[m] = f"skipped ({_first_line(e)})"
+            status[key] = f"skipped ({_first_line(e)})"
 
     # First eager call of each method (compiles; a method that fails is skipped), a rough time
     # that sets the calls per graph, and a trial capture so that one method that cannot be
     # captured does not end the run. All ranks keep the same methods (graphs hold collectives).
     est = {}
-    for m in list(calls):
+    for key in list(calls):
         try:
-            for f in calls[m]:
+            for f in calls[key]:
                 f()
             torch.cuda.synchronize()
             try:
-                del_me = capture(calls[m], len(calls[m]), eager_warmup=0)
+                del_me = capture(calls[key], len(calls[key]), eager_warmup=0)
                 del del_me
             except Exception as e:
                 raise RuntimeError(f"not graph-capturable: {_first_line(e)}") from e
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
-            calls[m][0]()
+            calls[key][0]()
             t1.record()
             t1.synchronize()
-            est[m] = t0.elapsed_time(t1) * 1e3
+            est[key] = t0.elapsed_time(t1) * 1e3
         except Exception as e:
-            status[m] = f"skipped ({_first_line(e)})"
-    failed = torch.tensor([1.0 if m in status else 0.0 for m in METHOD_KEYS])
-    failed = rank_max(failed, group)
-    for j, m in enumerate(METHOD_KEYS):
-        if failed[j] > 0 and m not in status:
-            status[m] = "skipped (failed on another rank)"
-    for m in list(calls):
-        if m in status:
-            calls.pop(m)
-            outputs.pop(m)
-    for m, why in status.items():
-        if m in cfg.methods:
-            log(f"  {LABELS[m]}: {why}", once=f"{m}:{why}")
+            status[key] = f"skipped ({_first_line(e)})"
+    failed = rank_max(torch.tensor([1.0 if m.key in status else 0.0 for m in METHODS]), ctx["group"])
+    for j, m in enumerate(METHODS):
+        if failed[j] > 0 and m.key not in status:
+            status[m.key] = "skipped (failed on another rank)"
+    for key in list(calls):
+        if key in status:
+            calls.pop(key)
+            outputs.pop(key)
+    for key, why in status.items():
+        if key in cfg.methods and not why.startswith("n/a"):
+            log(f"  {BY_KEY[key].label} ({dest}): {why}", once=f"{key}:{dest}:{why}")
 
-    point = {"M": M, "S_loc": S_loc, "H_loc": H_loc, "input_sets": n_sets, "n_calls": None,
-             "raw_us": {}, "median_us": {}, "status": status, "finite": {}, "clocks": {}}
+    point = {"M": M, "dest": dest, "S_loc": M // P, "H_loc": H_loc, "input_sets": n_sets, "n_calls": None,
+             "raw_us": {}, "median_us": {}, "eager_raw_us": {}, "eager_us": {}, "status": status, "finite": {},
+             "clocks": {}}
     if not calls:
         point["derived"] = derive({})
         return point
@@ -610,7 +760,7 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
         t_est = max(est.values())
         n_calls = max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(t_est, 1e-3))))
     n_calls = round_up(n_calls, n_sets)
-    n_calls = int(rank_max(torch.tensor([float(n_calls)]), group)[0])
+    n_calls = int(rank_max(torch.tensor([float(n_calls)]), ctx["group"])[0])
     point["n_calls"] = n_calls
 
     def poison():  # after capture, so the finite check below sees what the replays wrote
@@ -619,9 +769,9 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
                 if t is not None:
                     t.fill_(float("nan"))
 
-    monitor = GpuClockMonitor(dev)
+    monitor = GpuClockMonitor(ctx["device"])
     if bar is not None:
-        bar.set_description(f"M={M}")
+        bar.set_description(f"M={M} {dest}")
 
     def progress(name, trial):
         if bar is not None:
@@ -629,26 +779,30 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log, bar=None) -> dict:
 
     names = list(calls)
     raw = time_graphs({m: calls[m] for m in names}, n_calls, cfg.trials, cfg.warmup,
-                      barrier=ctx["barrier"], group=group, monitor=monitor, progress=progress,
+                      barrier=ctx["barrier"], group=ctx["group"], monitor=monitor, progress=progress,
                       after_capture=poison)
     torch.cuda.synchronize()
-    for m in names:
+    for key in names:
         ok = True
-        for f, t in zip(calls[m], outputs[m]):
+        for f, t in zip(calls[key], outputs[key]):
             if t is None:
                 t = f()
                 torch.cuda.synchronize()
-            ok = ok and bool(torch.isfinite(t).all())
-        point["finite"][m] = ok
+            ok = ok and _finite(t)
+        point["finite"][key] = ok
         if not ok:
-            status[m] = "non-finite output"
-            log(f"  {LABELS[m]} at M={M}: output has NaN/Inf after the run; its time is not reported")
+            status[key] = "non-finite output"
+            log(f"  {BY_KEY[key].label} at M={M} ({dest}): output has NaN/Inf after the run; its time is not reported")
     point["raw_us"] = raw
     point["median_us"] = {m: median(raw[m]) for m in names if point["finite"][m]}
+    eager = time_eager({m: calls[m] for m in point["median_us"]}, n_calls, EAGER_TRIALS,
+                       barrier=ctx["barrier"], group=ctx["group"]) if point["median_us"] else {}
+    point["eager_raw_us"] = eager
+    point["eager_us"] = {m: median(v) for m, v in eager.items()}
     point["clocks"] = monitor.summary()
     point["clock_warnings"] = list(monitor.warnings)
     point["derived"] = derive(point["median_us"], {m: raw[m] for m in point["median_us"]})
-    del sets, calls, outputs
+    del sets, calls, outputs, pt
     return point
 
 
@@ -666,6 +820,11 @@ def write_plots(result: dict, out_dir: Path, m_ub: Optional[float] = None) -> li
              f"{' (emulated)' if not result['config']['real_ranks'] else ''}")
     files = []
     all_m = sorted({p["M"] for p in pts})
+    dests = sorted({p.get("dest", "hbm") for p in pts})
+
+    def by_dest():
+        for d in dests:
+            yield d, [p for p in pts if p.get("dest", "hbm") == d], (f" ({d})" if len(dests) > 1 else "")
 
     def save(fig, name, lo=min(all_m)):
         ax = fig.axes[0]
@@ -681,19 +840,21 @@ def write_plots(result: dict, out_dir: Path, m_ub: Optional[float] = None) -> li
         files.append(str(path))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in METHOD_KEYS:
-        xs = [p["M"] for p in pts if m in p["median_us"]]
-        if xs:
-            ax.plot(xs, [p["median_us"][m] for p in pts if m in p["median_us"]], "o-", label=LABELS[m])
+    for _, dp, tag in by_dest():
+        for m in METHODS:
+            sel = [p for p in dp if m.key in p["median_us"]]
+            if sel:
+                ax.plot([p["M"] for p in sel], [p["median_us"][m.key] for p in sel], "o-", label=m.label + tag)
     ax.set(yscale="log", xlabel="M (sequence length)", ylabel="time per call (us)", title=title)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     save(fig, "time_vs_M.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [p["M"] for p in pts if p["derived"]["e_res_rel"] is not None]
-    ax.plot(xs, [100 * p["derived"]["e_res_rel"] for p in pts if p["derived"]["e_res_rel"] is not None],
-            "o-", label="measured E_res / T_FA")
+    for _, dp, tag in by_dest():
+        sel = [p for p in dp if p["derived"]["e_res_rel"] is not None]
+        ax.plot([p["M"] for p in sel], [100 * p["derived"]["e_res_rel"] for p in sel], "o-",
+                label="measured E_res / T_FA" + tag)
     ax.axhline(0, color="k", lw=0.8)
     lo = min(all_m)
     if m_ub is not None and m_ub > 0:
@@ -707,15 +868,16 @@ def write_plots(result: dict, out_dir: Path, m_ub: Optional[float] = None) -> li
     save(fig, "eres_vs_M.png", lo)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("speedup", "T_serial / T_fused"), ("speedup_nccl", "T_serial-NCCL / T_fused"),
-                       ("layer_speedup", "layer: NCCL / fused")):
-        sel = [p for p in pts if p["derived"].get(key) is not None]
+    for _, dp, tag in by_dest():
+        for key, label in (("speedup", "T_serial / T_fused"), ("speedup_nccl", "T_serial-NCCL / T_fused"),
+                           ("layer_speedup", "layer: NCCL / fused")):
+            sel = [p for p in dp if p["derived"].get(key) is not None]
+            if sel:
+                ax.plot([p["M"] for p in sel], [p["derived"][key] for p in sel], "o-", label=label + tag)
+        sel = [p for p in dp if "serial" in p["median_us"] and "fa" in p["median_us"]]
         if sel:
-            ax.plot([p["M"] for p in sel], [p["derived"][key] for p in sel], "o-", label=label)
-    sel = [p for p in pts if "serial" in p["median_us"] and "fa" in p["median_us"]]
-    if sel:
-        ax.plot([p["M"] for p in sel], [p["median_us"]["serial"] / p["median_us"]["fa"] for p in sel], "k:",
-                label="bound T_serial / T_FA")
+            ax.plot([p["M"] for p in sel], [p["median_us"]["serial"] / p["median_us"]["fa"] for p in sel], "k:",
+                    label="bound T_serial / T_FA" + tag)
     ax.axhline(1, color="k", lw=0.8)
     ax.set(xlabel="M (sequence length)", ylabel="speedup", title=title)
     ax.legend(fontsize=8)
@@ -743,8 +905,9 @@ def _setup_distributed(cfg: BenchConfig) -> dict:
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
     group = dist.group.WORLD
     try:  # the in-stream barrier kernel of the peer windows (what the fused path uses)
-        transport = get_transport(group)
-        barrier, kind = transport.barrier, "ulysses.transport barrier kernel"
+        from ulysses.transport import get_transport
+
+        barrier, kind = get_transport(group).barrier, "ulysses.transport barrier kernel"
     except Exception as e:  # stream-ordered fallback: a 1-element NCCL all_reduce
         token = torch.zeros(1, device=dev)
         kind = f"NCCL all_reduce (transport unavailable: {_first_line(e)})"
@@ -765,26 +928,15 @@ def run_gpu(cfg: BenchConfig) -> int:
     torch.manual_seed(cfg.seed + ctx["rank"])
     log(f"fa_a2a.bench on {props.name} ({props.multi_processor_count} SMs): B={cfg.batch}, H={cfg.heads}, "
         f"D={cfg.head_dim}, P={cfg.world_size}, H_loc={cfg.heads_local}, {cfg.dtype}"
-        f"{', causal' if cfg.causal else ''}; M={list(cfg.seqlens)}; {cfg.trials} trials, {cfg.warmup} warm-up")
+        f"{', causal' if cfg.causal else ''}; M={list(cfg.seqlens)}; windows in {'/'.join(cfg.dests)}; "
+        f"{cfg.trials} trials, {cfg.warmup} warm-up")
     if cfg.real_ranks:
         log(f"Real ranks: {cfg.world_size} processes, one GPU each; per-trial time = max over ranks; "
             f"barrier: {ctx['barrier_kind']}.")
     else:
         log(EMULATION_NOTE.format(P=cfg.world_size, Pm1=cfg.world_size - 1))
-
-    fns, status = {}, {}
-    for m in cfg.methods:
-        if m in NEEDS_REAL and not cfg.real_ranks:
-            status[m] = NA_REAL
-            continue
-        for name in _NEEDS[m]:
-            if name not in fns:
-                fn, why = lookup(name)
-                if fn is None:
-                    status[m] = f"skipped ({why})"
-                    break
-                fns[name] = fn
-    ctx["fns"], ctx["status"] = fns, status
+    if "host" in cfg.dests:
+        log(HOST_NOTE)
 
     env_monitor = GpuClockMonitor(dev)
     env_monitor.sample("start")
@@ -794,24 +946,27 @@ def run_gpu(cfg: BenchConfig) -> int:
         "nvml": env_monitor.device_info(), "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
         "emulated": not cfg.real_ranks, "barrier": ctx["barrier_kind"],
         "emulation_note": None if cfg.real_ranks else EMULATION_NOTE.format(P=cfg.world_size, Pm1=cfg.world_size - 1),
+        "host_note": HOST_NOTE if "host" in cfg.dests else None,
+        "methods": {m.key: {"label": m.label, "what": m.what, "ranks": m.ranks} for m in METHODS},
         "timing": "CUDA-graph replay of n_calls back-to-back calls + one barrier, per-call us; per trial max over "
-                  "ranks; median over trials; method order rotated per trial",
+                  "ranks; median over trials; method order rotated per trial. eager_us: host wall time per call "
+                  f"of the same calls without a graph, median of {EAGER_TRIALS}",
         "points": []}
     result["config"]["seqlens"] = list(cfg.seqlens)
-    result["config"]["methods"] = list(cfg.methods)
 
     try:
         from tqdm import tqdm
     except ImportError:
         tqdm = None
-    n_run = len([m for m in cfg.methods if m not in status])
+    n_run = sum(not_applicable(BY_KEY[k], cfg.real_ranks, d) is None for k in cfg.methods for d in cfg.dests)
     bar = None
     if tqdm is not None and ctx["rank"] == 0:
         bar = tqdm(total=len(cfg.seqlens) * cfg.trials * n_run, unit="replay", file=sys.stderr)
     log.bar = bar
     for M in cfg.seqlens:
-        result["points"].append(run_point(cfg, M, ctx, log, bar))
-        torch.cuda.empty_cache()
+        for dest in cfg.dests:
+            result["points"].append(run_point(cfg, M, dest, ctx, log, bar))
+            torch.cuda.empty_cache()
     if bar is not None:
         bar.close()
     log.bar = None
@@ -819,20 +974,17 @@ def run_gpu(cfg: BenchConfig) -> int:
     result["env"]["clocks"] = env_monitor.summary()
     result["env"]["clock_samples"] = env_monitor.samples
 
+    n_sm = props.multi_processor_count
+    model, source = (load_platform(cfg.platform) if cfg.platform is not None else (None, None))
+    result["model"] = {"source": source, "rows": [r for p in result["points"]
+                                                  if (r := model_row(p, cfg, model, n_sm)) is not None]}
     m_ub = None
-    if cfg.platform is not None:
-        try:
-            model, source = load_platform(cfg.platform)
-            big = [p for p in result["points"] if "fa" in p["median_us"]]
-            if big:
-                p = max(big, key=lambda p: p["M"])
-                sigma = sigma_from_fa_time(p["median_us"]["fa"], p["M"], cfg, props.multi_processor_count)
-                result["model"] = predictions(cfg, model, sigma, props.multi_processor_count)
-                result["model"]["source"] = source
-                result["model"]["sigma_from"] = f"measured FA at M={p['M']}"
-                m_ub = result["model"]["m_ub"]
-        except Exception as e:
-            log(f"No model line: {_first_line(e)}")
+    big = [p for p in result["points"] if "fa" in p["median_us"]]
+    if model is not None and big:
+        p = max(big, key=lambda p: p["M"])
+        t = _tiles(cfg, p["M"], n_sm)
+        m_ub = model.fa_min_seqlen(t.volume, t.sigma_from_time(p["median_us"]["fa"] * US), t.tile_n)
+        result["model"]["m_ub"] = m_ub
 
     if ctx["rank"] == 0:
         out = Path(cfg.out)
@@ -844,21 +996,25 @@ def run_gpu(cfg: BenchConfig) -> int:
                 files += write_plots(result, out, m_ub)
             except Exception as e:
                 log(f"No plots: {_first_line(e)}")
-        warn = [w for p in result["points"] for w in p.get("clock_warnings", [])]
-        for w in warn:
+        for w in [w for p in result["points"] for w in p.get("clock_warnings", [])]:
             log(f"warning: {w}")
-        if "model" in result:
-            log(format_predictions(result["model"], result["model"]["source"]))
         log("Wrote " + ", ".join(files))
         log("")
         log(f"{props.name}, {cfg.dtype}, D={cfg.head_dim}, H={cfg.heads}, P={cfg.world_size}"
             f"{' emulated' if not cfg.real_ranks else ''}, B={cfg.batch}"
             f"{', causal' if cfg.causal else ''}: per-call median (us) of CUDA-graph replays")
         log(format_table(result["points"], cfg.methods))
+        log("")
+        log(format_eager(result["points"]))
+        if result["model"]["rows"]:
+            log("")
+            log(format_model(result["model"]["rows"], source))
     if cfg.real_ranks:
         import torch.distributed as dist
 
         if ctx["barrier_kind"].startswith("ulysses"):
+            from ulysses.transport import get_transport
+
             get_transport(ctx["group"]).check()  # raises if a barrier timed out
         dist.destroy_process_group()
     return 0

@@ -1,4 +1,5 @@
-"""CUDA-graph capture/replay and steady-state timing (events, medians, rank max, clock monitor)."""
+"""CUDA-graph capture/replay and steady-state timing (graph replays, eager calls, medians, rank max,
+clock monitor): the one timing loop of the benchmark, the calibration and the examples."""
 from graphs.timing import (
     DRIFT_TOL,
     GpuClockMonitor,
@@ -9,6 +10,7 @@ from graphs.timing import (
     rank_max,
     rotated,
     round_up,
+    time_eager,
     time_graphs,
 )
 
@@ -22,5 +24,6 @@ __all__ = [
     "rank_max",
     "rotated",
     "round_up",
+    "time_eager",
     "time_graphs",
 ]

@@ -13,6 +13,9 @@ The method follows the X-Stage paper (Sec. 5.3, "Measurement methodology"):
   every trial (trial t runs names[t:] + names[:t]) so no method always follows the same neighbour.
 - Per trial the maximum over ranks is kept (all_reduce MAX over `group` when it has > 1 rank);
   callers report the median over trials (`median`).
+- Eager calls (`time_eager`): the same N calls launched from Python without a graph, host wall
+  time from before the first launch to the end of the GPU work: it shows whether a call is
+  GPU-bound (eager ~ graph time) or bound by its host path (launches, checks, dispatch).
 - DVFS: `GpuClockMonitor` samples the SM clock and temperature through NVML while each replay runs
   and warns when a method's clock moved by more than 5% between its first and last sample.
 
@@ -316,5 +319,39 @@ def time_graphs(methods: Mapping[str, Calls], n_calls: int, trials: int, warmup:
     for name in names:
         monitor.check(name)
     del graphs
+    raw = rank_max(raw, group)
+    return {name: raw[:, j].tolist() for j, name in enumerate(names)}
+
+
+def time_eager(methods: Mapping[str, Calls], n_calls: int, trials: int, barrier: Optional[Fn] = None,
+               group=None) -> dict:
+    """Wall time per call in microseconds of `n_calls` eager back-to-back calls (no graph), one
+    value per trial: {name: [t_0, ...]}. One timed run is: barrier() | synchronize | host clock |
+    n_calls calls (call i runs fn[i % k]) | barrier() | synchronize | host clock; so it covers the
+    host's launch path and the GPU work, whichever is longer. Method order rotated per trial,
+    maximum over the ranks of `group` as in `time_graphs`. Call every method once before (compiles)."""
+    import time
+
+    if not methods:
+        raise ValueError("methods: empty")
+    names = list(methods)
+    calls = {name: _as_calls(fn, f"methods[{name!r}]") for name, fn in methods.items()}
+    _check_count(n_calls, "n_calls", 1)
+    _check_count(trials, "trials", 1)
+    if barrier is not None and not callable(barrier):
+        raise ValueError("barrier: expected a callable or None")
+    sync = barrier if barrier is not None else (lambda: None)
+    raw = torch.zeros(trials, len(names), dtype=torch.float64)
+    for t in range(trials):
+        for name in rotated(names, t):
+            fns = calls[name]
+            sync()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n_calls):
+                fns[i % len(fns)]()
+            sync()
+            torch.cuda.synchronize()
+            raw[t, names.index(name)] = (time.perf_counter() - t0) * 1e6 / n_calls
     raw = rank_max(raw, group)
     return {name: raw[:, j].tolist() for j, name in enumerate(names)}

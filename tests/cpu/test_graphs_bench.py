@@ -1,6 +1,6 @@
-"""CPU tier of graphs/ and fa_a2a.bench: argument validation, derived metrics, table, model
-helpers, plots, the cross-rank max (two gloo processes), and the no-GPU run of the script."""
-import importlib.util
+"""CPU tier of graphs/ and fa_a2a.bench: argument validation, derived metrics, tables, the model
+beside the measurements, plots, the cross-rank max (two gloo processes), and the no-GPU run."""
+import json
 import math
 import os
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fa_a2a import bench
+from fa_a2a.xstage import GB, US, PlatformModel
 from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
 from ulysses.reference import dist_head_to_seq
@@ -65,6 +66,16 @@ def test_capture_and_time_graphs_validate_before_touching_cuda():
         timing.time_graphs({"a": f, "b": "nope"}, 3, 2)
     with pytest.raises(ValueError, match="barrier"):
         timing.time_graphs({"a": f}, 3, 2, barrier=5)
+    with pytest.raises(ValueError, match="methods"):
+        timing.time_eager({}, 3, 3)
+    with pytest.raises(ValueError, match="n_calls"):
+        timing.time_eager({"a": f}, 0, 3)
+    with pytest.raises(ValueError, match="trials"):
+        timing.time_eager({"a": f}, 3, 0)
+    with pytest.raises(ValueError, match=r"methods\['a'\]"):
+        timing.time_eager({"a": 1}, 3, 3)
+    with pytest.raises(ValueError, match="barrier"):
+        timing.time_eager({"a": f}, 3, 2, barrier="x")
     with pytest.raises(ValueError, match="values"):
         timing.median([])
     assert timing.median([3.0, 1.0, 2.0, 10.0]) == 2.5
@@ -150,7 +161,7 @@ def test_defaults_emulated_and_quick():
     assert cfg.seqlens == (8192, 16384, 32768, 49152, 65536)
     assert (cfg.heads, cfg.head_dim, cfg.world_size, cfg.batch, cfg.dtype) == (24, 128, 8, 1, "bf16")
     assert not cfg.real_ranks and cfg.heads_local == 3 and not cfg.causal
-    assert cfg.methods == bench.METHOD_KEYS and cfg.calls is None
+    assert cfg.methods == tuple(m.key for m in bench.METHODS) and cfg.calls is None and cfg.dests == ("hbm",)
     assert cfg.out == os.path.join("results", "bench")
     q = bench.parse_args(["--quick"], env={})
     assert q.seqlens == (8192, 16384) and q.trials < cfg.trials and q.target_ms < cfg.target_ms
@@ -158,6 +169,16 @@ def test_defaults_emulated_and_quick():
     assert q.seqlens == (4096,) and q.trials == 9
     c = bench.parse_args(["--causal", "--dtype", "fp16", "--methods", "fused", "fa", "--world-size", "4"], env={})
     assert c.causal and c.dtype == "fp16" and c.methods == ("fa", "fused") and c.heads_local == 6
+    assert bench.parse_args(["--dest", "host", "hbm"], env={}).dests == ("hbm", "host")
+    assert bench.parse_args(["--dest", "host"], env={}).dests == ("host",)
+
+
+def test_help_names_the_host_proxy_and_every_method(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--dest {hbm,host}" in text and "pinned host memory" in text and "NOT NVLink" in text
+    assert all(f"{m.key} = " in text for m in bench.METHODS)
 
 
 def test_torchrun_world_size():
@@ -166,6 +187,8 @@ def test_torchrun_world_size():
     assert bench.parse_args([], env={"WORLD_SIZE": "1"}).real_ranks is False
     with pytest.raises(ValueError, match="--world-size"):
         bench.parse_args(["--world-size", "8"], env={"WORLD_SIZE": "4"})
+    with pytest.raises(ValueError, match="--dest: host windows need emulated ranks"):
+        bench.parse_args(["--dest", "host"], env={"WORLD_SIZE": "4"})
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -185,6 +208,9 @@ def test_torchrun_world_size():
     (["--platform", "/nonexistent/platform.json"], "--platform"),
     (["--num-sms", "0"], "--num-sms"),
     (["--fa-tflops", "-1"], "--fa-tflops"),
+    (["--fa-tflops", "inf"], "--fa-tflops"),
+    (["--fa-tflops", "nan"], "--fa-tflops"),
+    (["--target-ms", "inf"], "--target-ms"),
 ])
 def test_bad_arguments_raise_value_error(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -198,6 +224,47 @@ def test_main_turns_bad_arguments_into_usage_error(capsys):
     assert "--heads: H=25 is not divisible" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--dtype", "fp8"])
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--dest", "nvlink"])
+    assert e.value.code == 2 and "--dest" in capsys.readouterr().err
+
+
+_GOOD = PlatformModel(t_iss0=1e-6, drain_rate=50e9, capacity=2**20).to_dict()
+
+
+@pytest.mark.parametrize("contents", [
+    "{not json",
+    "{}",
+    "[1, 2]",
+    '"text"',
+    "",
+    json.dumps({**_GOOD, "t_iss0_s": 0}),
+    json.dumps({**_GOOD, "drain_rate_Bps": -5}),
+    json.dumps({**_GOOD, "capacity_B": 0}),
+    json.dumps({**_GOOD, "t_iss0_s": True}),
+    json.dumps({**_GOOD, "t_iss0_s": "1e-6"}),
+    json.dumps({**_GOOD, "meta": 3}),
+    json.dumps({k: v for k, v in _GOOD.items() if k != "drain_rate_Bps"}),
+    json.dumps(_GOOD).replace('"t_iss0_s": 1e-06', '"t_iss0_s": NaN'),
+    json.dumps(_GOOD).replace('"drain_rate_Bps": 50000000000.0', '"drain_rate_Bps": Infinity'),
+])
+def test_bad_platform_file_is_a_usage_error(tmp_path, capsys, contents):
+    path = tmp_path / "platform.json"
+    path.write_text(contents)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--platform", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--platform: {path} is not a platform model" in err and "Traceback" not in err
+
+
+def test_fa_tflops_inf_is_a_usage_error_not_a_traceback(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env.pop("WORLD_SIZE", None)
+    for flag in ("--fa-tflops", "--target-ms"):
+        p = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--quick", flag, "inf"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -260,47 +327,66 @@ def test_table_shows_only_measured_numbers():
     assert row2[2].startswith("skipped") and row2[5] == "non-finite output"
     assert row2[6:] == ["-"] * (len(row2) - 6)  # no derived number without the fused time
     assert bench.format_table([_point(8192, {})], ["fa"]).splitlines()[2] == "| 8192 | not run |"
-    # real-rank methods that ran nowhere go to a note; Serial-NCCL keeps its column
-    na = {m: bench.NA_REAL for m in bench.NEEDS_REAL}
-    table = bench.format_table([_point(8192, {"fa": 1.0}, na)], bench.METHOD_KEYS)
+    # methods that apply nowhere go to a note; Serial-NCCL keeps its column
+    keys = [m.key for m in bench.METHODS]
+    na = {m.key: why for m in bench.METHODS if (why := bench.not_applicable(m, False, "hbm"))}
+    assert set(na) == {"a2a_nccl", "serial_nccl", "layer_fused", "layer_nccl"}
+    table = bench.format_table([_point(8192, {"fa": 1.0}, na)], keys)
     assert table.splitlines()[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) |")
-    assert "Layer" not in table.splitlines()[0]
-    assert table.splitlines()[-1] == "Need real ranks, not run: A2A-only NCCL, Layer fused, Layer NCCL."
+    assert "Layer" not in table.splitlines()[0] and "windows" not in table.splitlines()[0]
+    assert table.splitlines()[-1] == "Not run: A2A-only NCCL, Layer fused, Layer NCCL (needs real ranks)."
+    # host windows: a windows column, and the op's own HBM windows do not apply there
+    host = {m.key: why for m in bench.METHODS if (why := bench.not_applicable(m, False, "host"))}
+    assert host["op_emulated"] == bench.NA_HOST
+    pts = [dict(_point(8192, {"fa": 1.0, "op_emulated": 9.0}, na), dest="hbm"),
+           dict(_point(8192, {"fa": 1.5}, host), dest="host")]
+    lines = bench.format_table(pts, keys).splitlines()
+    assert lines[0].startswith("| M | windows | FA4-only (us) |") and "Op emulated (us)" in lines[0]
+    assert lines[2].startswith("| 8192 | hbm | 1.0 |") and lines[3].startswith("| 8192 | host | 1.5 |")
+    assert lines[3].split("|")[-2].strip() == bench.NA_HOST
+    # under torchrun the emulated op does not apply
+    assert bench.not_applicable(bench.BY_KEY["op_emulated"], True, "hbm") == bench.NA_EMULATED
 
 
-def test_lookup_reports_missing_pieces(monkeypatch):
-    fn, why = bench.lookup("fa4_forward")
-    assert callable(fn) and why is None
-    monkeypatch.setitem(bench._SOURCES, "fa4_forward", ("fa_a2a.no_such_module", "fa_a2a.xstage"))
-    fn, why = bench.lookup("fa4_forward")
-    assert fn is None
-    assert "fa_a2a.no_such_module not importable" in why and "fa_a2a.xstage.fa4_forward does not exist yet" in why
+def test_eager_table():
+    p = dict(_point(8192, {"fa": 180.0, "op_emulated": 1600.0}), dest="hbm", eager_us={"fa": 190.0, "op_emulated": 2400.0})
+    lines = bench.format_eager([p]).splitlines()
+    assert lines[0] == "| M | method | graph (us/call) | eager wall (us/call) | eager / graph |"
+    assert lines[2] == "| 8192 | FA4-only | 180.0 | 190.0 | 1.06 |"
+    assert lines[3] == "| 8192 | Op emulated | 1600.0 | 2400.0 | 1.50 |"
+    assert len(lines) == 4  # no eager time, no row
 
 
-# ------------------------------------------------------------------------------ model helpers
-def test_fa_tile_table_matches_flash_attn():
-    iface = pytest.importorskip("flash_attn.cute.interface")
-    for d in (64, 96, 128, 192, 256):
-        for causal in (False, True):
-            cfg = iface._tile_size_fwd_sm90(d, d, causal, False)
-            assert bench.fa4_sm90_tile(d, causal) == (cfg.m_block_size, cfg.n_block_size), (d, causal)
-
-
-def test_geometry_and_sigma():
-    cfg = bench.parse_args([], env={})
-    g = bench.fa_geometry(8192, cfg, 132)
-    assert (g["tiles"], g["waves"], g["kv_tiles"], g["K"]) == (3 * 64, 2, 64, 132)
-    assert g["burst_bytes"] == 128 * 128 * 2 and g["volume_bytes"] == 132 * 32768
-    assert bench.fa_geometry(256, cfg, 132)["K"] == 6  # fewer tiles than SMs
-    sigma = bench.sigma_from_tflops(cfg, 690.0, 132)
-    assert math.isclose(sigma, 4 * 128**3 / (690e12 / 132) * 1e6)
-    # round trip: an FA time built from sigma gives sigma back
-    t = bench.fa_geometry(65536, cfg, 132)
-    assert math.isclose(bench.sigma_from_fa_time(t["waves"] * t["kv_tiles"] * sigma, 65536, cfg, 132), sigma)
+# ------------------------------------------------------------------------------ the model
+def test_model_beside_the_measurements():
+    # issue 19's host-memory numbers at M = 8192 (H200, 2026-12-03): FA4 184.5, A2A-only 121.1,
+    # serial 306.6, fused 295.2 us; the bound there: T_bound ~ 221 us
+    cfg = bench.parse_args(["-M", "8192", "--dest", "host"], env={})
+    med = {"fa": 184.5, "a2a": 121.1, "serial": 306.6, "fused": 295.2}
+    p = dict(_point(8192, med), dest="host")
+    host = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=2**20, meta={"dest": "host"})
+    r = bench.model_row(p, cfg, host, 132)
+    o_bytes = 8192 * 3 * 128 * 2
+    assert r["a2a_GBps"] == pytest.approx(o_bytes / 121.1e-6 / 1e9) and round(r["a2a_GBps"]) == 52
+    assert r["waves"] == 2 and r["gap_us"] == pytest.approx(92.25)
+    assert r["t_bound_us"] == pytest.approx(184.5 + 60 * 32768 / (o_bytes / 121.1e-6) * 1e6)
+    assert 215 < r["t_bound_us"] < 225 and r["hiding_bound"] == pytest.approx(1 - (r["t_bound_us"] - 184.5) / 122.1)
+    assert r["e_res_model_us"] == pytest.approx(60 * 32768 / 52e9 * 1e6)  # the last wave's drain
+    assert r["hiding_model"] == pytest.approx(1 - r["e_res_model_us"] / 122.1)
+    assert r["e_res_us"] == pytest.approx(110.7) and r["design_test"] == "FAILS: capacity"  # 4.3 MB > Q + R·T_iss0
+    text = bench.format_model([r], "test")
+    assert "| 8192 | host | 2 | 4.12 | 92.2 | FAILS: capacity | +37.8 | +110.7 | 69% | " in text
+    # a model of the other destination is not applied; the bound needs no model
+    hbm = PlatformModel(t_iss0=0.49 * US, drain_rate=4245 * GB, capacity=2**21, meta={"dest": "local"})
+    r2 = bench.model_row(p, cfg, hbm, 132)
+    assert r2["design_test"] is None and r2["e_res_model_us"] is None and r2["t_bound_us"] == r["t_bound_us"]
+    assert bench.model_row(dict(_point(8192, {"fused": 1.0}), dest="host"), cfg, host, 132) is None
+    # no knee: the capacity bound is undecided, not failed
+    low = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=0.0, capacity_is_lower_bound=True)
+    assert bench.model_row(p, cfg, low, 132)["design_test"] == "undecided: capacity (Q is a lower bound)"
 
 
 def test_predictions_use_the_model():
-    xs = pytest.importorskip("fa_a2a.xstage")
     cfg = bench.parse_args(["-M", "8192", "65536"], env={})
     model, source = bench.load_platform(None)
     assert "paper" in source
@@ -312,24 +398,23 @@ def test_predictions_use_the_model():
     assert r["M"] == 8192 and math.isclose(r["gap_us"], 64 * 1.6) and r["design_test"] == "pass"
     assert math.isclose(r["recovery_gap_us"], (V / 717e9 - 0.76e-6) * 1e6)
     # a platform that cannot drain the burst in the gap fails the rate bound
-    slow = xs.PlatformModel(t_iss0=1e-6, drain_rate=1e9, capacity=1e6)
+    slow = PlatformModel(t_iss0=1e-6, drain_rate=1e9, capacity=1e6)
     assert bench.predictions(cfg, slow, 1.6, 132)["rows"][0]["design_test"].startswith("FAILS: rate")
     text = bench.format_predictions(pred, source)
     assert "not measurements" in text and "| 65536 |" in text
 
 
 def test_platform_json_is_read(tmp_path):
-    xs = pytest.importorskip("fa_a2a.xstage")
     path = tmp_path / "platform.json"
-    xs.PlatformModel(t_iss0=2e-6, drain_rate=300e9, capacity=2**22).to_json(path)
+    PlatformModel(t_iss0=2e-6, drain_rate=300e9, capacity=2**22).to_json(path)
     model, source = bench.load_platform(str(path))
     assert model.drain_rate == 300e9 and str(path) in source
 
 
 def test_plots_are_written(tmp_path):
-    pytest.importorskip("matplotlib")
     pts = [_point(8192, {"fa": 181.0, "a2a": 20.0, "serial": 210.0, "fused": 183.0}),
-           _point(16384, {"fa": 592.0, "a2a": 40.0, "serial": 640.0, "fused": 594.0})]
+           _point(16384, {"fa": 592.0, "a2a": 40.0, "serial": 640.0, "fused": 594.0}),
+           dict(_point(8192, {"fa": 181.0, "a2a": 120.0, "serial": 300.0, "fused": 290.0}), dest="host")]
     cfg = bench.parse_args([], env={})
     import dataclasses
 
@@ -348,12 +433,9 @@ def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "No CUDA GPU: nothing was measured" in p.stdout
-    if importlib.util.find_spec("fa_a2a.xstage") is not None:
-        assert "Burst-Gap model predictions" in p.stdout and "not measurements" in p.stdout
-        rows = [l for l in p.stdout.splitlines() if l.startswith("| 8192 ") or l.startswith("| 16384 ")]
-        assert len(rows) == 2
-    else:
-        assert "No model predictions" in p.stdout
+    assert "Burst-Gap model predictions" in p.stdout and "not measurements" in p.stdout
+    rows = [l for l in p.stdout.splitlines() if l.startswith("| 8192 ") or l.startswith("| 16384 ")]
+    assert len(rows) == 2 and all(l.count("|") == 9 for l in rows)
     assert not out.exists()  # nothing measured, nothing written
     bad = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--heads", "7"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
