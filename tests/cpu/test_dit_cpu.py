@@ -1,151 +1,274 @@
-"""Flux under Ulysses on CPU: fa_a2a.dit's processor and hooks with the "reference" impl.
+"""diffusers' own context parallelism with the fa-a2a backend, on CPU (gloo, 2 and 3 processes).
 
-A tiny random FluxTransformer2DModel (fp32) run by P = 2 gloo ranks, and by emulated ranks in one
-process, must return the single-device model's output (fp32 attention on both sides: only the
-order of floating-point sums differs). The Ulysses op is wrapped to count its calls and check
-their shapes, so a model that silently ran unsharded would fail.
+Tiny random fp32 Flux, Wan and QwenImage transformers. Every rank runs the single-device model
+(SDPA), then the same model under `enable_parallelism(ContextParallelConfig(ulysses_degree=P))`
+with diffusers' native backend and with fa-a2a's (impl "reference" and "nccl"): all four outputs
+must agree to atol 1e-5, on even lengths and with ulysses_anything=True on uneven ones (63 image +
+7 text tokens). The backend counts its calls per route and the Ulysses op is wrapped to record
+the rows each call saw, so a run that silently did not shard (or took the wrong route) fails.
+The same through cache-dit's context parallelism when cache-dit is installed.
+
+Two test shims make diffusers' CP run on a CPU torch with gloo (neither changes the arithmetic):
+torch.accelerator.device_count() is 0 there (diffusers divides by it), and gloo's all_gather
+refuses the uneven shards of ulysses_anything's output gather (padded, gathered, trimmed here).
 """
+
+import copy
 
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 
-from fa_a2a import dit  # noqa: E402
+from fa_a2a import diffusers_backend as backend  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
-CFG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-           num_attention_heads=4, joint_attention_dim=24, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-ATOL = 2e-5  # fp32; outputs are O(1)
+ATOL = 1e-5
+HEADS, HEAD_DIM, TXT_DIM = 6, 16, 24  # 6 heads: P = 2 and 3 divide them (diffusers' native Ulysses needs it)
+LAYERS = 2
+# (image tokens as (frames, rows, cols), text tokens): even splits over 2 and 3 ranks, and uneven ones.
+EVEN = ((1, 6, 6), 6)
+UNEVEN = ((1, 7, 9), 7)
 
 
-def _model():
+# ---- tiny models and their inputs -------------------------------------------------------------------
+def _flux():
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(**CFG).eval()
+    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TXT_DIM,
+                                  pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
 
 
-def _inputs(height, width, text_len, batch=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(height, width, 3)
-    ids[..., 1] = torch.arange(height)[:, None]
-    ids[..., 2] = torch.arange(width)[None, :]
-    return dict(
-        hidden_states=torch.randn(batch, height * width, CFG["in_channels"], generator=g),
-        encoder_hidden_states=torch.randn(batch, text_len, CFG["joint_attention_dim"], generator=g),
-        pooled_projections=torch.randn(batch, CFG["pooled_projection_dim"], generator=g),
-        timestep=torch.rand(batch, generator=g),
-        img_ids=ids.reshape(-1, 3),
-        txt_ids=torch.randn(text_len, 3, generator=g),
-    )
+def _flux_inputs(shape, J, g):
+    _, h, w = shape
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
+    return dict(hidden_states=torch.randn(2, h * w, 8, generator=g),
+                encoder_hidden_states=torch.randn(2, J, TXT_DIM, generator=g),
+                pooled_projections=torch.randn(2, 16, generator=g), timestep=torch.rand(2, generator=g),
+                img_ids=ids.reshape(-1, 3), txt_ids=torch.randn(J, 3, generator=g), return_dict=False)
 
 
-class _CountCalls:
-    """Wraps a function of fa_a2a.op and records the sequence length of each call's q."""
+def _wan():
+    from diffusers import WanTransformer3DModel
 
-    def __init__(self, monkeypatch, name):
-        import fa_a2a.op as op
+    return WanTransformer3DModel(patch_size=(1, 1, 1), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM,
+                                 in_channels=4, out_channels=4, text_dim=TXT_DIM, freq_dim=32, ffn_dim=64,
+                                 num_layers=LAYERS, rope_max_seq_len=64)
 
-        self.fn = getattr(op, name)
-        self.rows = []
-        monkeypatch.setattr(op, name, self)
+
+def _wan_inputs(shape, J, g):
+    f, h, w = shape
+    return dict(hidden_states=torch.randn(2, 4, f, h, w, generator=g), timestep=torch.rand(2, generator=g) * 1000,
+                encoder_hidden_states=torch.randn(2, J, TXT_DIM, generator=g), return_dict=False)
+
+
+def _qwen():
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(patch_size=1, in_channels=8, out_channels=8, num_layers=LAYERS,
+                                       attention_head_dim=HEAD_DIM, num_attention_heads=HEADS,
+                                       joint_attention_dim=TXT_DIM, axes_dims_rope=(4, 6, 6))
+
+
+def _qwen_inputs(shape, J, g, mask=False):
+    f, h, w = shape
+    x = dict(hidden_states=torch.randn(2, f * h * w, 8, generator=g),
+             encoder_hidden_states=torch.randn(2, J, TXT_DIM, generator=g),
+             timestep=torch.rand(2, generator=g), img_shapes=[[(f, h, w)]] * 2, return_dict=False)
+    if mask:  # sample 1 has two padded text tokens
+        m = torch.ones(2, J, dtype=torch.bool)
+        m[1, -2:] = False
+        x["encoder_hidden_states_mask"] = m
+    return x
+
+
+# diffusers' CP hooks take the model's output as a tuple: return_dict=False, as pipelines call it.
+# name -> (builder, inputs, (Ulysses calls, local calls) per forward)
+MODELS = {
+    "flux": (_flux, _flux_inputs, (2, 0)),
+    "wan": (_wan, _wan_inputs, (LAYERS, LAYERS)),  # cross-attention: parallel_config=None, local
+    "qwenimage": (_qwen, _qwen_inputs, (LAYERS, 0)),
+}
+
+
+# ---- shims for diffusers' CP on a CPU torch with gloo ------------------------------------------------------
+def _gather_anything_padded(tensor, dim, group):
+    """diffusers' _all_gather_anything through equal-size buffers (gloo needs them)."""
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    P = dist.get_world_size(group)
+    sizes = torch.empty(P, dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([tensor.shape[dim]]), group=group)
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, int(sizes.max()) - tensor.shape[dim]]
+    parts = [torch.empty_like(torch.nn.functional.pad(tensor, pad)) for _ in range(P)]
+    dist.all_gather(parts, torch.nn.functional.pad(tensor, pad), group=group)
+    return torch.cat([p.narrow(dim, 0, int(n)) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def _cpu_shims():
+    import diffusers.hooks.context_parallel as cp_hooks
+
+    torch.accelerator.device_count = lambda: 1
+    cp_hooks._all_gather_anything = _gather_anything_padded
+
+
+class _RecordRows:
+    """Wraps the backend's call of the Ulysses op and records the q rows of each call."""
+
+    def __init__(self):
+        self.fn, self.rows = backend._call_ulysses, []
+        backend._call_ulysses = self
 
     def __call__(self, q, *args, **kwargs):
-        self.rows.append(q[0].shape[1] if isinstance(q, (list, tuple)) else q.shape[1])
+        self.rows.append(q.shape[1])
         return self.fn(q, *args, **kwargs)
 
 
-CASES = [(4, 4, 5), (3, 5, 4)]  # (height, width, text tokens): S = 16 (even), S = 15 (uneven over 2)
-N_ATTN = CFG["num_layers"] + CFG["num_single_layers"]
+def _cp_model(name, P, anything):
+    from diffusers import ContextParallelConfig
+
+    torch.manual_seed(0)
+    model = MODELS[name][0]().eval()
+    single = copy.deepcopy(model)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P, ulysses_anything=anything))
+    return single, model
 
 
-def _check_flux(P, group, rank):
-    import fa_a2a.op as op
+def _expect_rows(shape, J, P, rank):
+    """Rows of this rank's shard: diffusers tensor_splits image and text tokens separately."""
+    f, h, w = shape
+    return len(torch.arange(f * h * w).tensor_split(P)[rank]) + len(torch.arange(J).tensor_split(P)[rank])
 
-    calls = []
-    real = op.ulysses_attention
-    op.ulysses_attention = lambda q, *a, **k: (calls.append(q.shape[1]), real(q, *a, **k))[1]
-    model = _model()
+
+def _check_models(P, group, rank):
+    _cpu_shims()
+    record = _RecordRows()
+    names = {impl: backend.register_diffusers_backend(f"fa_a2a_{impl}", impl) for impl in ("reference", "nccl")}
     torch.set_grad_enabled(False)
-    for height, width, J in CASES:
-        x = _inputs(height, width, J)
-        ref = model(**x).sample
-        handle = dit.parallelize_flux(model, group=group, impl="reference")
-        calls.clear()
-        out = model(**x).sample
-        out_tuple = model(**x, return_dict=False)[0]
-        S_loc = -(-height * width // P)
-        assert calls == [S_loc] * (2 * N_ATTN), \
-            f"rank {rank}: Ulysses calls saw q rows {calls}, expected {2 * N_ATTN} x {S_loc}"
-        handle.remove()
-        again = model(**x).sample
+    for model_name, (_, make_inputs, (n_cp, n_local)) in MODELS.items():
+        for anything, (shape, J) in ((False, EVEN), (True, UNEVEN)):
+            what = f"rank {rank} P={P} {model_name} ulysses_anything={anything}"
+            single, model = _cp_model(model_name, P, anything)
+            x = make_inputs(shape, J, torch.Generator().manual_seed(1))
+            ref = single(**x)[0]
+            model.set_attention_backend("native")
+            native = model(**x)[0]
+            assert native.shape == ref.shape, what
+            err = (native - ref).abs().max().item()
+            assert err <= ATOL, f"{what}: diffusers' native Ulysses differs from one device by {err:.3g}"
+            every = [_expect_rows(shape, J if model_name != "wan" else 0, P, r) for r in range(P)]
+            rows, uneven = every[rank], len(set(every)) > 1  # Wan's 63 tokens split evenly over 3 ranks
+            for impl, name in names.items():
+                model.set_attention_backend(name)
+                backend.route_counts(name, reset=True)
+                record.rows.clear()
+                out = model(**x)[0]
+                err = (out - ref).abs().max().item()
+                assert out.shape == ref.shape and err <= ATOL, f"{what} impl={impl}: max error {err:.3g}"
+                counts = backend.route_counts(name)
+                expect = {"templated" if uneven else "ulysses": n_cp, "local": n_local}
+                assert counts == {k: n for k, n in expect.items() if n}, f"{what} impl={impl}: routes {counts}"
+                assert record.rows == ([] if uneven else [rows] * n_cp), f"{what}: op saw q rows {record.rows}"
+            if model_name == "qwenimage" and not anything:  # a text mask: handed to the templated path
+                xm = _qwen_inputs(shape, J, torch.Generator().manual_seed(2), mask=True)
+                ref = single(**xm)[0]
+                model.set_attention_backend(names["reference"])
+                backend.route_counts(names["reference"], reset=True)
+                err = (model(**xm)[0] - ref).abs().max().item()
+                assert err <= ATOL, f"{what} with a text mask: max error {err:.3g}"
+                assert backend.route_counts(names["reference"]) == {"templated": n_cp}
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_models_match_single_device_under_diffusers_cp(P):
+    run_on_gloo_groups(_check_models, (P,), timeout_s=240)
+
+
+def _check_cache_dit(P, group, rank):
+    from cache_dit import ParallelismConfig
+    from cache_dit.distributed.dispatch import enable_parallelism
+
+    _cpu_shims()
+    record = _RecordRows()
+    name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+    torch.set_grad_enabled(False)
+    for model_name in ("flux", "wan", "qwenimage"):
+        torch.manual_seed(0)
+        model = MODELS[model_name][0]().eval()
+        x = MODELS[model_name][1](*EVEN, torch.Generator().manual_seed(1))
+        ref = model(**x)[0]
+        enable_parallelism(model, ParallelismConfig(ulysses_size=P, attention_backend=name))
+        backend.route_counts(name, reset=True)
+        record.rows.clear()
+        out = model(**x)[0]
         err = (out - ref).abs().max().item()
-        assert out.shape == ref.shape and err <= ATOL and torch.equal(out, out_tuple), \
-            f"rank {rank} S={height * width}: shape {tuple(out.shape)} vs {tuple(ref.shape)}, max error {err:.3g} > {ATOL}"
-        assert torch.equal(again, ref), f"rank {rank}: remove() did not restore the model"
+        assert out.shape == ref.shape and err <= ATOL, f"rank {rank} cache-dit {model_name}: max error {err:.3g}"
+        counts = backend.route_counts(name)
+        assert counts.get("ulysses", 0) == MODELS[model_name][2][0] and record.rows, \
+            f"rank {rank} cache-dit {model_name}: routes {counts}, op rows {record.rows}"
 
 
-def test_flux_gloo_two_ranks_matches_single_device():
-    run_on_gloo_groups(_check_flux, (2,), timeout_s=120)
+def test_models_match_single_device_under_cache_dit_cp():
+    pytest.importorskip("cache_dit")
+    run_on_gloo_groups(_check_cache_dit, (2,), timeout_s=240)
 
 
-@pytest.mark.parametrize("P", [3, 4])
-def test_flux_emulated_ranks_matches_single_device(P, monkeypatch):
-    # P = 3 does not divide the 4 heads (head padding) nor S = 15 or 16 (sequence padding).
-    counter = _CountCalls(monkeypatch, "ulysses_attention_emulated")
-    model = _model()
+# ---- single process ------------------------------------------------------------------------------------------
+def test_registration_is_idempotent_and_refuses_conflicts():
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    assert backend.register_diffusers_backend("fa_a2a_reference", "reference") == "fa_a2a_reference"
+    assert backend.register_diffusers_backend("fa_a2a_reference", "reference") == "fa_a2a_reference"
+    member = AttentionBackendName("fa_a2a_reference")
+    assert member in _AttentionBackendRegistry._backends
+    assert _AttentionBackendRegistry._is_context_parallel_available(member)
+    with pytest.raises(ValueError, match="impl"):
+        backend.register_diffusers_backend("fa_a2a_reference", "nccl")
+    with pytest.raises(ValueError, match="impl"):
+        backend.register_diffusers_backend("fa_a2a_x", "magic")
+    with pytest.raises(ValueError, match="name"):
+        backend.register_diffusers_backend("native", "reference")
+    with pytest.raises(ValueError, match="name"):
+        backend.register_diffusers_backend("FA_A2A", "reference")
+
+
+def test_without_parallel_config_the_backend_is_local_attention():
+    torch.manual_seed(0)
+    model = _flux().eval()
+    x = _flux_inputs(*EVEN, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        for height, width, J in CASES:
-            x = _inputs(height, width, J, batch=3)
-            ref = model(**x).sample
-            handle = dit.parallelize_flux(model, impl="reference", emulated_ranks=P)
-            counter.rows.clear()
-            out = model(**x).sample
-            handle.remove()
-            S_loc = -(-height * width // P)
-            assert counter.rows == [S_loc] * N_ATTN
-            assert out.shape == ref.shape
-            err = (out - ref).abs().max().item()
-            assert err <= ATOL, err
-            assert torch.equal(model(**x).sample, ref)
+        ref = model(**x)[0]
+        name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+        model.set_attention_backend(name)
+        backend.route_counts(name, reset=True)
+        out = model(**x)[0]
+        model.reset_attention_backend()
+    assert (out - ref).abs().max().item() <= ATOL
+    assert backend.route_counts(name) == {"local": 2}
+    q, k, v = torch.randn(3, 1, 5, 2, 8).unbind(0)
+    out, lse = backend._local_attention(q, k, v, return_lse=True)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8 ** 0.5
+    assert torch.allclose(lse, torch.logsumexp(s, -1).transpose(1, 2), atol=1e-6)
+    assert torch.allclose(out, torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), atol=1e-6)
+    with pytest.raises(ValueError, match="dropout_p"):
+        backend._attention(name, "reference", q, k, v, None, 0.1, False, None, False, False, None)
 
 
-def test_shard_and_gather_rows_are_exact():
-    x = torch.randn(2, 7, 3)
-    shards = [dit.shard_rows(x, 1, r, 3) for r in range(3)]
-    assert [s.shape[1] for s in shards] == [3, 3, 3]
-    assert torch.equal(torch.cat(shards, 1)[:, :7], x)
-    assert torch.equal(shards[2][:, 1:], torch.zeros(2, 2, 3))
-    ids = torch.randn(5, 3)
-    assert torch.equal(dit.shard_rows(ids, 0, 1, 2), torch.cat([ids[3:], torch.zeros(1, 3)]))
-    assert torch.equal(dit.shard_rows(ids, 0, 2, 4)[1], torch.zeros(3))  # rank 2 of 4: rows 4, (5)
+def _check_applied_twice(P, group, rank):
+    _cpu_shims()
+    torch.manual_seed(0)
+    model = _flux().eval()
+    backend.enable_ulysses(model, impl="reference")
+    for again in (lambda: backend.enable_ulysses(model, impl="reference"),
+                  lambda: backend.enable_ulysses(model, impl="nccl")):
+        with pytest.raises(ValueError, match="twice"):
+            again()
+    with pytest.raises(ValueError, match="_cp_plan"):
+        backend.enable_ulysses(torch.nn.Linear(2, 2))
 
 
-def test_bad_input_raises_value_error():
-    model = _model()
-    with pytest.raises(ValueError, match="impl"):
-        dit.parallelize_flux(model, impl="magic", emulated_ranks=2)
-    with pytest.raises(ValueError, match="impl"):
-        dit.parallelize_flux(model, impl="nccl", emulated_ranks=2)
-    with pytest.raises(ValueError, match="emulated_ranks"):
-        dit.parallelize_flux(model, impl="reference", emulated_ranks=0)
-    with pytest.raises(ValueError, match="model"):
-        dit.parallelize_flux(torch.nn.Linear(2, 2), impl="reference", emulated_ranks=2)
-    x = _inputs(4, 4, 5)
-    handle = dit.parallelize_flux(model, impl="reference", emulated_ranks=2)
-    bad = dict(x, img_ids=x["img_ids"][:-1])
-    with pytest.raises(ValueError, match="img_ids"), torch.no_grad():
-        model(**bad)
-    handle.remove()
-    # The processor alone, on a shard whose rotary rows do not match its tokens.
-    proc = dit.UlyssesFluxAttnProcessor(impl="reference")
-    attn = model.transformer_blocks[0].attn
-    hs, enc = torch.randn(1, 8, attn.query_dim), torch.randn(1, 3, attn.query_dim)
-    rot = model.pos_embed(torch.zeros(16 + 3, 3))
-    with pytest.raises(ValueError, match="image_rotary_emb"), torch.no_grad():
-        proc(attn, hs, enc, image_rotary_emb=rot)
-    with pytest.raises(ValueError, match="attention_mask"), torch.no_grad():
-        proc(attn, hs, enc, attention_mask=torch.ones(1, 11, dtype=torch.bool))
-    with pytest.raises(ValueError, match="text_len"), torch.no_grad():
-        proc(model.single_transformer_blocks[0].attn, hs)
+def test_enable_ulysses_twice_is_refused():
+    run_on_gloo_groups(_check_applied_twice, (2,), timeout_s=120)

@@ -1,0 +1,320 @@
+"""fa-a2a as an attention backend of diffusers' context parallelism (and of cache-dit's).
+
+diffusers (0.42.1) runs Ulysses itself: `model.enable_parallelism(config=ContextParallelConfig(
+ulysses_degree=P))` shards the model's inputs by its `_cp_plan` (Flux, Flux2, QwenImage, Wan,
+ChronoEdit, Helios, LTXVideo, LTX2Video, MiniMaxH3), gathers its output, and hands every attention
+call to the backend chosen by `model.set_attention_backend(name)`: q/k/v [B, S_local, H, D] (fa-a2a's
+layout) plus `_parallel_config`. `register_diffusers_backend()` makes fa-a2a such a backend, so a
+model with a plan gets the fused kernel without a line of model code:
+
+    register_diffusers_backend("fa_a2a", impl="fused")
+    model.set_attention_backend("fa_a2a")
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P))
+    # or, the three steps in one call:  enable_ulysses(model, impl="fused")
+
+Routing of one call (every rank decides alike: the facts below are the same on all ranks):
+  no parallel config (e.g. Wan's cross-attention)      -> local attention: FA4 (fa_a2a.fused.
+                                                          fa4_forward) where it applies, else SDPA
+  Ulysses only, no mask, K/V as long as Q, no lse,     -> fa_a2a.ulysses_attention on the Ulysses
+  equal shards, tensors the impl takes                    group (impl "fused" by default)
+  anything else: attention mask, ring degree > 1,      -> diffusers' own templated path
+  return_lse, K/V of another length, uneven shards        (_templated_context_parallel_attention)
+  (ulysses_anything), tensors the kernels do not take     with the same local attention as its op;
+                                                          correct but not fused, logged once per
+                                                          (backend, reason)
+Sharded text (Flux, Flux2, QwenImage and LTX shard their text tokens too) needs nothing special:
+non-causal unmasked attention does not depend on the order of the keys, and every query row
+returns to its rank's slot, so the op over each rank's [text | image] rows is exact.
+`route_counts(name)` says how many calls took each route (tests use it to fail a run that
+silently did not shard).
+
+cache-dit (1.5.3) keeps its own copy of this machinery, its own model plans and its own closed
+backend enum, and refuses under its context parallelism a backend it has not registered. When
+cache-dit is installed, registration adds the name there too (its dispatcher passes the config as
+`_cp_config`; cache-dit's config answers `.context_parallel_config` with itself), so
+`ParallelismConfig(ulysses_size=P, attention_backend="fa_a2a")` works.
+
+Inference only: no backward. Tested with diffusers 0.42.1 and cache-dit 1.5.3 on CPU (gloo; fp32
+Flux, Wan, QwenImage) and on one H200 (bf16, two processes sharing the GPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import inspect
+import logging
+from typing import Optional
+
+import torch
+
+from fa_a2a.op import IMPLS
+
+__all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts"]
+
+logger = logging.getLogger(__name__)
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what FA4 and the A2A kernels take (fa_a2a.op)
+_KERNEL_HEAD_DIMS = (64, 128)
+
+_registered: dict[str, str] = {}  # backend name -> impl
+_counts: dict[str, collections.Counter] = {}
+_logged: set = set()
+
+
+# ---- local attention (no communication) --------------------------------------------------------
+def _fa4_applies(q, k, v, attn_mask) -> bool:
+    return (attn_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and q.shape[-1] in _KERNEL_HEAD_DIMS
+            and k.dtype == v.dtype == q.dtype and k.shape[-1] == q.shape[-1])
+
+
+def _local_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, return_lse=False):
+    """Attention of q [B, S_q, H, D] over k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D] (, lse [B, S_q, H]).
+
+    FA4 on CUDA bf16/fp16 tensors without a mask; SDPA otherwise (fp32 math when the lse is wanted).
+    """
+    if _fa4_applies(q, k, v, attn_mask):
+        from fa_a2a.fused import fa4_forward
+
+        B, S, H, _ = q.shape
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
+        out = fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=is_causal,
+                          softmax_scale=scale, lse=lse)
+        return (out, lse.transpose(1, 2)) if return_lse else out
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = kt.shape[1] != qt.shape[1]
+    if not return_lse:
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, is_causal=is_causal,
+                                                               scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
+    # The lse (ring attention's merge needs it): explicit fp32 softmax.
+    if gqa:
+        kt, vt = (t.repeat_interleave(qt.shape[1] // kt.shape[1], dim=1) for t in (kt, vt))
+    s = (qt.float() @ kt.float().transpose(-1, -2)) * (scale if scale is not None else qt.shape[-1] ** -0.5)
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    lse = torch.logsumexp(s, dim=-1)
+    out = (torch.softmax(s, dim=-1) @ vt.float()).to(q.dtype)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _local_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
+    """The local op of diffusers' templated context-parallel path (its forward_op signature)."""
+    return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
+
+
+def _local_backward_op(ctx, grad_out, *args, **kwargs):
+    raise NotImplementedError("the fa_a2a attention backend is inference-only (no backward)")
+
+
+# ---- routing -------------------------------------------------------------------------------------
+def _rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
+    """(q rows, k rows) of every rank of the group (one small all-gather)."""
+    import torch.distributed as dist
+
+    # A gloo group (or the gloo half of "cpu:gloo,cuda:nccl") gathers host tensors: no device sync.
+    on_host = "gloo" in str(dist.get_backend(group))
+    device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([q_rows, k_rows], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [tuple(t.tolist()) for t in every]
+
+
+def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
+    """Why a context-parallel call cannot go to ulysses_attention (None: it can).
+
+    Every fact used here is the same on all ranks (shapes other than S, dtypes, flags), so all
+    ranks take the same route; per-rank row counts are compared in _uneven_reason.
+    """
+    if cp.ring_degree > 1:
+        return "ring degree > 1"
+    if attn_mask is not None:
+        return "attention mask"
+    if return_lse:
+        return "return_lse"
+    kernels = impl in ("fused", "serial") or (impl == "nccl" and q.is_cuda)
+    if kernels and not q.is_cuda:
+        return f"CPU tensors (impl {impl!r} runs CUDA kernels)"
+    if kernels and q.dtype not in _KERNEL_DTYPES:
+        return f"{q.dtype} tensors (the kernels take bfloat16/float16)"
+    if kernels and q.shape[-1] not in _KERNEL_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (the kernels take 64 or 128)"
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        return f"{k.shape[2]} K/V heads for {q.shape[2]} query heads"
+    return None
+
+
+def _uneven_reason(rows: list[tuple[int, int]]) -> Optional[str]:
+    """Why these per-rank (q, k) row counts cannot go to ulysses_attention (None: they can).
+
+    The op takes equal shards (rows [r*S_loc, (r+1)*S_loc) of rank r; an uneven total only as
+    padding at the end, through seq_len). diffusers' ulysses_anything splits every input with
+    tensor_split, so the longer shards come first and, with several inputs (text and image),
+    every rank may hold a different count. Once the op takes per-rank valid row counts, pass
+    [q for q, _ in rows] to it and drop the first test below: that is the only change here.
+    """
+    if any(q != k for q, k in rows):
+        return "K/V of another length than Q"
+    if len({q for q, _ in rows}) > 1:
+        return "uneven shards (ulysses_anything)"
+    return None
+
+
+def _call_ulysses(q, k, v, **kwargs):
+    import fa_a2a
+
+    return fa_a2a.ulysses_attention(q, k, v, **kwargs)
+
+
+def _count(name: str, route: str) -> None:
+    _counts.setdefault(name, collections.Counter())[route] += 1
+
+
+def _log_once(name: str, reason: str) -> None:
+    if (name, reason) not in _logged:
+        _logged.add((name, reason))
+        logger.warning("attention backend %r: %s -> diffusers' templated context-parallel path with FA4/SDPA "
+                       "as its local attention (correct, not fused); logged once", name, reason)
+
+
+def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+               parallel_config):
+    if dropout_p:
+        raise ValueError(f"dropout_p: the {name!r} attention backend is inference-only, expected 0.0, got {dropout_p}")
+    if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+        attn_mask = attn_mask[:, None, None, :]  # [B, S_k] -> [B, 1, 1, S_k], as diffusers' native backend
+    cp = parallel_config.context_parallel_config if parallel_config is not None else None
+    if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
+        _count(name, "local")
+        return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
+    reason = _not_fusable(impl, query, key, attn_mask, return_lse, cp)
+    if reason is None:
+        group = cp._ulysses_mesh.get_group()
+        if cp.ulysses_anything or key.shape[1] != query.shape[1]:
+            reason = _uneven_reason(_rows_per_rank(query.shape[1], key.shape[1], group))
+    if reason is None:
+        _count(name, "ulysses")
+        return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale)
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+
+    _log_once(name, reason)
+    _count(name, "templated")
+    return _templated_context_parallel_attention(
+        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, return_lse,
+        forward_op=_local_forward_op, backward_op=_local_backward_op, _parallel_config=parallel_config)
+
+
+def _make_backend(name: str, impl: str):
+    def fa_a2a_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False, return_lse=False, _parallel_config=None):
+        return _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                          return_lse, _parallel_config)
+
+    fa_a2a_attention.__qualname__ = fa_a2a_attention.__name__ = f"fa_a2a_attention[{name}, {impl}]"
+    return fa_a2a_attention
+
+
+# ---- registration ----------------------------------------------------------------------------------
+def _enum_member(enum_cls, value: str):
+    """The member of a closed str Enum with this value, added if absent (diffusers and cache-dit
+    list their backends in such enums; cache-dit adds its own members the same way)."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        pass
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = value.upper(), value
+    enum_cls._member_map_[member._name_] = member
+    enum_cls._member_names_.append(member._name_)
+    enum_cls._value2member_map_[value] = member
+    return member
+
+
+def _register_with_cache_dit(name: str, fn) -> None:
+    from cache_dit.attention.backends.register import _AttnBackend, _AttnBackendRegistry
+
+    def cache_dit_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False, return_lse=False, _cp_config=None):
+        return fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _cp_config)
+
+    # bridge_to_diffusers=False: the diffusers entry is ours (registered above), cache-dit must not replace it.
+    _AttnBackendRegistry.register(_enum_member(_AttnBackend, name), supports_context_parallel=True,
+                                  bridge_to_diffusers=False)(cache_dit_attention)
+
+
+def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused") -> str:
+    """Register the fa-a2a attention backend with diffusers (and cache-dit, if installed); returns name.
+
+    name: the backend name for `model.set_attention_backend(name)` (lower case; not one of
+    diffusers' own). impl: the Ulysses op's impl, "fused" | "serial" | "nccl" | "reference".
+    Idempotent: registering a name again with the same impl does nothing more; another impl under
+    a registered name is refused (register a second name instead).
+    """
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
+        raise ValueError(f"name: expected a lower-case identifier such as 'fa_a2a', got {name!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if name in _registered:
+        if _registered[name] != impl:
+            raise ValueError(f"impl: backend {name!r} is registered with impl {_registered[name]!r}, got {impl!r} "
+                             "(register another name for another impl)")
+        return name
+    if name in AttentionBackendName._value2member_map_:
+        raise ValueError(f"name: {name!r} is already a diffusers attention backend; choose another name")
+    fn = _make_backend(name, impl)
+    member = _enum_member(AttentionBackendName, name)
+    _AttentionBackendRegistry._backends[member] = fn
+    _AttentionBackendRegistry._constraints[member] = []
+    _AttentionBackendRegistry._supported_arg_names[member] = set(inspect.signature(fn).parameters)
+    _AttentionBackendRegistry._supports_context_parallel.add(member.value)
+    if importlib.util.find_spec("cache_dit") is not None:
+        _register_with_cache_dit(name, fn)
+    _registered[name] = impl
+    return name
+
+
+def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "fused", name: Optional[str] = None,
+                   ulysses_anything: bool = False, mesh=None):
+    """Run a diffusers model under Ulysses with the fa-a2a backend: register, set, enable.
+
+    ulysses_degree: P (default: the world size). ulysses_anything=True: any sequence length (uneven
+    shards; handed to diffusers' templated path until the op takes per-rank row counts). mesh: a
+    diffusers-style ("ring", "ulysses") DeviceMesh when the model's ranks are not the whole world.
+    name: backend name (default "fa_a2a" for impl "fused", else "fa_a2a_<impl>"). Returns the model.
+    Refused (ValueError) when the model already runs under context parallelism.
+    """
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    if getattr(model, "_parallel_config", None) is not None:
+        raise ValueError(f"model: {type(model).__name__} already runs under context parallelism "
+                         "(enable_ulysses / enable_parallelism was applied); it cannot be applied twice")
+    if getattr(model, "_cp_plan", None) is None:
+        raise ValueError(f"model: {type(model).__name__} has no _cp_plan (diffusers' context-parallel plan)")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("model: torch.distributed must be initialized before enable_ulysses")
+    if ulysses_degree is None:
+        ulysses_degree = mesh["ulysses"].size() if mesh is not None else dist.get_world_size()
+    if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
+        raise ValueError(f"ulysses_degree: expected an int >= 1, got {ulysses_degree!r}")
+    if name is None:
+        name = "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}"
+    register_diffusers_backend(name, impl)
+    model.set_attention_backend(name)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree,
+                                                          ulysses_anything=ulysses_anything, mesh=mesh))
+    return model
+
+
+def route_counts(name: str = "fa_a2a", reset: bool = False) -> dict:
+    """Calls of backend `name` per route since the last reset: {"ulysses", "templated", "local": n}."""
+    counts = dict(_counts.get(name, {}))
+    if reset:
+        _counts.pop(name, None)
+    return counts
