@@ -1,0 +1,614 @@
+"""QKV projection GEMM with the Ulysses pre-attention All-to-All in its epilogue (SM90, quack).
+
+Rank r of P holds its rows x [B, M, C] (M = S_loc for the sequence part). Ulysses needs, on every
+destination rank d, q [B, N, H_loc, D] and k, v [B, N, H_kv_loc, D] holding rank d's heads for
+all N rows; source rank r fills rows [row0, row0 + M) (row0 = r * S_loc). This module runs the
+projection y = x W^T (+ bias) (+ per-head RMSNorm with weight on q and k) (+ interleaved RoPE on
+q and k) as quack's SM90 GEMM whose output tensor D *is* those P destination windows, so the
+epilogue's TMA store of each output tile is the pre-A2A (a peer store when window d is remote).
+
+Window layout written (the op layer's in-windows, fa_a2a.op._WindowPlan): per destination rank
+d a window holding q [B, N, H_loc, D], then k [B, N, H_kv_loc, D], then v (same), each
+contiguous; the P windows sit at one uniform stride W in this process's address space (VMM peer
+mapping, or P local buffers when ranks are emulated). Element (b, m, column n) of the GEMM goes to
+window d = p, tensor t, row row0 + m, local head j, lane i, where the GEMM columns are ordered
+n = ((t * P + p) * h_t + j) * D + i (h_t = H_loc for q, H_kv_loc for k and v). For Flux-like
+models (H % P == 0, H_kv = H) that is exactly the order of [W_q; W_k; W_v]: global head
+h = p * H_loc + j. QKVWeights.from_linear gathers the weight rows for any other head map:
+- head padding (H % P != 0): query heads h >= H get zero weight and bias rows; the epilogue
+  writes exact zeros there (RMSNorm of a zero head is 0 * rsqrt(eps) = 0; RoPE keeps 0);
+- GQA (H_kv < H): rank d's KV heads (ulysses.layout.UlyssesLayout.kv_head_index[d]) are gathered,
+  so a KV head needed by several ranks is computed once per rank that receives it (the GEMM
+  computes the replicated columns instead of storing one column twice).
+
+The kernel sees D as (l, m, (h_t*D, P, n_t)) with strides (N*h_t*D, h_t*D, (1, W, T)) (T: the
+distance from q's to k's window, n_t consecutive tensors of one launch): one TMA descriptor with
+5 modes (i, m, p, t, l) addresses every rank. tile_N divides h_t*D, so an output tile lies in one
+(rank, tensor) block; rows past M in the last M tile are clipped by the TMA bounds (the M extent
+is this call's rows), so they never reach the next rank's rows. A launch covers consecutive
+tensors with the same epilogue and head count: q|k (norm/RoPE) and v (bias only) as two launches,
+or q|k|v as one when there is no norm and no RoPE; with GQA, q and k|v launch separately.
+Batches (B > 1) launch one GEMM each: a stride-0 batch mode cannot be a TMA dimension, and
+materialising B copies of the weight costs more than the launches.
+
+Epilogues are quack's (quack.epilogue.library.qk_rope_epi, qknorm_epi;
+quack.epilogue.rotary.rope_table_epi) or compositions of quack's epilogue ops (HeadRstd,
+RowVecLoad, rotary_cos_sin_load) where quack has no ready one (bias before the norm, RoPE
+without bias). RMSNorm eps is 1e-6 (quack's HeadRstd in its library epilogues).
+
+Ordering: the stores are TMA bulk stores issued by quack's epilogue exactly as for a plain
+output; nothing waits for remote completion. Visibility to the consumer comes from the barrier
+kernel launched after this one on the same stream (cute_kernels/signal.py): kernel completion
+orders every store of this grid before that barrier's release.
+
+Measured: the rank-window probe behind this kernel (H200, 2026-12-03, emulated P = 8, bf16,
+C = 3072, N = 9216, CUDA-graph medians) gave T_rank-window / T_plain-quack = 1.021 / 1.002 /
+1.002 at S_loc = 576 / 1024 / 4096 and bit-exact windows; quack's default 128x192 tile was 1.5x
+slower than cuBLAS at S_loc = 576 (79 vs 51.5 us). Numbers of this module: examples/qkv_speed.py.
+
+Host requirement seen on the H200 machine: quack fingerprints epilogue functions by walking their
+globals and treats functions as library code (keyed by name) only when their file lies under a
+"site-packages" / "dist-packages" directory (quack/gemm_runtime/identity.py,
+_is_extern_function). CuTe DSL installed elsewhere makes `import quack.epilogue.library` raise
+TypeError (it reaches a ContextVar of the DSL); install it as a normal package.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+import cutlass.cute as cute
+from quack.compile_utils import make_fake_tensor
+from quack.cute_dsl_utils import get_max_active_clusters, torch2cute_dtype_map
+from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.head_rmsnorm import HeadRstd
+from quack.epilogue.library import qk_rope_epi, qknorm_epi
+from quack.epilogue.ops import EpiOp, RowVecLoad
+from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
+from quack.gemm_default_epi import GemmDefaultEpiMixin, GemmDefaultSm90
+from quack.gemm_runtime.host import FakeArgCtx
+from quack.gemm_tvm_ffi_utils import (
+    compile_gemm_kernel,
+    make_fake_gemm_tensors,
+    make_fake_scheduler_args,
+    make_scheduler_args,
+)
+from quack.rounding import RoundingMode
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+EPS = 1e-6  # HeadRstd's eps in quack's qk epilogues
+
+
+# ---- kernel classes ------------------------------------------------------------------------------
+class _RankWindowD:
+    """Mixin for a quack SM90 GEMM class: D arrives as (l, m, t, p, i) (t: q/k/v tensor of the
+    launch, p: destination rank, i < h_t*D static) and is regrouped into quack's batch-first
+    (l, m, n) with a nested n = (i, p, t); everything after that is quack's own __call__."""
+
+    @cute.jit
+    def __call__(self, mA, mB, mD, mC, epilogue_args, scheduler_args, varlen_args, stream,
+                 mSFA=None, mSFB=None):
+        s, d = mD.layout.shape, mD.layout.stride
+        mD = cute.make_tensor(
+            mD.iterator,
+            cute.make_layout((s[0], s[1], (s[4], s[3], s[2])),
+                             stride=(d[0], d[1], (d[4], d[3], d[2]))),
+        )
+        # explicit class: the epilogue classes below are made by type(), where a bare super()
+        # inside a traced method recursed into this method (CuTe DSL 4.8.1)
+        super(_RankWindowD, self).__call__(mA, mB, mD, mC, epilogue_args, scheduler_args,
+                                           varlen_args, stream, mSFA, mSFB)
+
+
+class GemmRankWindowSm90(_RankWindowD, GemmDefaultSm90):
+    """quack's default SM90 GEMM (optional row-vector bias) storing into rank windows."""
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_window_class(base):
+    return type(f"RankWindow_{base.__name__}", (_RankWindowD, base), {"__module__": __name__})
+
+
+# ---- epilogues: quack's where they exist, compositions of quack's ops otherwise ------------------
+def _sq_bias_prepass(acc, b):
+    x = acc + b
+    return {"qk": x * x}
+
+
+@gemm_epilogue(
+    ops={"cs": rotary_cos_sin_load("cs"), "qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"),
+         "b": RowVecLoad("b")},
+    prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair",
+)
+def qk_bias_norm_rope_epi(acc, cs, qk, w, b):
+    """quack's qk_rope_epi with the projection bias added before the norm (a DiT's q/k path):
+    rmsnorm_head(acc + b) * w, then interleaved RoPE."""
+    x1, x2 = unpack((acc + b) * qk * w)
+    c, s = unpack(cs)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+@gemm_epilogue(
+    ops={"qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"), "b": RowVecLoad("b")},
+    prepass=_sq_bias_prepass, prepass_outs=("qk",),
+)
+def qk_bias_norm_epi(acc, qk, w, b):
+    """quack's qknorm_epi with the projection bias added before the norm."""
+    return {"D": (acc + b) * qk * w}
+
+
+@gemm_epilogue(ops={"cs": rotary_cos_sin_load("cs")}, mode="acc_pair")
+def qk_rope_epi_nobias(acc, cs):
+    """quack's rope_table_epi without the bias."""
+    x1, x2 = unpack(acc)
+    c, s = unpack(cs)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+# (bias, norm, rope) -> epilogue of the q|k columns; (.., False, False) is the default class
+_QK_EPILOGUES = {
+    (False, True, True): qk_rope_epi,
+    (True, True, True): qk_bias_norm_rope_epi,
+    (False, True, False): qknorm_epi,
+    (True, True, False): qk_bias_norm_epi,
+    (False, False, True): qk_rope_epi_nobias,
+    (True, False, True): rope_table_epi,
+}
+_UNPINNED_KINDS = {"bias": "row"}  # rope_table_epi's bias operand is inferred by quack as a row vector
+
+
+def _mint(mod, values):
+    """The quack class of `mod` for these epilogue values: the mint key quack's EpiMod.gemm
+    derives for a dense, batched, SM90 call without C (pinned by tests/cpu/test_qkv_compile.py)."""
+    visit_sig = tuple(
+        (name, mod.ops[name].fn_port if name in mod.ops else _UNPINNED_KINDS[name])
+        for name in mod.operand_names
+    )
+    prepass_sig = tuple((n, k) for n, k in visit_sig if n in mod.prepass_operand_names)
+    arg_forms = tuple(
+        (name, mod.ops[name].host_arg_form(values[name]))
+        for name in mod.operand_names
+        if name in mod.ops and mod.ops[name].host_arg_form(values[name])
+    )
+    paired = mod.mode == "acc_pair"
+    return mod._mint(visit_sig, 9, paired, False, prepass_sig, RoundingMode.RN, arg_forms, False)
+
+
+def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs):
+    """epi_args of `mod`; an inferred (unpinned) row vector must be (l, n) for quack."""
+    if bias is not None and bias.dim() == 1 and any(n not in mod.ops for n in mod.operand_names):
+        bias = bias.unsqueeze(0)
+    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs}
+    return {name: by_name[name] for name in mod.operand_names}
+
+
+# ---- configuration and compile -------------------------------------------------------------------
+class GemmConfig(NamedTuple):
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+
+
+def default_config(width: int, head_dim: int, epilogue: bool) -> GemmConfig:
+    """quack's SM90 default shape (128-row tiles, cluster 2x1, pingpong) with tile_N dividing
+    the per-rank width h_t*D (and a multiple of D when the epilogue normalizes whole heads)."""
+    order = (128, 256, 192, 64) if epilogue else (192, 128, 256, 64)
+    for tile_n in order:
+        if width % tile_n == 0 and (not epilogue or tile_n % head_dim == 0):
+            return GemmConfig(tile_n=tile_n)
+    raise ValueError(f"width: no tile_N in {order} divides h_t*D = {width}")
+
+
+class _Kernel(NamedTuple):
+    compiled: object
+    epi_type: type  # EpilogueArguments of the compiled class
+    call_ops: tuple  # ((name, op, key), ...) of the active epilogue ops (mod path)
+    cluster_size: int
+
+
+@functools.lru_cache(maxsize=None)
+def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
+                       bias_dtype: Optional[torch.dtype], norm: bool, rope: bool,
+                       config: GemmConfig) -> _Kernel:
+    """Compile (once per key: every argument) the rank-window GEMM for one launch group.
+
+    width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
+    ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
+    (CUTE_DSL_ARCH=sm_90a): everything is built from fake tensors.
+    """
+    cdt = torch2cute_dtype_map[dtype]
+    mA, mB, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", "k", "n", None)
+    div = 128 // cdt.width
+    mD = cute.runtime.make_fake_tensor(
+        cdt, (l, m, cute.sym_int(), cute.sym_int(), width),
+        stride=tuple(cute.sym_int64(divisibility=div) for _ in range(4)) + (1,),
+        assumed_align=16,
+    )
+    if norm or rope:
+        mod = _QK_EPILOGUES[(bias_dtype is not None, norm, rope)]
+        # CPU stand-ins: host_arg_key reads only dtype, rank and the last extent
+        dummies = _epilogue_values(
+            mod,
+            bias=torch.empty(1, dtype=bias_dtype) if bias_dtype is not None else None,
+            norm_weight=torch.empty(1, dtype=torch.float32), head_dim=head_dim,
+            rope_cs=torch.empty(1, head_dim, dtype=torch.float32),
+        )
+        cls = _rank_window_class(_mint(mod, dummies))
+        fctx = FakeArgCtx(m, n, k, l, True, False)
+        call_ops, fields = [], {}
+        for op in cls._epi_ops:
+            key = op.host_arg_key(dummies.get(op.name))
+            if key is None:
+                continue
+            fake = op.host_fake_arg(key, fctx)
+            if fake is not None:
+                fields[op.name] = fake
+            call_ops.append((op.name, op, key))
+        epi = cls.EpilogueArguments(**fields)
+    else:
+        cls, call_ops = GemmRankWindowSm90, []
+        row = None
+        if bias_dtype is not None:
+            row = make_fake_tensor(torch2cute_dtype_map[bias_dtype], (l, n), leading_dim=1,
+                                   divisibility=4)
+        epi = cls.EpilogueArguments(
+            alpha=None, beta=None, mRowVecBroadcast=row, mColVecBroadcast=None,
+            add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None,
+        )
+    compiled = compile_gemm_kernel(
+        cls, cdt, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
+        config.pingpong, True, False, False, (9, 0), mA, mB, mD, None, epi,
+        make_fake_scheduler_args(False, False, l), None,
+    )
+    return _Kernel(compiled, cls.EpilogueArguments, tuple(call_ops),
+                   config.cluster_m * config.cluster_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _scheduler_args(cluster_size: int, device_index: int):
+    return make_scheduler_args(get_max_active_clusters(cluster_size, device_id=device_index), 8, None)
+
+
+# ---- weights in destination order ----------------------------------------------------------------
+@dataclass(frozen=True)
+class QKVWeights:
+    """Projection weights with rows in destination order (see the module docstring).
+
+    weight [P*(H_loc + 2*H_kv_loc)*D, C]; bias of the same length (or None); norm_weight fp32
+    [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's weight repeated), or
+    None for no norm. Build with from_linear, once per layer.
+    """
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    norm_weight: Optional[torch.Tensor]
+    world_size: int
+    heads_loc: int
+    kv_heads_loc: int
+    head_dim: int
+
+    @property
+    def widths(self) -> tuple:
+        """h_t * D for t = q, k, v."""
+        D = self.head_dim
+        return (self.heads_loc * D, self.kv_heads_loc * D, self.kv_heads_loc * D)
+
+    def column_range(self, t: int) -> tuple:
+        """GEMM columns [lo, hi) of tensor t (0 = q, 1 = k, 2 = v)."""
+        lo = sum(self.world_size * w for w in self.widths[:t])
+        return lo, lo + self.world_size * self.widths[t]
+
+    @classmethod
+    def from_linear(cls, wq, wk, wv, *, head_dim: int, world_size: int, bq=None, bk=None, bv=None,
+                    q_norm_weight=None, k_norm_weight=None,
+                    q_head_index: Optional[Sequence[Sequence[int]]] = None,
+                    kv_head_index: Optional[Sequence[Sequence[int]]] = None) -> "QKVWeights":
+        """Gather nn.Linear weights (wq [H*D, C], wk/wv [H_kv*D, C], biases [H*D] / [H_kv*D]) into
+        destination order. q_head_index[d] lists the global query heads rank d receives (entries
+        >= H: zero padding heads), kv_head_index[d] its KV heads (repeats allowed: GQA
+        replication); both default to the plain split h -> h // (H / P), which needs H % P == 0
+        and H_kv == H. ulysses.layout.UlyssesLayout.q_head_index / kv_head_index give the maps
+        for head padding and GQA. q_norm_weight / k_norm_weight: [D] per-head RMSNorm weights
+        (both or neither)."""
+        D = _check_int(head_dim, "head_dim", 1)
+        P = _check_int(world_size, "world_size", 1)
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head_dim: one of {HEAD_DIMS} expected, got {D}")
+        for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] % D:
+                raise ValueError(f"{name}: a [heads*{D}, C] tensor expected, got "
+                                 f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+            if w.dtype not in DTYPES or w.dtype != wq.dtype or w.device != wq.device:
+                raise ValueError(f"{name}: bfloat16/float16 like wq ({wq.dtype} on {wq.device}) "
+                                 f"expected, got {w.dtype} on {w.device}")
+            if w.shape[1] != wq.shape[1] or w.shape[1] % 8:
+                raise ValueError(f"{name}: C = {wq.shape[1]} columns, a multiple of 8, expected, "
+                                 f"got {w.shape[1]}")
+        if wk.shape != wv.shape:
+            raise ValueError(f"wv: shape {tuple(wk.shape)} (wk's) expected, got {tuple(wv.shape)}")
+        H, H_kv = wq.shape[0] // D, wk.shape[0] // D
+        if q_head_index is None or kv_head_index is None:
+            if q_head_index is not None or kv_head_index is not None:
+                raise ValueError("q_head_index, kv_head_index: both or neither expected")
+            if H % P or H_kv != H:
+                raise ValueError(f"q_head_index: needed for H = {H}, H_kv = {H_kv} on P = {P} ranks "
+                                 "(plain split needs H % P == 0 and H_kv == H)")
+            q_head_index = kv_head_index = [range(d * (H // P), (d + 1) * (H // P)) for d in range(P)]
+        q_idx = _head_rows(q_head_index, P, "q_head_index")
+        kv_idx = _head_rows(kv_head_index, P, "kv_head_index")
+        if any(h < 0 for h in q_idx) or any(not 0 <= h < H_kv for h in kv_idx):
+            raise ValueError(f"kv_head_index: heads in [0, {H_kv}) expected (q: >= 0), "
+                             f"got {sorted(set(kv_idx))[:8]}")
+        biases = (bq, bk, bv)
+        if any(b is not None for b in biases) and any(b is None for b in biases):
+            raise ValueError("bq, bk, bv: all or none expected")
+        for name, b, w in (("bq", bq, wq), ("bk", bk, wk), ("bv", bv, wv)):
+            if b is not None and (b.shape != (w.shape[0],) or b.device != wq.device
+                                  or b.dtype not in DTYPES + (torch.float32,)):
+                raise ValueError(f"{name}: [{w.shape[0]}] bf16/fp16/fp32 on {wq.device} expected, "
+                                 f"got {tuple(b.shape)} {b.dtype} on {b.device}")
+        if (q_norm_weight is None) != (k_norm_weight is None):
+            raise ValueError("q_norm_weight, k_norm_weight: both or neither expected")
+        for name, nw in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if nw is not None and (nw.shape != (D,) or nw.device != wq.device):
+                raise ValueError(f"{name}: [{D}] on {wq.device} expected, got {tuple(nw.shape)} "
+                                 f"on {nw.device}")
+
+        def gather(w, index, valid):
+            heads = w.unflatten(0, (-1, D))
+            out = heads.new_zeros((len(index), D) + tuple(heads.shape[2:]))
+            keep = [i for i, h in enumerate(index) if h < valid]
+            out[keep] = heads[[index[i] for i in keep]]
+            return out.flatten(0, 1)
+
+        weight = torch.cat([gather(wq, q_idx, H), gather(wk, kv_idx, H_kv), gather(wv, kv_idx, H_kv)])
+        bias = None
+        if bq is not None:
+            bdt = torch.promote_types(torch.promote_types(bq.dtype, bk.dtype), bv.dtype)
+            bias = torch.cat([gather(bq.to(bdt), q_idx, H), gather(bk.to(bdt), kv_idx, H_kv),
+                              gather(bv.to(bdt), kv_idx, H_kv)]).contiguous()
+        norm_weight = None
+        if q_norm_weight is not None:
+            norm_weight = torch.cat([q_norm_weight.float().repeat(len(q_idx)),
+                                     k_norm_weight.float().repeat(len(kv_idx))]).contiguous()
+        return cls(weight.contiguous(), bias, norm_weight, P, len(q_idx) // P, len(kv_idx) // P, D)
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: an int >= {minimum} expected, got {value!r}")
+    return value
+
+
+def _head_rows(index, P: int, name: str) -> list:
+    rows = [list(r) for r in index]
+    if len(rows) != P or len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise ValueError(f"{name}: {P} equally long non-empty head lists expected, "
+                         f"got lengths {[len(r) for r in rows]}")
+    return [int(h) for r in rows for h in r]
+
+
+# ---- launch --------------------------------------------------------------------------------------
+def _groups(proj: QKVWeights, present: Sequence[bool], epilogue: bool) -> list:
+    """Launch groups: runs of consecutive present tensors with one epilogue and one width."""
+    groups = []
+    for t in range(3):
+        if not present[t]:
+            continue
+        epi_t = epilogue and t < 2
+        g = groups[-1] if groups else None
+        if g and g["ts"][-1] == t - 1 and g["epi"] == epi_t and proj.widths[t] == g["width"]:
+            g["ts"].append(t)
+        else:
+            groups.append({"ts": [t], "epi": epi_t, "width": proj.widths[t]})
+    return groups
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if _is_fake(a) or _is_fake(b):
+        return True  # compile-only: the launch split does not change the compiled kernel
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size() if _is_fake(t) else t.data_ptr()
+
+
+def _check_inputs(x, proj, rope_cs, config):
+    if not isinstance(proj, QKVWeights):
+        raise ValueError(f"proj: a QKVWeights expected, got {type(proj).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x: a [B, M, C] tensor expected, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x: a CUDA tensor (SM90) expected, got device {x.device}")
+    if x.dtype != proj.weight.dtype or x.device != proj.weight.device:
+        raise ValueError(f"x: {proj.weight.dtype} on {proj.weight.device} (the weight's) expected, "
+                         f"got {x.dtype} on {x.device}")
+    if x.shape[2] != proj.weight.shape[1] or not x.is_contiguous() or _address(x) % 16:
+        raise ValueError(f"x: contiguous, 16-byte aligned, C = {proj.weight.shape[1]} expected, "
+                         f"got shape {tuple(x.shape)} strides {x.stride()}")
+    M = x.shape[1]
+    if rope_cs is not None and (rope_cs.dtype != torch.float32 or rope_cs.shape != (M, proj.head_dim)
+                                or not rope_cs.is_contiguous() or rope_cs.device != x.device):
+        raise ValueError(f"rope_cs: contiguous float32 [{M}, {proj.head_dim}] on {x.device} expected, "
+                         f"got {rope_cs.dtype} {tuple(rope_cs.shape)} on {rope_cs.device}")
+    if config is not None and not isinstance(config, GemmConfig):
+        raise ValueError(f"config: a GemmConfig expected, got {type(config).__name__}")
+
+
+def _group_config(config, g, proj):
+    cfg = config if config is not None else default_config(g["width"], proj.head_dim, g["epi"])
+    if g["width"] % cfg.tile_n or (g["epi"] and cfg.tile_n % proj.head_dim):
+        raise ValueError(f"config: tile_n must divide h_t*D = {g['width']}"
+                         f"{' and be a multiple of D' if g['epi'] else ''}, got {cfg.tile_n}")
+    return cfg
+
+
+def _group_values(proj, g, rope_cs):
+    lo = proj.column_range(g["ts"][0])[0]
+    hi = proj.column_range(g["ts"][-1])[1]
+    bias = proj.bias[lo:hi] if proj.bias is not None else None
+    norm_weight = proj.norm_weight[lo:hi] if (g["epi"] and proj.norm_weight is not None) else None
+    return lo, hi, bias, norm_weight, (rope_cs if g["epi"] else None)
+
+
+def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
+                       row0: int, *, rope_cs: Optional[torch.Tensor] = None,
+                       config: Optional[GemmConfig] = None) -> None:
+    """y = x W^T (+ bias) (q, k: + per-head RMSNorm with weight, + interleaved RoPE), stored as the
+    Ulysses pre-A2A: rows [row0, row0 + M) of every destination window.
+
+    x [B, M, C] contiguous. windows = (dq, dk, dv): [P, B, N, H_loc, D] / [P, B, N, H_kv_loc, D]
+    (window d = destination rank d, each window contiguous, a uniform dim-0 stride W that is a
+    multiple of 16 bytes); an entry None skips that tensor (e.g. joint rows, whose q and k/v rows
+    differ: launch q and k|v separately with their row0). rope_cs: fp32 [M, D] interleaved
+    (cos, sin) pairs of these rows' positions (see interleaved_cos_sin), or None for no RoPE.
+    The norm applies when proj has norm weights. Graph-capturable; no host sync. On fake tensors
+    (FakeTensorMode) it compiles and checks without launching.
+    """
+    _check_inputs(x, proj, rope_cs, config)
+    if not isinstance(windows, (tuple, list)) or len(windows) != 3 or all(w is None for w in windows):
+        raise ValueError("windows: a tuple (dq, dk, dv) with at least one tensor expected")
+    B, M, _ = x.shape
+    P, D = proj.world_size, proj.head_dim
+    first = next(w for w in windows if w is not None)
+    N = first.shape[2] if first.dim() == 5 else -1
+    for t, w in enumerate(windows):
+        if w is None:
+            continue
+        name = f"windows[{t}]"
+        heads = proj.widths[t] // D
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (P, B, N, heads, D):
+            raise ValueError(f"{name}: [{P}, {B}, N, {heads}, {D}] (N as windows[0]) expected, got "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{name}: {x.dtype} on {x.device} expected, got {w.dtype} on {w.device}")
+        if w.stride()[1:] != (N * heads * D, heads * D, D, 1):
+            raise ValueError(f"{name}: each window [B, N, h, D] must be contiguous, got strides {w.stride()}")
+        if (P > 1 and (w.stride(0) * w.element_size()) % 16) or _address(w) % 16:
+            raise ValueError(f"{name}: 16-byte aligned base and window stride expected")
+    row0 = _check_int(row0, "row0", 0)
+    if row0 + M > N:
+        raise ValueError(f"row0: rows [row0, row0 + {M}) must lie in the windows' {N} rows, got {row0}")
+    epilogue = proj.norm_weight is not None or rope_cs is not None
+    es = x.element_size()
+    for g in _groups(proj, [w is not None for w in windows], epilogue):
+        # split a group where the windows of its tensors are not one uniform-stride block
+        runs = [[g["ts"][0]]]
+        for t in g["ts"][1:]:
+            a, b = windows[runs[-1][-1]], windows[t]
+            T = b.storage_offset() - a.storage_offset()
+            same = (_same_storage(a, b) and a.stride() == b.stride() and T > 0
+                    and (T * es) % 16 == 0)
+            if same and len(runs[-1]) > 1:
+                same = T == a.storage_offset() - windows[runs[-1][-2]].storage_offset()
+            if same:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        for ts in runs:
+            _launch_group(x, proj, windows, dict(g, ts=ts), row0, rope_cs, config)
+
+
+def _launch_group(x, proj, windows, g, row0, rope_cs, config):
+    B, M, _ = x.shape
+    P, width, ts = proj.world_size, g["width"], g["ts"]
+    cfg = _group_config(config, g, proj)
+    kern = compile_projection(x.dtype, width, proj.head_dim,
+                              proj.bias.dtype if proj.bias is not None else None,
+                              g["epi"] and proj.norm_weight is not None,
+                              g["epi"] and rope_cs is not None, cfg)
+    if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
+        return
+    lo, hi, bias, norm_weight, cs = _group_values(proj, g, rope_cs)
+    weight = proj.weight[lo:hi].unsqueeze(0)
+    sched = _scheduler_args(kern.cluster_size, x.device.index or 0)
+    if kern.call_ops:
+        mod = _QK_EPILOGUES[(bias is not None, norm_weight is not None, cs is not None)]
+        values = _epilogue_values(mod, bias=bias, norm_weight=norm_weight, head_dim=proj.head_dim,
+                                  rope_cs=cs)
+        fields = dict.fromkeys(kern.epi_type._fields)
+        for name, op, key in kern.call_ops:
+            value = values[name]
+            if type(op).host_call_arg is not EpiOp.host_call_arg:
+                value = op.host_call_arg(value, key)
+            fields[name] = value
+        epi = kern.epi_type(**fields)
+    else:
+        epi = GemmDefaultEpiMixin.EpilogueArguments(
+            alpha=None, beta=None, mRowVecBroadcast=bias.unsqueeze(0) if bias is not None else None,
+            mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None,
+        )
+    for b in range(B):
+        d5 = rank_window_view([windows[t] for t in ts], row0, b, M)
+        kern.compiled(x[b:b + 1], weight, d5, None, epi, sched, None, None, None)
+
+
+def rank_window_view(tensors: Sequence[torch.Tensor], row0: int, batch: int, rows: int) -> torch.Tensor:
+    """The kernel's D: a (1, rows, n_t, P, h*D) view of consecutive window tensors (each
+    [P, B, N, h, D], one storage, a uniform distance T between them) at rows [row0, row0 + rows)
+    of batch `batch`: element (0, m, t, p, i) is tensors[t][p, batch, row0 + m, i // D, i % D]."""
+    base = tensors[0]
+    P, B, N, h, D = base.shape
+    width = h * D
+    block = B * N * width  # one tensor's window: a valid stride for modes of extent 1
+    W = base.stride(0) if P > 1 else block
+    T = tensors[1].storage_offset() - base.storage_offset() if len(tensors) > 1 else block
+    return base.as_strided((1, rows, len(tensors), P, width), (N * width, width, T, W, 1),
+                           base.storage_offset() + (batch * N + row0) * width)
+
+
+def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *,
+                         rope_cs: Optional[torch.Tensor] = None,
+                         config: Optional[GemmConfig] = None) -> None:
+    """The same projection through quack's own kernels (same launch groups, tile configuration
+    and epilogues) writing a plain out [B, M, N_total] (columns in proj.weight's order): the
+    baseline the fused kernel is compared with, bit for bit and in time. Needs a GPU."""
+    _check_inputs(x, proj, rope_cs, config)
+    B, M, _ = x.shape
+    n_total = proj.weight.shape[0]
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != (B, M, n_total)
+            or out.dtype != x.dtype or out.stride(-1) != 1 or out.device != x.device):
+        raise ValueError(f"out: [{B}, {M}, {n_total}] {x.dtype} on {x.device} with contiguous rows "
+                         "expected")
+    import quack.gemm as quack_gemm
+
+    epilogue = proj.norm_weight is not None or rope_cs is not None
+    for g in _groups(proj, [True, True, True], epilogue):
+        cfg = _group_config(config, g, proj)
+        lo, hi, bias, norm_weight, cs = _group_values(proj, g, rope_cs)
+        for b in range(B):
+            A, Bw, Dv = x[b:b + 1], proj.weight[lo:hi].unsqueeze(0), out[b:b + 1, :, lo:hi]
+            if g["epi"]:
+                mod = _QK_EPILOGUES[(bias is not None, norm_weight is not None, cs is not None)]
+                values = _epilogue_values(mod, bias=bias, norm_weight=norm_weight,
+                                          head_dim=proj.head_dim, rope_cs=cs)
+                mod.gemm(A, Bw, Dv, epi_args=values, tile_M=cfg.tile_m, tile_N=cfg.tile_n,
+                         cluster_M=cfg.cluster_m, cluster_N=cfg.cluster_n, pingpong=cfg.pingpong)
+            else:
+                quack_gemm.gemm(A, Bw, Dv, None, None, cfg.tile_m, cfg.tile_n, cfg.cluster_m,
+                                cfg.cluster_n, pingpong=cfg.pingpong, persistent=True,
+                                rowvec_bias=bias.unsqueeze(0) if bias is not None else None)
+
+
+def interleaved_cos_sin(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """quack's RoPE table from diffusers-style cos/sin [S, D] (each frequency repeated for the
+    adjacent pair): fp32 [S, D] with (cos_j, sin_j) at columns (2j, 2j+1)."""
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] % 2:
+        raise ValueError(f"cos, sin: two [S, D] tensors (D even) expected, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    return torch.stack([cos[:, 0::2], sin[:, 0::2]], dim=-1).flatten(1).float().contiguous()

@@ -1,0 +1,248 @@
+"""CPU tier of the QKV projection with the pre-A2A in its epilogue (cute_kernels/qkv_a2a_sm90.py):
+sm_90a compiles against fake tensors, the quack internals it relies on, the host-side window view,
+the weight gathering for head padding and GQA, and input checks."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cute_kernels import qkv_a2a_sm90 as K
+
+
+def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True, B=1, S_loc=200, C=256,
+                  bias_dtype=None):
+    """Fake CUDA tensors (call inside FakeTensorMode): QKVWeights, x, windows (one allocation each)."""
+    H_loc = H_loc or 256 // D
+    H_kv_loc = H_kv_loc or H_loc
+    n = P * (H_loc + 2 * H_kv_loc) * D
+    dev = "cuda"
+    proj = K.QKVWeights(
+        torch.empty(n, C, dtype=dtype, device=dev),
+        torch.empty(n, dtype=bias_dtype or dtype, device=dev) if bias else None,
+        torch.empty(P * (H_loc + H_kv_loc) * D, dtype=torch.float32, device=dev) if norm else None,
+        P, H_loc, H_kv_loc, D,
+    )
+    x = torch.empty(B, S_loc, C, dtype=dtype, device=dev)
+    N = P * S_loc
+    windows = [torch.empty(P, B, N, h, D, dtype=dtype, device=dev) for h in (H_loc, H_kv_loc, H_kv_loc)]
+    cs = torch.empty(S_loc, D, dtype=torch.float32, device=dev)
+    return proj, x, windows, cs
+
+
+def _key(dtype, width, D, bias_dtype, norm, rope):
+    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128))
+
+
+@pytest.fixture
+def record_compiles(monkeypatch):
+    seen = []
+    inner = K.compile_projection
+
+    def recording(*args):
+        seen.append(args)
+        return inner(*args)
+
+    monkeypatch.setattr(K, "compile_projection", recording)
+    return seen
+
+
+# (dtype, D, bias, norm, rope): every q|k epilogue, both head dims and dtypes, plain bias-only
+VARIANTS = [
+    (torch.bfloat16, 128, True, True, True),  # composition: bias + norm + rope
+    (torch.float16, 64, False, True, True),  # quack's qk_rope_epi
+    (torch.bfloat16, 128, True, True, False),  # composition: bias + norm
+    (torch.bfloat16, 64, False, True, False),  # quack's qknorm_epi
+    (torch.float16, 128, True, False, True),  # quack's rope_table_epi
+    (torch.bfloat16, 128, False, False, True),  # composition: rope only
+    (torch.float16, 64, True, False, False),  # default class, bias: one launch for q|k|v
+    (torch.bfloat16, 128, False, False, False),  # default class, no bias
+]
+
+
+@pytest.mark.parametrize("dtype,D,bias,norm,rope", VARIANTS)
+def test_variants_compile_for_sm90(dtype, D, bias, norm, rope, record_compiles):
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(dtype, D, bias=bias, norm=norm)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs if rope else None)
+    epi = norm or rope
+    bdt = dtype if bias else None
+    qk = _key(dtype, 256, D, bdt, norm, rope)
+    v = _key(dtype, 256, D, bdt, False, False)
+    assert record_compiles[0] == qk
+    assert record_compiles[-1] == v
+    # separate allocations per tensor: q, k launch apart (no common window stride); one kernel
+    assert len(set(record_compiles)) == (2 if epi else 1)
+
+
+def test_gqa_and_fp32_bias_compile(record_compiles):
+    """GQA: q (2 heads a rank) and k|v (1 head a rank) have different widths: separate kernels."""
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128, H_loc=2, H_kv_loc=1,
+                                             bias_dtype=torch.float32)
+        K.qkv_a2a_projection(x, proj, windows, 600, rope_cs=cs)
+    widths = [args[1] for args in record_compiles]
+    assert widths == [256, 128, 128]
+    assert [args[4] for args in record_compiles] == [True, True, False]
+    assert all(args[3] == torch.float32 for args in record_compiles)
+
+
+def test_compile_is_cached():
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
+        K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs)
+        before = K.compile_projection.cache_info()
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs)
+        after = K.compile_projection.cache_info()
+    assert after.misses == before.misses and after.hits > before.hits
+
+
+@pytest.mark.parametrize("key", sorted(K._QK_EPILOGUES, key=str))
+def test_mint_matches_quack(key, monkeypatch):
+    """The class this module compiles is the one quack's own EpiMod.gemm mints for the same call
+    (dense, batched, SM90, no C): pins the private quack contract the module relies on."""
+    import quack.epilogue.frontend as frontend
+
+    mod = K._QK_EPILOGUES[key]
+    captured = {}
+
+    class Stop(Exception):
+        pass
+
+    def build(GemmCls, *args, **kwargs):
+        captured["cls"] = GemmCls
+        raise Stop
+
+    monkeypatch.setattr(frontend, "build_gemm_epi_plan", build)
+    monkeypatch.setattr(frontend, "get_device_capacity", lambda *_: (9, 0))
+    D, M, n, C = 128, 200, 512, 256
+    with FakeTensorMode():
+        dev = "cuda"
+        bias = None
+        if key[0]:  # quack infers an unpinned bias (rope_table_epi) from an (l, n) tensor
+            pinned = "b" in mod.ops
+            bias = torch.empty((n,) if pinned else (1, n), dtype=torch.bfloat16, device=dev)
+        values = K._epilogue_values(
+            mod, bias=bias, norm_weight=torch.empty(n, dtype=torch.float32, device=dev),
+            head_dim=D, rope_cs=torch.empty(M, D, dtype=torch.float32, device=dev))
+        A = torch.empty(1, M, C, dtype=torch.bfloat16, device=dev)
+        Bw = torch.empty(1, n, C, dtype=torch.bfloat16, device=dev)
+        Dt = torch.empty(1, M, n, dtype=torch.bfloat16, device=dev)
+        with pytest.raises(Stop):
+            mod.gemm(A, Bw, Dt, epi_args=values, tile_M=128, tile_N=128, cluster_M=2, cluster_N=1,
+                     pingpong=True)
+        assert K._mint(mod, values) is captured["cls"]
+
+
+def _reference_scatter(y, windows, proj, row0):
+    """Index by index: GEMM column n = ((t*P + p)*h_t + j)*D + i -> windows[t][p, b, row0 + m, j, i]."""
+    B, M, _ = y.shape
+    P, D = proj.world_size, proj.head_dim
+    for t, w in enumerate(windows):
+        h = proj.widths[t] // D
+        lo = proj.column_range(t)[0]
+        for p in range(P):
+            for j in range(h):
+                col = lo + (p * h + j) * D
+                w[p, :, row0:row0 + M, j, :] = y[:, :, col:col + D]
+
+
+@pytest.mark.parametrize("P,B,S_loc,merged", [(1, 1, 5, True), (3, 2, 7, True), (4, 1, 3, False)])
+def test_window_view_is_the_ulysses_layout(P, B, S_loc, merged):
+    """rank_window_view (the kernel's D) puts every GEMM column where the pre-A2A puts it; pads
+    between tensors and windows are never written."""
+    D, H_loc, C = 8, 2, 16
+    n = 3 * P * H_loc * D
+    proj = K.QKVWeights(torch.zeros(n, C), None, None, P, H_loc, H_loc, D)
+    N, pad = P * S_loc + 2, 24  # two rows more than the sequence part (say joint rows)
+    per = B * N * H_loc * D
+    W = 3 * (per + pad) + 40
+    got = torch.full((P, W), float("nan"))
+    ref = got.clone()
+
+    def split(flat):
+        return [flat[:, k * (per + pad):k * (per + pad) + per].unflatten(1, (B, N, H_loc, D))
+                for k in range(3)]
+
+    wg, wr = split(got), split(ref)
+    if not merged:  # one tensor per launch
+        groups = [[0], [1], [2]]
+    else:
+        groups = [[0, 1, 2]]
+    for r in reversed(range(P)):
+        y = torch.randn(B, S_loc, n)
+        row0 = r * S_loc
+        for ts in groups:
+            lo, hi = proj.column_range(ts[0])[0], proj.column_range(ts[-1])[1]
+            for b in range(B):
+                view = K.rank_window_view([wg[t] for t in ts], row0, b, S_loc)
+                view.copy_(y[b:b + 1, :, lo:hi].reshape(1, S_loc, len(ts), P, H_loc * D))
+        _reference_scatter(y, wr, proj, row0)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(torch.nan_to_num(got, 7.0), torch.nan_to_num(ref, 7.0))
+    assert got.isnan().sum() == P * (3 * pad + 40 + 3 * B * 2 * H_loc * D)  # pads + the 2 extra rows
+
+
+def test_from_linear_gathers_heads_for_padding_and_gqa():
+    """H = 6 query heads over P = 4 ranks (H_loc = 2, heads 6, 7 padding), H_kv = 2 (GQA)."""
+    D, C, P = 64, 8, 4
+    wq, wk, wv = (torch.randn(h * D, C, dtype=torch.bfloat16) for h in (6, 2, 2))
+    bq, bk, bv = (torch.randn(h * D) for h in (6, 2, 2))
+    q_index = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    kv_index = [(0,), (0,), (1,), (1,)]  # query heads 0..2 read KV head 0, 3..5 KV head 1
+    nq, nk = torch.randn(D), torch.randn(D)
+    proj = K.QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=P, bq=bq, bk=bk, bv=bv,
+                                    q_norm_weight=nq, k_norm_weight=nk, q_head_index=q_index,
+                                    kv_head_index=kv_index)
+    assert (proj.heads_loc, proj.kv_heads_loc, proj.widths) == (2, 1, (128, 64, 64))
+    heads = proj.weight.unflatten(0, (-1, D))
+    for slot, h in enumerate([h for r in q_index for h in r]):
+        expect = wq[h * D:(h + 1) * D] if h < 6 else torch.zeros(D, C, dtype=wq.dtype)
+        assert torch.equal(heads[slot], expect)
+        assert torch.equal(proj.bias[slot * D:(slot + 1) * D], bq[h * D:(h + 1) * D] if h < 6 else torch.zeros(D))
+    for slot, h in enumerate([h for r in kv_index for h in r]):
+        assert torch.equal(heads[8 + slot], wk[h * D:(h + 1) * D])
+        assert torch.equal(heads[12 + slot], wv[h * D:(h + 1) * D])
+    assert torch.equal(proj.norm_weight, torch.cat([nq.repeat(8), nk.repeat(4)]))
+    plain = K.QKVWeights.from_linear(wq[:4 * D], wq[:4 * D], wq[:4 * D], head_dim=D, world_size=P)
+    assert torch.equal(plain.weight, torch.cat([wq[:4 * D]] * 3))
+
+
+def test_bad_inputs_name_the_argument():
+    D = 64
+    w = torch.randn(4 * D, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim: one of"):
+        K.QKVWeights.from_linear(w, w, w, head_dim=96, world_size=2)
+    with pytest.raises(ValueError, match="q_head_index: needed"):
+        K.QKVWeights.from_linear(w, w[:2 * D], w[:2 * D], head_dim=D, world_size=2)
+    with pytest.raises(ValueError, match="q_head_index: needed"):
+        K.QKVWeights.from_linear(w, w, w, head_dim=D, world_size=3)
+    with pytest.raises(ValueError, match="wk: bfloat16/float16"):
+        K.QKVWeights.from_linear(w, w.float(), w, head_dim=D, world_size=2)
+    with pytest.raises(ValueError, match="bq, bk, bv: all or none"):
+        K.QKVWeights.from_linear(w, w, w, head_dim=D, world_size=2, bq=torch.zeros(4 * D))
+    with pytest.raises(ValueError, match="q_norm_weight, k_norm_weight"):
+        K.QKVWeights.from_linear(w, w, w, head_dim=D, world_size=2, q_norm_weight=torch.ones(D))
+    with pytest.raises(ValueError, match="kv_head_index: heads in"):
+        K.QKVWeights.from_linear(w, w, w, head_dim=D, world_size=2, q_head_index=[(0, 1), (2, 3)],
+                                 kv_head_index=[(0, 1), (2, 9)])
+    with pytest.raises(ValueError, match="width: no tile_N"):
+        K.default_config(96, 32, False)
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
+        with pytest.raises(ValueError, match="x: torch.bfloat16"):
+            K.qkv_a2a_projection(x.half(), proj, windows, 0)
+        with pytest.raises(ValueError, match="rope_cs: contiguous float32"):
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs.half())
+        with pytest.raises(ValueError, match="row0: rows"):
+            K.qkv_a2a_projection(x, proj, windows, 700)
+        with pytest.raises(ValueError, match="row0: an int"):
+            K.qkv_a2a_projection(x, proj, windows, 1.0)
+        with pytest.raises(ValueError, match=r"windows\[1\]: \[4, 1, N, 2, 128\]"):
+            k1 = torch.empty(4, 1, 800, 1, 128, dtype=torch.bfloat16, device="cuda")
+            K.qkv_a2a_projection(x, proj, [windows[0], k1, windows[2]], 0)
+        with pytest.raises(ValueError, match="windows: a tuple"):
+            K.qkv_a2a_projection(x, proj, [None, None, None], 0)
+        with pytest.raises(ValueError, match="config: tile_n must divide"):
+            K.qkv_a2a_projection(x, proj, windows, 0, config=K.GemmConfig(tile_n=192))
+    with pytest.raises(ValueError, match="x: a CUDA tensor"):
+        K.qkv_a2a_projection(torch.zeros(1, 4, 16, dtype=torch.bfloat16), proj, windows, 0)
