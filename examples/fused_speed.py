@@ -1,21 +1,24 @@
 """Kernel-level check of the fused epilogue's cost: T_fused / T_FA4 on one GPU, emulated ranks.
 
 One source rank's work (rank 0 of P): FA4 alone writing its local O, and the fused kernel (its
-TMA and its per-thread-store O paths) writing the same tiles into P rank windows (local buffers standing in for the peers). Each is
-captured in a CUDA graph and timed with triton.testing.do_bench_cudagraph (median), the variants
-interleaved twice so the spread between repeats shows the noise.
+TMA and its per-thread-store O paths) writing the same tiles into P rank windows (local buffers
+standing in for the peers). Timed with graphs.time_graphs, the project's one timing loop: each
+variant captured as N back-to-back calls in a CUDA graph, replays rotated across variants, median
+over trials; the paired ratio is the median over trials of T_fused / T_FA4 from the same trial.
 
-    python examples/fused_speed.py [--seqlens 8192 16384 32768 65536] [--out DIR]
+    python examples/fused_speed.py [--seqlens 8192 16384 32768 65536] [--trials 15] [--out DIR]
 """
 
 import argparse
 import json
+import math
 import os
+import statistics
 
 import torch
-import triton.testing
 
 from fa_a2a.fused import fa4_a2a_forward, fa4_forward
+from graphs import median, time_graphs
 
 
 def main():
@@ -24,7 +27,8 @@ def main():
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--heads-per-rank", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--rep-ms", type=int, default=300)
+    ap.add_argument("--trials", type=int, default=15)
+    ap.add_argument("--target-ms", type=float, default=25.0, help="length of one replay (sets the calls per graph)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -46,24 +50,27 @@ def main():
         for fn in fns.values():
             fn()
         torch.cuda.synchronize()
-        times = {name: [] for name in fns}
-        for _ in range(2):
-            for name, fn in fns.items():
-                times[name].append(1e3 * triton.testing.do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median"))
-        t_fa, t_fused, t_st = min(times["fa4"]), min(times["fused"]), min(times["fused-st"])
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fns["fa4"]()
+        e1.record()
+        e1.synchronize()
+        n_calls = max(3, min(200, math.ceil(args.target_ms / max(e0.elapsed_time(e1), 1e-3))))
+        t = time_graphs(fns, n_calls, args.trials, warmup=2)
+        med = {name: median(ts) for name, ts in t.items()}
+        paired = {name: statistics.median([a / b for a, b in zip(t[name], t["fa4"])]) for name in ("fused", "fused-st")}
         flops = 4 * M * M * H_loc * D
-        rows.append(dict(M=M, t_fa4_us=times["fa4"], t_fused_us=times["fused"], t_fused_st_us=times["fused-st"],
-                         ratio=t_fused / t_fa, ratio_st=t_st / t_fa, fa4_tflops=flops / t_fa / 1e6))
+        rows.append(dict(M=M, n_calls=n_calls, t_us=t, t_fa4_us=med["fa4"], t_fused_us=med["fused"],
+                         t_fused_st_us=med["fused-st"], ratio=paired["fused"], ratio_st=paired["fused-st"],
+                         fa4_tflops=flops / med["fa4"] / 1e6))
         del q, k, v, out, windows
     card = torch.cuda.get_device_name()
-    print(f"\n{card}, bf16, D={D}, H_loc={H_loc}, emulated P={P}, CUDA-graph median (us), two repeats")
-    print("| M | FA4 | fused (TMA) | fused (st) | T_fused/T_FA4 TMA | st | FA4 TFLOP/s |")
+    print(f"\n{card}, bf16, D={D}, H_loc={H_loc}, emulated P={P}, CUDA-graph medians (us) over {args.trials} trials")
+    print("| M | FA4 | fused (TMA) | fused (st) | T_fused/T_FA4 TMA (paired) | st (paired) | FA4 TFLOP/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        fa = "/".join(f"{t:.1f}" for t in r["t_fa4_us"])
-        fu = "/".join(f"{t:.1f}" for t in r["t_fused_us"])
-        st = "/".join(f"{t:.1f}" for t in r["t_fused_st_us"])
-        print(f"| {r['M']} | {fa} | {fu} | {st} | {r['ratio']:.4f} | {r['ratio_st']:.4f} | {r['fa4_tflops']:.0f} |")
+        print(f"| {r['M']} | {r['t_fa4_us']:.1f} | {r['t_fused_us']:.1f} | {r['t_fused_st_us']:.1f} | "
+              f"{r['ratio']:.4f} | {r['ratio_st']:.4f} | {r['fa4_tflops']:.0f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fused_speed.json"), "w") as f:

@@ -5,30 +5,42 @@ default), as in the paper's Section 3:
 
 1. zero-gap periodic bursts over (K, B)     -> R, least squares of T_period = V/R over V >= 4 MiB
 2. periodic large-gap bursts over (K, B)    -> the table T_iss0(K, V)
-3. gap sweep at the FA4 design point (K = all SMs, B = 32 KiB = one 128x128 bf16 tile)
+3. gap sweep at the FA4 design point (K = all SMs, B = 32 KiB = one 128x128 bf16 output tile)
                                             -> T_iss0 from its plateau (G >= V/R); then
                                                T_iss(G), T_period(G) predicted with no refit and
                                                compared with the measurement (error reported)
 4. isolated bursts over B (grid barrier before each burst, recovery gap 2·V/R + 20 us)
                                             -> knee and Q (issue floor fitted as a + b·V below the
-                                               knee; the local control gets its own knee fit)
+                                               knee; the HBM control gets its own knee fit)
 5. the design test for FA4 tiles (b_m = 128, d = 128, bf16, K = SM count): G*, capacity bound,
-   and M_ub* = b_n·G*/sigma, with sigma from --sigma-us or measured with FA4 (slope of per-wave
-   time against KV tiles between two sequence lengths, flash_attn.cute.interface.flash_attn_func).
+   M_ub* = b_n·G*/sigma, with sigma from --sigma-us or measured with FA4 (slope of per-wave
+   time against KV tiles between two sequence lengths; fa_a2a.fused.fa4_forward timed with
+   graphs.time_graphs, the project's one timing loop). FA4's tile shape: xstage.fa4_tile_shape.
 
 Destinations (--dest):
-- local: a buffer this process allocated on the GPU (plain HBM; it is also the control).
-- ipc:   a buffer allocated by a child process on the same GPU and mapped here with CUDA IPC
-         (torch.multiprocessing: cudaIpcGetMemHandle / cudaIpcOpenMemHandle). The stores go
-         through that IPC mapping but land in this same GPU's HBM: no NVLink or peer-GPU traffic
-         is exercised. The child re-reads its buffer to confirm the bytes arrived.
-The local control (same K, store width, addresses and loop, local buffer) always runs alongside.
+- hbm:      a buffer this process allocated on the GPU (plain HBM).
+- cuda-ipc: a buffer allocated by a child process on the same GPU and mapped here with legacy
+            CUDA IPC (torch.multiprocessing: cudaIpcGetMemHandle / cudaIpcOpenMemHandle; not the
+            VMM transport of ulysses.transport). The stores go through that mapping but land in
+            this same GPU's HBM: no NVLink or peer-GPU traffic. The owner re-reads its buffer to
+            confirm the bytes arrived.
+- host:     pinned host memory (torch pin_memory, wrapped as a CUDA tensor by
+            ulysses.transport.tensor_from_address) that the GPU's stores reach over PCIe under UVA:
+            a one-GPU proxy for a slow peer (bursts, finite capacity, backpressure), NOT NVLink.
+            The host re-reads the buffer to confirm the bytes arrived.
+With cuda-ipc and host an HBM control (same K, store width, addresses and loop, local buffer)
+runs alongside.
 
 Outputs in --out: platform_model.json (PlatformModel.from_json loads it; raw sweeps included),
 fig3a_issue_vs_gap.png, fig3b_period_vs_gap.png, fig3c_isolated_knee.png,
 fig3d_zero_gap_period.png; a markdown table is printed last.
 
-Measured: not measured yet.
+Measured (NVIDIA H200, 2026-12-02, vector stores, 256 threads per CTA):
+- hbm (full sweep): R 4245 GB/s, T_iss0 0.490 us (K = 132, 32 KiB per CTA), Q 2.19 MiB (knee at
+  V = 3.70 MiB); G sweep predicted with no refit: T_iss mean error 2.7%, T_period 2.1%; FA4 sigma
+  1.43 us per KV tile (4096 -> 8192), G* 0.53 us, M_ub* 47 tokens.
+- cuda-ipc (--quick): R 4406 GB/s, T_iss0 0.490 us, Q 2.03 MiB: the same HBM write path.
+- hbm --mode bulk (--quick): R 4337 GB/s, T_iss0 0.613 us, Q 0.35 MiB.
 """
 from __future__ import annotations
 
@@ -50,6 +62,7 @@ from fa_a2a.xstage import (
     MiB,
     US,
     PlatformModel,
+    fa4_tile_shape,
     fa_burst_volume,
     fa_tile_burst_bytes,
     fit_capacity,
@@ -58,16 +71,26 @@ from fa_a2a.xstage import (
     qloop_gap_lower_bound,
 )
 
-FA_TILE_M = 128
-FA_TILE_N = 128  # FA4 SM90 forward, head_dim 128 (flash_attn.cute.interface._tile_size_fwd_sm90)
-FA_HEAD_DIM = 128
-FA_OUT_BYTES = 2  # bf16
+FA_HEAD_DIM = 128  # the design point: FA4 SM90 forward, d = 128, bf16 output
+FA_OUT_BYTES = 2
+DESTS = ("hbm", "cuda-ipc", "host")
+EXERCISED = {
+    "hbm": "stores into this process's own GPU buffer (HBM)",
+    "cuda-ipc": "stores through a legacy CUDA-IPC mapping of a buffer another process allocated on the same "
+                "GPU (bytes land in this GPU's HBM; no NVLink/peer traffic)",
+    "host": "stores into pinned host memory over PCIe (UVA): a one-GPU proxy for a slow peer, not NVLink",
+}
+
+
+def fa_tile() -> tuple[int, int]:
+    """(tile_m, tile_n) of FA4 at the design point (d = 128): (128, 128)."""
+    return fa4_tile_shape(FA_HEAD_DIM)
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA-IPC destination
+# destinations other than this process's HBM
 # --------------------------------------------------------------------------------------------
-def _ipc_child(conn, nwords: int, device_index: int) -> None:
+def _cuda_ipc_child(conn, nwords: int, device_index: int) -> None:
     import torch
 
     torch.cuda.set_device(device_index)
@@ -85,10 +108,10 @@ def _ipc_child(conn, nwords: int, device_index: int) -> None:
     conn.close()
 
 
-class IpcPeerBuffer:
-    """An int32 buffer owned by a child process on the same GPU, mapped here via CUDA IPC.
+class CudaIpcPeerBuffer:
+    """An int32 buffer owned by a child process on the same GPU, mapped here via legacy CUDA IPC.
 
-    with IpcPeerBuffer(nwords) as peer: peer.tensor is this process's view (IPC mapping);
+    with CudaIpcPeerBuffer(nwords) as peer: peer.tensor is this process's view (IPC mapping);
     peer.check(expected, start) asks the owner whether its own view holds `expected`.
     """
 
@@ -104,24 +127,24 @@ class IpcPeerBuffer:
         self._proc = None
         self._conn = None
 
-    def __enter__(self) -> "IpcPeerBuffer":
+    def __enter__(self) -> "CudaIpcPeerBuffer":
         import torch.multiprocessing as tmp
 
         ctx = tmp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_ipc_child, args=(child_conn, self.nwords, self.device_index),
+        self._proc = ctx.Process(target=_cuda_ipc_child, args=(child_conn, self.nwords, self.device_index),
                                  daemon=True)
         self._proc.start()
         if not self._conn.poll(self.timeout_s):
             self._proc.kill()
-            raise RuntimeError("IPC buffer owner process did not answer")
+            raise RuntimeError("CUDA-IPC buffer owner process did not answer")
         self.tensor = self._conn.recv()
         return self
 
     def check(self, expected, start: int = 0) -> bool:
         self._conn.send(("check", expected, start))
         if not self._conn.poll(self.timeout_s):
-            raise RuntimeError("IPC buffer owner process did not answer the check")
+            raise RuntimeError("CUDA-IPC buffer owner process did not answer the check")
         return self._conn.recv()
 
     def __exit__(self, *exc) -> None:
@@ -136,6 +159,36 @@ class IpcPeerBuffer:
         self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+class HostBuffer:
+    """An int32 buffer in pinned host memory, seen by the GPU as a CUDA tensor (UVA): the GPU's
+    stores to peer.tensor cross PCIe. peer.check(expected, start) reads it back on the host."""
+
+    def __init__(self, nwords: int, device_index: Optional[int] = None):
+        import torch
+        from ulysses.transport import tensor_from_address
+
+        if nwords <= 0:
+            raise ValueError(f"nwords: must be positive, got {nwords}")
+        dev = torch.device("cuda", torch.cuda.current_device() if device_index is None else device_index)
+        self.host = torch.empty(nwords, dtype=torch.int32, pin_memory=True)
+        self.tensor = tensor_from_address(self.host.data_ptr(), nwords * 4, dev).view(torch.int32)
+
+    def check(self, expected, start: int = 0) -> bool:
+        import torch
+
+        torch.cuda.synchronize()
+        return bool(torch.equal(self.host[start:start + expected.numel()], expected))
+
+    def __enter__(self) -> "HostBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.tensor = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,40 +268,33 @@ class Bench:
 def measure_fa4_sigma(seqlens: tuple[int, int], n_sm: int, device, reps: int = 10) -> dict:
     """sigma = time per KV tile of FA4's Q-loop: slope of per-wave forward time against KV tiles.
 
-    B = 1, d = 128, bf16, non-causal; heads chosen so the 128-row output tiles fill whole waves
-    (SingleTileScheduler: one tile per CTA); T_FA from CUDA events around `reps` back-to-back
-    launches, median of 3. Per-wave time t(M) = T_FA(M) / waves; sigma =
-    (t(M2) - t(M1)) / (M2 - M1)·b_n; the intercept is the fixed per-tile part the bound drops.
+    B = 1, d = 128, bf16, non-causal; heads chosen so the output tiles fill whole waves
+    (SingleTileScheduler: one tile per CTA); T_FA = median of 3 CUDA-graph replays of `reps`
+    back-to-back fa_a2a.fused.fa4_forward calls (graphs.time_graphs). Per-wave time
+    t(M) = T_FA(M) / waves; sigma = (t(M2) - t(M1)) / (M2 - M1)·b_n; the intercept is the fixed
+    per-tile part the bound drops.
     """
     import torch
-    from flash_attn.cute.interface import flash_attn_func
 
-    out = {"method": "measured: FA4 forward (flash_attn.cute.interface.flash_attn_func), slope of "
+    from fa_a2a.fused import fa4_forward
+    from graphs import median, time_graphs
+
+    tile_m, tile_n = fa_tile()
+    out = {"method": "measured: FA4 forward (fa_a2a.fused.fa4_forward, CUDA-graph replays), slope of "
                      "per-wave time vs KV tiles", "points": []}
     for m in seqlens:
-        if m % FA_TILE_M:
-            raise ValueError(f"seqlens: {m} is not a multiple of {FA_TILE_M}")
-        tiles_per_head = m // FA_TILE_M
+        if m % tile_m:
+            raise ValueError(f"seqlens: {m} is not a multiple of {tile_m}")
+        tiles_per_head = m // tile_m
         heads = n_sm // math.gcd(n_sm, tiles_per_head)
         while heads * tiles_per_head < 4 * n_sm:
             heads *= 2
         waves = heads * tiles_per_head // n_sm
         q, k, v = (torch.randn(1, m, heads, FA_HEAD_DIM, dtype=torch.bfloat16, device=device) for _ in range(3))
-        with torch.no_grad():
-            for _ in range(3):
-                flash_attn_func(q, k, v)
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(3):  # back-to-back launches: the host's launch cost stays off the GPU timeline
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    flash_attn_func(q, k, v)
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e-3 / reps)
-        t = float(np.median(ts))
-        out["points"].append({"seqlen": m, "heads": heads, "waves": waves, "kv_tiles": m // FA_TILE_N,
+        o = torch.empty_like(q)
+        ts = time_graphs({"fa": lambda: fa4_forward(q, k, v, out=o)}, n_calls=reps, trials=3, warmup=1)["fa"]
+        t = median(ts) * US
+        out["points"].append({"seqlen": m, "heads": heads, "waves": waves, "kv_tiles": m // tile_n,
                               "t_fa_s": t, "t_per_wave_s": t / waves})
     p1, p2 = out["points"]
     sigma = (p2["t_per_wave_s"] - p1["t_per_wave_s"]) / (p2["kv_tiles"] - p1["kv_tiles"])
@@ -296,7 +342,7 @@ def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str
     ax.plot(g_dst * us, [r["issue_s"] * us for r in gs["dest"]], "o", label=f"measured ({dest})")
     if have_ctrl:
         ax.plot([r["gap_s"] * us for r in gs["control"]], [r["issue_s"] * us for r in gs["control"]], "s",
-                mfc="none", label="local-memory control")
+                mfc="none", label="HBM control")
     ax.plot(g_grid * us, model.issue_time(v0, g_grid) * us, "-", label=r"model max($T^0_{iss}$, V/R − G)")
     ax.axvline(model.recovery_gap(v0) * us, ls=":", c="gray", label="G*")
     paths.append(_finish(
@@ -323,7 +369,7 @@ def _plots(out_dir: str, model: PlatformModel, res: dict, dest: str) -> list[str
     ax.plot(v_iso / MiB, [r["issue_s"] * us for r in iso["dest"]], "o", label=f"measured ({dest})")
     if iso["control"] is not None:
         ax.plot([r["volume"] / MiB for r in iso["control"]], [r["issue_s"] * us for r in iso["control"]], "s",
-                mfc="none", label="local-memory control")
+                mfc="none", label="HBM control")
     cf = iso["fit"]
     vg = np.geomspace(v_iso.min() * 0.9, v_iso.max() * 1.1, 300)
     floor = cf["floor_intercept"] + cf["floor_slope"] * vg
@@ -426,7 +472,7 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
                               "gap_s": st.gap_s})
 
     # 3. gap sweep at the FA4 design point -> T_iss0 from the plateau, prediction with no refit
-    b0 = fa_tile_burst_bytes(FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
+    b0 = fa_tile_burst_bytes(fa_tile()[0], FA_HEAD_DIM, FA_OUT_BYTES)
     v0 = n_sm * b0
     gaps = np.linspace(0, 3 * v0 / r, plan.n_gaps)
     sweep = {name: [asdict(bench.run(buf, n_sm, b0, n_bursts=plan.n_periodic, gap_iters=bench.iters_for(g),
@@ -452,7 +498,7 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
                                       align=True, warmup=1)) for b in plan.bs_iso]
     vi = np.array([x["volume"] for x in iso["dest"]], float)
     ti = np.array([x["issue_s"] for x in iso["dest"]])
-    # The floor is fitted (affine in V below the knee) rather than taken from the local control:
+    # The floor is fitted (affine in V below the knee) rather than taken from the HBM control:
     # with a destination on the same GPU the control has the same knee and would hide it.
     cf = fit_capacity(vi, ti, r)
     cf_ctrl = None
@@ -461,7 +507,7 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
     log(f"isolated sweep: Q {'=' if cf.knee_found else '>='} {cf.capacity / MiB:.2f} MiB"
         + (f", knee at V = {cf.knee_volume / MiB:.2f} MiB" if cf.knee_found else " (no knee in range: lower bound)"))
 
-    model = PlatformModel(t_iss0=t0, drain_rate=r, capacity=cf.capacity)
+    model = PlatformModel(t_iss0=t0, drain_rate=r, capacity=cf.capacity, capacity_is_lower_bound=not cf.knee_found)
     res = {
         "zero_gap": {"points": zero, "fit_min_volume_B": min_v, "fit_rms_rel_error": zero_rms},
         "t_iss0_table": floor_tab,
@@ -475,21 +521,27 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
 
 
 def fa4_design(model: PlatformModel, n_sm: int, sigma_info: dict) -> dict:
-    """Design test for FA4 output tiles (b_m = d = 128, bf16) with K = n_sm aligned producers."""
-    b0 = fa_tile_burst_bytes(FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
-    v = fa_burst_volume(n_sm, FA_TILE_M, FA_HEAD_DIM, FA_OUT_BYTES)
+    """Design test for FA4 output tiles (d = 128, bf16, FA4's tile shape) with K = n_sm aligned
+    producers. capacity_ok: True / False, or None when Q is a lower bound the peak exceeds."""
+    tile_m, tile_n = fa_tile()
+    b0 = fa_tile_burst_bytes(tile_m, FA_HEAD_DIM, FA_OUT_BYTES)
+    v = fa_burst_volume(n_sm, tile_m, FA_HEAD_DIM, FA_OUT_BYTES)
+    dt = model.design_test(v, 0.0)
     fa = {
-        "tile_m": FA_TILE_M, "tile_n": FA_TILE_N, "head_dim": FA_HEAD_DIM, "out_bytes": FA_OUT_BYTES,
+        "tile_m": tile_m, "tile_n": tile_n, "head_dim": FA_HEAD_DIM, "out_bytes": FA_OUT_BYTES,
         "num_producers": n_sm, "burst_per_cta_B": b0, "volume_B": v,
         "recovery_gap_s": model.recovery_gap(v), "peak_outstanding_B": model.peak_outstanding(v),
         "capacity_B": None if math.isinf(model.capacity) else model.capacity,
-        "capacity_ok": model.peak_outstanding(v) <= model.capacity, "sigma": sigma_info,
+        "capacity_is_lower_bound": model.capacity_is_lower_bound,
+        "capacity_ok": None if dt.undecided else dt.capacity_ok, "sigma": sigma_info,
     }
     sigma = sigma_info.get("sigma_s")
     if sigma is not None and sigma > 0:
-        fa["m_ub_tokens"] = model.fa_min_seqlen(v, sigma, FA_TILE_N)
-        g8k = qloop_gap_lower_bound(8192, sigma, FA_TILE_N)
-        fa["design_test_M8192"] = {"gap_lower_bound_s": g8k, "failing": list(model.design_test(v, g8k).failing)}
+        fa["m_ub_tokens"] = model.fa_min_seqlen(v, sigma, tile_n)
+        g8k = qloop_gap_lower_bound(8192, sigma, tile_n)
+        t8k = model.design_test(v, g8k)
+        fa["design_test_M8192"] = {"gap_lower_bound_s": g8k, "failing": list(t8k.failing),
+                                   "undecided": list(t8k.undecided)}
     return fa
 
 
@@ -511,23 +563,23 @@ def markdown_table(model: PlatformModel, res: dict, fa: dict, header: str) -> st
          (f"isolated-burst knee at V = {cf['knee_volume'] / MiB:.2f} MiB" if cf["knee_found"]
           else "no knee in the swept range: a lower bound") + f", K = {iso['num_ctas']} "
          f"(fit rms {cf['rms_rel_error']:.1%})"),
-        *([("Q of the local control", f"{'' if iso['control_fit']['knee_found'] else '>= '}"
-            f"{iso['control_fit']['capacity'] / MiB:.2f} MiB", "same sweep, local buffer")]
+        *([("Q of the HBM control", f"{'' if iso['control_fit']['knee_found'] else '>= '}"
+            f"{iso['control_fit']['capacity'] / MiB:.2f} MiB", "same sweep, this process's HBM buffer")]
           if iso.get("control_fit") else []),
         ("gap-sweep error, T_iss", f"mean {e_iss.mean():.1%}, max {e_iss.max():.1%}",
          f"prediction with no refit, {len(e_iss)} gaps"),
         ("gap-sweep error, T_period", f"mean {e_per.mean():.1%}, max {e_per.max():.1%}",
          f"completion-coupled G + V/R instead: mean {e_cc.mean():.1%}"),
         ("FA4 tile burst Bt, V = K·Bt", f"{fa['burst_per_cta_B'] // KiB} KiB, {fa['volume_B'] / MiB:.3f} MiB",
-         f"b_m = d = {FA_TILE_M}, bf16, K = {fa['num_producers']}"),
+         f"b_m = {fa['tile_m']}, d = {fa['head_dim']}, bf16, K = {fa['num_producers']}"),
         ("FA4 G* = [V/R − T_iss0]+", f"{fa['recovery_gap_s'] / US:.3f} us", "model"),
         ("FA4 capacity bound [V − R·T_iss0]+ <= Q",
          f"{fa['peak_outstanding_B'] / MiB:.3f} <= {model.capacity / MiB:.2f} MiB: "
-         f"{'holds' if fa['capacity_ok'] else 'FAILS' if cf['knee_found'] else 'unknown (Q is a lower bound)'}",
+         f"{'holds' if fa['capacity_ok'] else 'unknown (Q is a lower bound)' if fa['capacity_ok'] is None else 'FAILS'}",
          "model"),
         ("sigma (FA4 time per KV tile)", f"{sigma / US:.3f} us" if sigma else "n/a", fa["sigma"].get("method", "")),
         ("M_ub* = b_n·G*/sigma", f"{fa['m_ub_tokens']:.0f} tokens" if "m_ub_tokens" in fa else "n/a",
-         f"b_n = {FA_TILE_N}"),
+         f"b_n = {fa['tile_n']}"),
     ]
     lines = ["", header, "", "| quantity | value | from |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -545,35 +597,50 @@ def write_outputs(out_dir: str, model: PlatformModel, res: dict, fa: dict, extra
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
-def _parse(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fa_a2a.calibrate",
                                 description="Measure the X-Stage platform model (T_iss0, R, Q) on this GPU.")
-    p.add_argument("--dest", choices=("local", "ipc"), default="local",
-                   help="local: this process's buffer; ipc: a child process's buffer on the same GPU "
-                        "mapped via CUDA IPC (same HBM, no NVLink traffic)")
+    p.add_argument("--dest", choices=DESTS, default="hbm",
+                   help="hbm: this process's GPU buffer (default); cuda-ipc: a child process's buffer on the "
+                        "same GPU mapped via legacy CUDA IPC (same HBM, no NVLink traffic); host: pinned host "
+                        "memory over PCIe, a one-GPU proxy for a slow peer, NOT NVLink")
     p.add_argument("--out", default="results/xstage", help="output directory (default: results/xstage)")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (under a minute on an H200)")
     p.add_argument("--mode", choices=("vector", "bulk"), default="vector",
                    help="store instruction: 16-byte st.global.v4 (default) or cp.async.bulk from smem")
-    p.add_argument("--threads", type=int, default=256, help="threads per producer CTA (default 256)")
+    p.add_argument("--threads", type=int, default=256,
+                   help="threads per producer CTA, a multiple of 32 in [32, 1024] (default 256)")
     p.add_argument("--sigma-us", type=float, default=None,
                    help="FA4 Q-loop time per KV tile in us; measured with FA4 when omitted")
     p.add_argument("--no-fa", action="store_true", help="skip the FA4 sigma measurement")
     p.add_argument("--min-fit-volume-mib", type=float, default=4.0,
                    help="zero-gap points with V below this are left out of the R fit (default 4)")
-    return p.parse_args(argv)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first bad argument (before anything looks for a GPU)."""
+    if args.threads % 32 or not 32 <= args.threads <= 1024:
+        raise ValueError(f"--threads: expected a multiple of 32 in [32, 1024], got {args.threads}")
+    if args.sigma_us is not None and not (args.sigma_us > 0 and math.isfinite(args.sigma_us)):
+        raise ValueError(f"--sigma-us: expected a positive finite number, got {args.sigma_us}")
+    if not (args.min_fit_volume_mib >= 0 and math.isfinite(args.min_fit_volume_mib)):
+        raise ValueError(f"--min-fit-volume-mib: expected a finite number >= 0, got {args.min_fit_volume_mib}")
 
 
 def main(argv=None) -> int:
-    args = _parse(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
-        print("fa_a2a.calibrate: no CUDA GPU found; the X-Stage microbenchmarks need one. Nothing measured.",
-              file=sys.stderr)
+        print(f"fa_a2a.calibrate: no CUDA GPU found; the X-Stage microbenchmarks (--dest {args.dest}) need one. "
+              "Nothing measured.", file=sys.stderr)
         return 2
-    if args.sigma_us is not None and not args.sigma_us > 0:
-        raise ValueError(f"--sigma-us: must be positive, got {args.sigma_us}")
     t_start = time.time()
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     device = torch.device("cuda", torch.cuda.current_device())
@@ -582,34 +649,34 @@ def main(argv=None) -> int:
     bench = Bench(args.mode, args.threads, device)
     plan = SweepPlan.make(n_sm, args.quick, args.min_fit_volume_mib)
     dst_words = max(256 * MiB, 3 * n_sm * plan.max_bytes_per_cta()) // 4
-    exercised = (
-        "stores into this process's own GPU buffer (local HBM)" if args.dest == "local" else
-        "stores through a CUDA-IPC mapping of a buffer another process allocated on the same GPU "
-        "(bytes land in this GPU's HBM; no NVLink/peer traffic)")
+    exercised = EXERCISED[args.dest]
 
-    ipc_check = None
+    data_check = None
     with ExitStack() as stack:
-        local = torch.empty(dst_words, dtype=torch.int32, device=device)
+        hbm = torch.empty(dst_words, dtype=torch.int32, device=device)
         peer = None
-        if args.dest == "ipc":
-            log("starting the IPC buffer owner process")
-            peer = stack.enter_context(IpcPeerBuffer(dst_words, device.index))
-        dst = peer.tensor if peer is not None else local
-        dests = [("dest", dst)] + ([("control", local)] if peer is not None else [])
+        if args.dest == "cuda-ipc":
+            log("starting the CUDA-IPC buffer owner process")
+            peer = stack.enter_context(CudaIpcPeerBuffer(dst_words, device.index))
+        elif args.dest == "host":
+            log(f"pinning {dst_words * 4 / MiB:.0f} MiB of host memory")
+            peer = stack.enter_context(HostBuffer(dst_words, device.index))
+        dst = peer.tensor if peer is not None else hbm
+        dests = [("dest", dst)] + ([("control", hbm)] if peer is not None else [])
 
         log(f"compiling remote_store ({args.mode}); measuring the SM clock and the gap loop")
         bench.run(dst, n_sm, 16 * KiB, n_bursts=2)  # compile + first touch
-        bench.run(local, n_sm, 16 * KiB, n_bursts=2)
-        bench.calibrate_clock_and_gap(local)
+        bench.run(hbm, n_sm, 16 * KiB, n_bursts=2)
+        bench.calibrate_clock_and_gap(hbm)
         log(f"SM clock {bench.ref_ghz:.3f} GHz, gap loop {bench.ns_per_iter:.3f} ns/iteration")
         if peer is not None:
             from cute_kernels.remote_store import expected_words
 
             bench.run(dst, n_sm, 32 * KiB, n_bursts=1, seed=0x0C0FFEE)
-            ipc_check = peer.check(expected_words(args.mode, n_sm, 32 * KiB, 0x0C0FFEE))
-            log(f"IPC destination check (the owner process re-reads one slot): {'ok' if ipc_check else 'MISMATCH'}")
+            data_check = peer.check(expected_words(args.mode, n_sm, 32 * KiB, 0x0C0FFEE))
+            log(f"{args.dest} destination check (its owner re-reads one slot): {'ok' if data_check else 'MISMATCH'}")
         model, res = run_sweeps(bench, dests, plan, log)
-        del dst, dests, local  # drop the IPC mapping before its owner process exits
+        del dst, dests, hbm  # drop the mappings before their owner goes
 
     if args.sigma_us is not None:
         sigma_info = {"sigma_s": args.sigma_us * US, "method": "given on the command line (--sigma-us)"}
@@ -627,21 +694,20 @@ def main(argv=None) -> int:
         "device": props.name, "num_sms": n_sm, "dest": args.dest, "what_is_exercised": exercised,
         "store": args.mode, "threads_per_cta": args.threads,
         "t_iss0_at": {"num_ctas": gs["num_ctas"], "bytes_per_cta": gs["bytes_per_cta"], "volume": gs["volume"]},
-        "capacity_is_lower_bound": not res["isolated"]["fit"]["knee_found"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "quick": args.quick,
     })
     fa = fa4_design(model, n_sm, sigma_info)
     json_path, pngs = write_outputs(args.out, model, res, fa, {
         "clock": {"ref_sm_ghz": bench.ref_ghz, "gap_loop_ns_per_iter": bench.ns_per_iter},
-        "one_cta_per_sm": bench.smid_ok, "ipc_data_check": ipc_check}, args.dest)
+        "one_cta_per_sm": bench.smid_ok, "dest_data_check": data_check}, args.dest)
     header = (f"X-Stage platform model: {props.name}, {n_sm} SMs, dest={args.dest}: {exercised}; "
               f"store={args.mode}, {args.threads} threads/CTA, {time.time() - t_start:.0f} s. "
               f"Files: {json_path}, " + ", ".join(os.path.basename(p) for p in pngs))
     if not bench.smid_ok:
         header += "\nWARNING: some run did not place its producers one per distinct SM."
-    if ipc_check is False:
-        header += "\nWARNING: the IPC owner process did not see the stored bytes."
+    if data_check is False:
+        header += f"\nWARNING: the {args.dest} destination's owner did not see the stored bytes."
     print(markdown_table(model, res, fa, header))
     return 0
 

@@ -259,16 +259,17 @@ def test_fit_input_errors():
 # the calibration pipeline (fa_a2a.calibrate) on a simulated platform: sweeps, fits, outputs
 # ----------------------------------------------------------------------------------------------
 class _SimBench:
-    """Stands in for calibrate.Bench: answers runs from TRUE with a volume-dependent issue floor;
-    the "control" destination has no drain or capacity limit (issue floor only)."""
+    """Stands in for calibrate.Bench: answers runs from `platform` (default TRUE) with a
+    volume-dependent issue floor; the "control" destination has no drain or capacity limit."""
 
     n_sm = 132
     ns_per_iter = 2.0
     ref_ghz = 1.98
     smid_ok = True
 
-    def __init__(self, seed):
+    def __init__(self, seed, platform=TRUE):
         self.rng = np.random.default_rng(seed)
+        self.platform = platform
 
     def iters_for(self, gap_s):
         return max(0, int(round(gap_s * 1e9 / self.ns_per_iter)))
@@ -279,7 +280,7 @@ class _SimBench:
         v = K * B
         g = gap_iters * self.ns_per_iter * 1e-9 + 0.05 * US  # loop overhead: a small fixed gap
         fl = float(_issue_floor(v))
-        r, q = TRUE.drain_rate, TRUE.capacity
+        r, q = self.platform.drain_rate, self.platform.capacity
         if dst == "control":
             t, per = fl, fl + g
         elif align:
@@ -306,7 +307,7 @@ def test_calibration_pipeline_on_simulated_platform(tmp_path):
     fa = calibrate.fa4_design(model, bench.n_sm, {"sigma_s": 1.6 * US, "method": "given"})
     assert fa["volume_B"] == bench.n_sm * 32 * KiB
     assert fa["m_ub_tokens"] == pytest.approx(128 * model.recovery_gap(fa["volume_B"]) / (1.6 * US))
-    json_path, pngs = calibrate.write_outputs(str(tmp_path), model, res, fa, {"clock": {}}, "ipc")
+    json_path, pngs = calibrate.write_outputs(str(tmp_path), model, res, fa, {"clock": {}}, "cuda-ipc")
     assert PlatformModel.from_json(json_path) == model
     assert len(pngs) == 4 and all((tmp_path / p).stat().st_size > 1000 for p in pngs)
     table = calibrate.markdown_table(model, res, fa, "header")
@@ -440,3 +441,57 @@ def test_fa_tiles_and_wave_bound():
     assert r["tail"] == pytest.approx(60 * 32 * KiB / (52 * GB)) and r["e_res"] == r["tail"]
     r = fused_residual(host, t, 100 * US)  # a shorter gap than the drain: issue overhead
     assert r["stalls"][0] == pytest.approx(132 * 32 * KiB / (52 * GB) - 50 * US - 1 * US)
+
+
+def test_calibration_without_a_knee_reports_q_as_a_lower_bound(tmp_path):
+    # a destination whose capacity is far beyond the swept bursts (no knee): before, the fit gave
+    # Q = 0 and PlatformModel refused it; now Q is a lower bound and the capacity test is open
+    from fa_a2a import calibrate
+
+    bench = _SimBench(2, PlatformModel(t_iss0=1.3 * US, drain_rate=2400 * GB, capacity=10 * 1024 * MiB))
+    plan = calibrate.SweepPlan.make(bench.n_sm, quick=True)
+    model, res = calibrate.run_sweeps(bench, [("dest", "remote"), ("control", "control")], plan, log=lambda m: None)
+    assert not res["isolated"]["fit"]["knee_found"] and model.capacity_is_lower_bound
+    fa = calibrate.fa4_design(model, bench.n_sm, {"sigma_s": None, "method": "not measured"})
+    assert fa["capacity_is_lower_bound"] and fa["capacity_ok"] in (True, None)
+    table = calibrate.markdown_table(model, res, fa, "header")
+    assert "| Q (capacity) | >= " in table and "no knee in the swept range" in table
+    json_path, _ = calibrate.write_outputs(str(tmp_path), model, res, fa, {}, "host")
+    assert PlatformModel.from_json(json_path).capacity_is_lower_bound
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--threads", "-5"], "--threads"),
+    (["--threads", "100"], "--threads"),
+    (["--sigma-us", "nan"], "--sigma-us"),
+    (["--sigma-us", "0"], "--sigma-us"),
+    (["--sigma-us", "inf"], "--sigma-us"),
+    (["--min-fit-volume-mib", "-1"], "--min-fit-volume-mib"),
+    (["--min-fit-volume-mib", "nan"], "--min-fit-volume-mib"),
+    (["--dest", "ipc"], "--dest"),
+])
+def test_calibrate_checks_arguments_before_looking_for_a_gpu(monkeypatch, capsys, argv, name):
+    import torch
+
+    from fa_a2a import calibrate
+
+    looked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: looked.append(1) or False)
+    with pytest.raises(SystemExit) as e:
+        calibrate.main(argv)
+    assert e.value.code == 2 and name in capsys.readouterr().err and not looked
+
+
+def test_calibrate_refuses_clearly_without_a_gpu(monkeypatch, capsys):
+    import torch
+
+    from fa_a2a import calibrate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert calibrate.main(["--dest", "host", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "--dest host" in err and "Nothing measured" in err
+    with pytest.raises(SystemExit):
+        calibrate.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{hbm,cuda-ipc,host}" in text and "NOT NVLink" in text and "legacy CUDA IPC" in text
