@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .op import IMPLS, ulysses_attention
+from .op import ulysses_attention
+from .problem import IMPLS, check_joint, check_tensor
 
 __all__ = ["UlyssesAttention"]
 
@@ -57,15 +58,11 @@ class UlyssesAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 joint: Optional[Sequence[torch.Tensor]] = None, seq_len: Optional[int] = None):
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"{name}: expected a 4-D tensor in layout {self.layout!r}")
+            check_tensor(t, name)
+        joint = check_joint(joint)
         if joint is not None:
-            if not isinstance(joint, (tuple, list)) or len(joint) != 3:
-                raise ValueError("joint: expected a tuple (joint_q, joint_k, joint_v)")
             joint = tuple(self._in(t) for t in joint)
         res = ulysses_attention(self._in(q), self._in(k), self._in(v), group=self.group, impl=self.impl,
                                 joint=joint, causal=self.causal, softmax_scale=self.softmax_scale,
                                 seq_len=seq_len)
-        if joint is None:
-            return self._in(res)
-        return self._in(res[0]), self._in(res[1])
+        return self._in(res) if joint is None else (self._in(res[0]), self._in(res[1]))

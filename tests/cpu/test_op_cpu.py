@@ -18,64 +18,36 @@ from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import full_attention
 
+from tests.helpers import Case, check_attention, make_inputs, oracles, pair
 from tests.multiproc import run_on_gloo_groups
 
-# (P, B, S, H, H_kv, D, J, causal): uneven S, head padding, GQA replicated (H_kv < P) and split,
-# joint tokens, causal, a rank holding padding only.
+# uneven S, head padding, GQA replicated (H_kv < P) and split, joint tokens, causal, a rank
+# holding padding only.
 CASES = [
-    (1, 2, 7, 3, 1, 16, 0, True),
-    (1, 1, 9, 4, 2, 8, 3, False),
-    (2, 2, 9, 5, 5, 16, 0, False),
-    (2, 1, 12, 6, 3, 8, 4, False),
-    (2, 2, 11, 4, 1, 8, 0, True),
-    (4, 2, 10, 8, 2, 16, 3, False),
-    (4, 1, 9, 12, 6, 8, 0, True),
-    (4, 2, 13, 7, 7, 8, 2, False),
-    (4, 1, 5, 6, 6, 8, 0, False),
+    Case(1, 2, 7, 3, 1, 16, 0, True),
+    Case(1, 1, 9, 4, 2, 8, 3, False),
+    Case(2, 2, 9, 5, 5, 16, 0, False),
+    Case(2, 1, 12, 6, 3, 8, 4, False),
+    Case(2, 2, 11, 4, 1, 8, 0, True),
+    Case(4, 2, 10, 8, 2, 16, 3, False),
+    Case(4, 1, 9, 12, 6, 8, 0, True),
+    Case(4, 2, 13, 7, 7, 8, 2, False),
+    Case(4, 1, 5, 6, 6, 8, 0, False),
 ]
-
-
-def make_inputs(case, seed, dtype=torch.float32):
-    P, B, S, H, Hkv, D, J, causal = case
-    g = torch.Generator().manual_seed(seed)
-    full = tuple(torch.randn(B, S, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
-    joint = tuple(torch.randn(B, J, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv)) if J else None
-    shards = []
-    for x in full:
-        parts = split_seq(x, P)
-        for r, t in enumerate(parts):  # poison the padding rows
-            first = max(0, min(t.shape[1], S - r * t.shape[1]))
-            t[:, first:] = (1e3 * torch.randn(t[:, first:].shape, generator=g)).to(dtype)
-        shards.append(parts)
-    return full, joint, shards
-
-
-def check_attention(out, ref, base):
-    assert torch.isfinite(out).all()
-    err = (out.double() - ref).abs().max().item()
-    base_err = (base.double() - ref).abs().max().item()
-    assert err <= 2 * base_err + 1e-6, (err, base_err)
 
 
 def check_rank(case, rank, res, full, joint):
     """res: this rank's (out, joint_out or None) vs the oracle; padding rows zero."""
-    P, B, S, H, Hkv, D, J, causal = case
-    ref = full_attention(*full, joint=joint, causal=causal)
-    base = full_attention(*full, joint=joint, causal=causal, dtype=torch.float32)
-    (ref, jref), (base, jbase) = (ref, base) if joint is not None else ((ref, None), (base, None))
+    (ref, jref), (base, jbase) = oracles(full, joint, case.causal)
     out, jout = res
-    L = UlyssesLayout(S, H, Hkv, P)
+    L = UlyssesLayout(case.S, case.H, case.H_kv, case.P)
     n, first = L.valid_rows(rank), rank * L.seq_loc
-    assert out.shape == (B, L.seq_loc, H, D)
+    assert out.shape == (case.B, L.seq_loc, case.H, case.D)
     if n:
-        check_attention(out[:, :n], ref[:, first:first + n], base[:, first:first + n])
+        check_attention(out[:, :n], ref[:, first:first + n], base[:, first:first + n], 1e-6, (case, rank))
     assert (out[:, n:] == 0).all(), "padding rows of the output must be zero"
     if joint is not None:
-        check_attention(jout, jref, jbase)
-
-
-def _split(res, joint):
-    return res if joint is not None else (res, None)
+        check_attention(jout, jref, jbase, 1e-6, (case, rank, "joint"))
 
 
 # ---- one process (P = 1) -------------------------------------------------------------------------
@@ -133,16 +105,16 @@ def test_bad_module_and_emulated_arguments():
         ulysses_attention_emulated([q, q2], [q, q2], [q, q2], impl="reference")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1])
+@pytest.mark.parametrize("case", [c for c in CASES if c.P == 1])
 @pytest.mark.parametrize("impl", ["nccl", "reference"])
 def test_single_rank_matches_oracle(case, impl):
     full, joint, (qs, ks, vs) = make_inputs(case, seed=7)
-    res = _split(ulysses_attention(qs[0], ks[0], vs[0], impl=impl, joint=joint, causal=case[-1]), joint)
+    res = pair(ulysses_attention(qs[0], ks[0], vs[0], impl=impl, joint=joint, causal=case.causal), joint)
     check_rank(case, 0, res, full, joint)
 
 
 def test_module_bhsd_layout_and_scale():
-    case = (1, 2, 9, 4, 2, 8, 3, False)
+    case = Case(1, 2, 9, 4, 2, 8, 3, False)
     full, joint, (qs, ks, vs) = make_inputs(case, seed=8)
     scale = 0.3
     mod = UlyssesAttention(impl="reference", softmax_scale=scale, layout="bhsd")
@@ -150,12 +122,12 @@ def test_module_bhsd_layout_and_scale():
     out, jout = mod(t(qs[0]), t(ks[0]), t(vs[0]), joint=tuple(t(x) for x in joint))
     ref, jref = full_attention(*full, joint=joint, softmax_scale=scale)
     base, jbase = full_attention(*full, joint=joint, softmax_scale=scale, dtype=torch.float32)
-    check_attention(out.transpose(1, 2), ref, base)
-    check_attention(jout.transpose(1, 2), jref, jbase)
+    check_attention(out.transpose(1, 2), ref, base, 1e-6)
+    check_attention(jout.transpose(1, 2), jref, jbase, 1e-6)
 
 
 def test_torch_compile_fullgraph_matches_eager():
-    case = (1, 1, 9, 4, 2, 8, 3, False)
+    case = Case(1, 1, 9, 4, 2, 8, 3, False)
     _, joint, (qs, ks, vs) = make_inputs(case, seed=9)
 
     def f(q, k, v, jq, jk, jv):
@@ -169,24 +141,24 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_emulated_reference_matches_oracle():
-    case = (4, 2, 10, 8, 2, 16, 3, False)
+    case = Case(4, 2, 10, 8, 2, 16, 3, False)
     full, joint, (qs, ks, vs) = make_inputs(case, seed=10)
-    outs, jouts = ulysses_attention_emulated(qs, ks, vs, impl="reference", joint=joint, seq_len=case[2])
+    outs, jouts = ulysses_attention_emulated(qs, ks, vs, impl="reference", joint=joint, seq_len=case.S)
     for r in range(4):
         check_rank(case, r, (outs[r], jouts[r]), full, joint)
 
 
 # ---- real ranks over gloo ------------------------------------------------------------------------
 def _check_group(P, group, rank):
-    for i, case in enumerate(c for c in CASES if c[0] == P):
-        causal, S = case[-1], case[2]
+    for i, case in enumerate(c for c in CASES if c.P == P):
+        causal, S = case.causal, case.S
         for dtype in (torch.float32, torch.bfloat16):
             full, joint, (qs, ks, vs) = make_inputs(case, seed=100 + i, dtype=dtype)
             results = {}
             for impl in ("nccl", "reference"):
                 res = ulysses_attention(qs[rank], ks[rank], vs[rank], group=group, impl=impl, joint=joint,
                                         causal=causal, seq_len=S)
-                results[impl] = _split(res, joint)
+                results[impl] = pair(res, joint)
             for a, b in zip(results["nccl"], results["reference"]):
                 assert (a is None and b is None) or torch.equal(a, b), (P, rank, case, dtype)
             if dtype == torch.float32:
@@ -197,15 +169,15 @@ def _check_group(P, group, rank):
                                         f32[2][2][rank].to(dtype).float(), group=group, impl="nccl",
                                         joint=None if joint is None else tuple(x.float() for x in joint),
                                         causal=causal, seq_len=S)
-                ref = _split(ref, joint)[0]
+                ref = pair(ref, joint)[0]
                 assert torch.allclose(results["nccl"][0].float(), ref, rtol=1e-2, atol=1e-2)
     # the module, SDPA layout, on this group
-    case = next(c for c in CASES if c[0] == P)
+    case = next(c for c in CASES if c.P == P)
     full, joint, (qs, ks, vs) = make_inputs(case, seed=5)
-    mod = UlyssesAttention(group, impl="nccl", causal=case[-1], layout="bhsd")
+    mod = UlyssesAttention(group, impl="nccl", causal=case.causal, layout="bhsd")
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     out = mod(t(qs[rank]), t(ks[rank]), t(vs[rank]), joint=None if joint is None else tuple(map(t, joint)),
-              seq_len=case[2])
+              seq_len=case.S)
     res = (t(out[0]), t(out[1])) if joint is not None else (t(out), None)
     check_rank(case, rank, res, full, joint)
 

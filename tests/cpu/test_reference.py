@@ -15,7 +15,12 @@ from ulysses.reference import (dist_gather_heads, dist_head_to_seq, dist_seq_to_
                                emulated_post_a2a, emulated_pre_a2a, emulated_ulysses_attention,
                                full_attention, local_attention, ulysses_reference_attention)
 
+from tests.helpers import check_attention as _check, make_inputs, oracles, pair
 from tests.multiproc import run_on_gloo_groups
+
+
+def check_attention(out, ref, base):
+    _check(out, ref, base, 1e-6)
 
 # (P, B, S, H, H_kv, D, J, causal): odd heads, uneven S, GQA with kv heads < P and > P, joint.
 CASES = [
@@ -33,37 +38,6 @@ CASES = [
     (4, 1, 5, 6, 6, 8, 0, False),  # S < P + 2: the last rank holds padding only
 ]
 GLOO_CASES = {P: [c for c in CASES if c[0] == P] for P in (1, 2, 3, 4)}
-
-
-def make_inputs(case, seed):
-    P, B, S, H, Hkv, D, J, causal = case
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, h, D, generator=g) for h in (H, Hkv, Hkv))
-    joint = None
-    if J:
-        joint = tuple(torch.randn(B, J, h, D, generator=g) for h in (H, Hkv, Hkv))
-    shards = []
-    for x in (q, k, v):
-        parts = split_seq(x, P)
-        for r, t in enumerate(parts):  # poison the padding rows
-            first = max(0, min(t.shape[1], S - r * t.shape[1]))
-            t[:, first:] = 1e3 * torch.randn(t[:, first:].shape, generator=g)
-        shards.append(parts)
-    return (q, k, v), joint, shards
-
-
-def check_attention(out, ref, base):
-    """out/base vs the fp64 ref: err(out) <= 2 * err(fp32 oracle) + 1e-6."""
-    assert torch.isfinite(out).all()
-    err = (out.double() - ref).abs().max().item()
-    base_err = (base.double() - ref).abs().max().item()
-    assert err <= 2 * base_err + 1e-6, (err, base_err)
-
-
-def oracles(full, joint, causal):
-    ref = full_attention(*full, joint=joint, causal=causal)
-    base = full_attention(*full, joint=joint, causal=causal, dtype=torch.float32)
-    return (ref, base) if joint is not None else ((ref, None), (base, None))
 
 
 def test_local_attention_matches_explicit_softmax():
@@ -98,7 +72,7 @@ def test_emulated_matches_oracle(case):
     P, B, S, H, Hkv, D, J, causal = case
     full, joint, (qs, ks, vs) = make_inputs(case, seed=10)
     res = emulated_ulysses_attention(qs, ks, vs, joint=joint, causal=causal, seq_len=S)
-    outs, jout = res if joint is not None else (res, None)
+    outs, jout = pair(res, joint)
     assert len(outs) == P and all(o.shape == qs[0].shape and o.dtype == torch.float32 for o in outs)
     (ref, jref), (base, jbase) = oracles(full, joint, causal)
     check_attention(gather_seq(outs, S), ref, base)
@@ -181,7 +155,7 @@ def _check_attention(P, group, rank):
         full, joint, (qs, ks, vs) = make_inputs(case, seed=100 + i)  # the same on every rank
         res = ulysses_reference_attention(qs[rank], ks[rank], vs[rank], group=group, joint=joint,
                                           causal=causal, seq_len=S)
-        out, jout = res if joint is not None else (res, None)
+        out, jout = pair(res, joint)
         emu = emulated_ulysses_attention(qs, ks, vs, joint=joint, causal=causal, seq_len=S)
         emu_out, emu_jout = emu if joint is not None else (emu, None)
         assert torch.equal(out, emu_out[rank]), case  # same ops on the same data: bit-identical

@@ -17,9 +17,10 @@ import torch
 
 from fa_a2a.fused import fa4_forward
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
-from ulysses.layout import UlyssesLayout, split_seq
-from ulysses.reference import emulated_post_a2a, emulated_pre_a2a, full_attention
+from ulysses.layout import UlyssesLayout
+from ulysses.reference import emulated_post_a2a, emulated_pre_a2a
 
+from tests import helpers
 from tests.multiproc import run_on_gloo_groups
 
 DTYPE = torch.bfloat16
@@ -33,19 +34,7 @@ CASES = [
 
 
 def make_inputs(case, seed):
-    P, B, S, H, Hkv, D, J, causal = case
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    full = tuple(torch.randn(B, S, h, D, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv))
-    joint = tuple(torch.randn(B, J, h, D, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv)) if J else None
-    shards = []
-    for x in full:
-        parts = split_seq(x, P)
-        for r, t in enumerate(parts):  # poison the padding rows: an unmasked padded key shows
-            n = max(0, min(t.shape[1], S - r * t.shape[1]))
-            t[:, n:] = (100 * torch.randn(t[:, n:].shape, device="cuda", generator=g)).to(DTYPE)
-            t[:, n:, :1, :1] = float("nan")  # and NaN: masked keys weigh 0, but 0 * NaN = NaN
-        shards.append(parts)
-    return full, joint, shards
+    return helpers.make_inputs(case, seed, dtype=DTYPE, device="cuda", poison=100, nan=True)
 
 
 def reference_outputs(case, joint, shards):
@@ -61,19 +50,12 @@ def reference_outputs(case, joint, shards):
 
 def check_tolerance(case, rank, out, jout, full, joint):
     P, B, S, H, Hkv, D, J, causal = case
-    ref = full_attention(*full, joint=joint, causal=causal)
-    base = full_attention(*full, joint=joint, causal=causal, dtype=DTYPE)
-    (ref, jref), (base, jbase) = (ref, base) if joint is not None else ((ref, None), (base, None))
+    (ref, jref), (base, jbase) = helpers.oracles(full, joint, causal, base_dtype=DTYPE)
     L = UlyssesLayout(S, H, Hkv, P)
     n, first = L.valid_rows(rank), rank * L.seq_loc
-    pairs = [(out[:, :n], ref[:, first:first + n], base[:, first:first + n])]
+    helpers.check_attention(out[:, :n], ref[:, first:first + n], base[:, first:first + n], 1e-3, (case, rank))
     if joint is not None:
-        pairs.append((jout, jref, jbase))
-    for got, r, b in pairs:
-        assert torch.isfinite(got).all()
-        err = (got.double() - r).abs().max().item()
-        base_err = (b.double() - r).abs().max().item()
-        assert err <= 2 * base_err + 1e-3, (case, rank, err, base_err)
+        helpers.check_attention(jout, jref, jbase, 1e-3, (case, rank, "joint"))
     assert (out[:, n:] == 0).all(), "padding rows must be zero"
 
 
@@ -156,7 +138,7 @@ def test_torch_compile_fullgraph():
 def test_single_rank_every_impl(case, impl):
     full, joint, shards = make_inputs(case, seed=11)
     res = ulysses_attention(*(s[0] for s in shards), impl=impl, joint=joint, causal=case[-1], seq_len=case[2])
-    out, jout = res if joint is not None else (res, None)
+    out, jout = helpers.pair(res, joint)
     check_tolerance(case, 0, out, jout, full, joint)
     if impl != "reference":  # FA4 on the unsplit input (joint rows appended), bit for bit
         q, k, v = (x if joint is None else torch.cat([x, j], dim=1) for x, j in zip(full, joint or (None,) * 3))
@@ -181,7 +163,7 @@ def _real_ranks(P, group, rank):
                 time.sleep(0.5)  # a late rank: the others wait inside the barrier kernel
             res = ulysses_attention(shards[0][rank], shards[1][rank], shards[2][rank], group=group, impl=impl,
                                     joint=joint, causal=case[-1], seq_len=case[2])
-            out, jout = res if joint is not None else (res, None)
+            out, jout = helpers.pair(res, joint)
             want_seq, want_joint = reference_outputs(case, joint, shards)
             check_exact(case, rank, out, jout, want_seq, want_joint)
             check_tolerance(case, rank, out, jout, full, joint)

@@ -1,0 +1,66 @@
+"""What the attention tests share: named cases, poisoned inputs, oracles and FA4's tolerance rule."""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ulysses.layout import split_seq
+from ulysses.reference import full_attention
+
+
+class Case(NamedTuple):
+    """One Ulysses problem: P ranks, q [B, S, H, D], k/v [B, S, H_kv, D], J joint rows."""
+
+    P: int
+    B: int
+    S: int
+    H: int
+    H_kv: int
+    D: int
+    J: int = 0
+    causal: bool = False
+
+
+def make_inputs(case: Case, seed: int, *, dtype=torch.float32, device="cpu", poison=1e3, nan=False):
+    """Fresh random (full q, k, v), joint (or None) and per-rank shards [q_shards, k_shards, v_shards].
+
+    The padding rows of the shards hold `poison` * randn (and NaN in one element with nan=True):
+    an unmasked padded key, or one whose 0 weight meets a NaN, shows in the output."""
+    case = Case(*case)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=g).to(dtype)
+
+    full = tuple(randn(case.B, case.S, h, case.D) for h in (case.H, case.H_kv, case.H_kv))
+    joint = tuple(randn(case.B, case.J, h, case.D) for h in (case.H, case.H_kv, case.H_kv)) if case.J else None
+    shards = []
+    for x in full:
+        parts = split_seq(x, case.P)
+        for r, t in enumerate(parts):
+            n = max(0, min(t.shape[1], case.S - r * t.shape[1]))
+            t[:, n:] = poison * randn(*t[:, n:].shape)
+            if nan and n < t.shape[1]:
+                t[:, n:, :1, :1] = float("nan")
+        shards.append(parts)
+    return full, joint, shards
+
+
+def pair(res, joint):
+    """ulysses_attention's result as (out, joint_out or None) whether or not joint was given."""
+    return res if joint is not None else (res, None)
+
+
+def oracles(full, joint, causal: bool, base_dtype=torch.float32):
+    """((fp64 oracle, its joint rows), (the same attention in base_dtype, its joint rows))."""
+    ref = pair(full_attention(*full, joint=joint, causal=causal), joint)
+    base = pair(full_attention(*full, joint=joint, causal=causal, dtype=base_dtype), joint)
+    return ref, base
+
+
+def check_attention(out, ref, base, atol: float, what: Optional[object] = None) -> None:
+    """FA4's rule: max |out - ref| <= 2 * max |base - ref| + atol (ref fp64, base the same-precision baseline)."""
+    assert torch.isfinite(out).all(), what
+    err = (out.double() - ref).abs().max().item()
+    base_err = (base.double() - ref).abs().max().item()
+    assert err <= 2 * base_err + atol, (what, err, base_err)
