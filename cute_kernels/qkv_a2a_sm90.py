@@ -526,7 +526,7 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
 
 def _launch_group(x, proj, windows, g, row0, rope_cs, config):
     B, M, _ = x.shape
-    P, width, ts = proj.world_size, g["width"], g["ts"]
+    width, ts = g["width"], g["ts"]
     cfg = _group_config(config, g, proj)
     kern = compile_projection(x.dtype, width, proj.head_dim,
                               proj.bias.dtype if proj.bias is not None else None,

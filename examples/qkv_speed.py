@@ -1,0 +1,150 @@
+"""Cost of the pre-A2A in the QKV projection's epilogue: T(fused projection + pre-A2A) on one GPU.
+
+One source rank (rank 3 of P, emulated: the P destination windows are local buffers in one
+allocation at a uniform stride) projects x [1, S_loc, C] with W [N = 3*H*D, C] (Flux: C = 3072,
+H = 24, D = 128, N = 9216, bf16, P = 8). Methods, each captured as back-to-back calls in a CUDA
+graph and timed by graph replays (graphs.time_graphs, medians over trials):
+  fused      q|k|v + bias, one launch, stored into the P rank windows
+  plain      quack's own GEMM, same tile configuration, plain output [1, S_loc, N]
+  plain+copy plain, then one copy of its output into the windows (the unfused local equivalent)
+  fused-nr   q|k with bias + per-head RMSNorm + RoPE (one launch), v with bias (one launch)
+  plain-nr   the same two quack GEMMs with plain outputs
+  matmul     torch.matmul(x, W^T) (cuBLAS), and linear: torch.nn.functional.linear with bias
+W alone (57 MB) exceeds the 50 MB L2, so one input set is used. Optional extra tile
+configurations (--configs) are timed for fused/plain at every shape.
+
+    python examples/qkv_speed.py [--seqlens 576 1024 4096] [--configs 192x128c1x2] [--out DIR]
+        [--start-after FILE]   compile and warm up, then wait for FILE before timing
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from cute_kernels import qkv_a2a_sm90 as K
+from graphs import median, time_graphs
+
+
+def parse_config(text):
+    """'192x128c1x2' (pingpong) or '128x192c2x1coop' -> GemmConfig."""
+    tiles, rest = text.split("c", 1)
+    coop = rest.endswith("coop")
+    rest = rest.removesuffix("coop")
+    tm, tn = (int(v) for v in tiles.split("x"))
+    cm, cn = (int(v) for v in rest.split("x"))
+    return K.GemmConfig(tm, tn, cm, cn, not coop)
+
+
+def windows_for(P, S_loc, heads, D, dtype):
+    """The op's in-window layout: per window q | k | v contiguous, P windows at one stride."""
+    N = P * S_loc
+    per = N * heads * D
+    mem = torch.zeros(P, 3 * per, dtype=dtype, device="cuda")
+    return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[576, 1024, 4096], help="S_loc values")
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--configs", nargs="*", default=["192x128c1x2"])
+    ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    ap.add_argument("--trials", type=int, default=11)
+    ap.add_argument("--start-after", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (SM90)")
+    P, H, D, C, dtype = args.world_size, args.heads, args.head_dim, args.hidden, torch.bfloat16
+    if H % P:
+        raise SystemExit(f"--heads {H} must be divisible by --world-size {P}")
+    rank = min(3, P - 1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    wq, wk, wv = ((r(H * D, C) / C ** 0.5).to(dtype) for _ in range(3))
+    bq, bk, bv = ((0.1 * r(H * D)).to(dtype) for _ in range(3))
+    plain_w = K.QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=P, bq=bq, bk=bk, bv=bv)
+    norm_w = K.QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=P, bq=bq, bk=bk, bv=bv,
+                                      q_norm_weight=r(D) * 0.2 + 1, k_norm_weight=r(D) * 0.2 + 1)
+    weight_t = plain_w.weight.t()
+    configs = {"default": None, **{c: parse_config(c) for c in args.configs}}
+
+    plans = []
+    for S_loc in args.seqlens:
+        x = r(1, S_loc, C).to(dtype)
+        pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda", dtype=torch.float32)
+        ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda") / (D // 2))[None]
+        cs = K.interleaved_cos_sin(ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+        win = windows_for(P, S_loc, H // P, D, dtype)
+        y = torch.empty(1, S_loc, 3 * H * D, dtype=dtype, device="cuda")
+        row0 = rank * S_loc
+        view = K.rank_window_view(win, row0, 0, S_loc)
+        y5 = y.view(1, S_loc, 3, P, H // P * D)
+        methods = {}
+        for name, cfg in configs.items():
+            tag = "" if cfg is None else f"@{name}"
+            methods["fused" + tag] = lambda cfg=cfg: K.qkv_a2a_projection(x, plain_w, win, row0, config=cfg)
+            methods["plain" + tag] = lambda cfg=cfg: K.qkv_projection_plain(x, plain_w, y, config=cfg)
+            methods["fused-nr" + tag] = lambda cfg=cfg: K.qkv_a2a_projection(
+                x, norm_w, win, row0, rope_cs=cs, config=cfg)
+            methods["plain-nr" + tag] = lambda cfg=cfg: K.qkv_projection_plain(
+                x, norm_w, y, rope_cs=cs, config=cfg)
+        methods["plain+copy"] = lambda: (K.qkv_projection_plain(x, plain_w, y), view.copy_(y5))
+        methods["matmul"] = lambda: torch.matmul(x, weight_t)
+        methods["linear"] = lambda: torch.nn.functional.linear(x, plain_w.weight, plain_w.bias)
+        ok = {}
+        for name, fn in methods.items():  # compile and warm up before any timing
+            try:
+                t0 = time.time()
+                fn()
+                torch.cuda.synchronize()
+                ok[name] = fn
+                print(f"S_loc={S_loc} {name}: ready ({time.time() - t0:.1f} s)", flush=True)
+            except Exception as e:  # noqa: BLE001  (a tile configuration quack refuses is reported, not fatal)
+                print(f"S_loc={S_loc} {name}: FAILED {type(e).__name__}: {e}", flush=True)
+        plans.append((S_loc, ok))
+
+    if args.start_after:
+        t0 = time.time()
+        while not os.path.exists(args.start_after) and time.time() - t0 < 600:
+            time.sleep(0.5)
+
+    rows = []
+    for S_loc, methods in plans:
+        times = time_graphs(methods, n_calls=args.calls, trials=args.trials)
+        med = {name: median(v) for name, v in times.items()}
+        flops = 2 * S_loc * C * 3 * H * D
+        rows.append(dict(S_loc=S_loc, median_us=med, trials_us=times,
+                         tflops={n: flops / t / 1e6 for n, t in med.items()}))
+        print(f"S_loc={S_loc}: " + ", ".join(f"{n} {t:.1f}" for n, t in med.items()), flush=True)
+
+    card = torch.cuda.get_device_name()
+    print(f"\n{card}, bf16, C={C}, N={3 * H * D}, H={H}, D={D}, emulated P={P} (rank {rank}), "
+          f"CUDA-graph replay medians (us) of {args.calls} calls, {args.trials} trials")
+    for name in configs:
+        tag = "" if name == "default" else f"@{name}"
+        print(f"\nconfig {name}")
+        print("| S_loc | fused | plain | fused/plain | plain+copy | fused-nr | plain-nr | fused-nr/plain-nr "
+              "| matmul | fused/matmul | fused-nr/matmul | linear |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            m = row["median_us"]
+            get = lambda k: m.get(k, float("nan"))  # noqa: E731
+            f, p, fn, pn, mm = (get(k) for k in ("fused" + tag, "plain" + tag, "fused-nr" + tag,
+                                                  "plain-nr" + tag, "matmul"))
+            print(f"| {row['S_loc']} | {f:.1f} | {p:.1f} | {f / p:.3f} | {get('plain+copy'):.1f} | {fn:.1f} "
+                  f"| {pn:.1f} | {fn / pn:.3f} | {mm:.1f} | {f / mm:.3f} | {fn / mm:.3f} | {get('linear'):.1f} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "qkv_speed.json"), "w") as fh:
+            json.dump(dict(card=card, P=P, H=H, D=D, C=C, configs=list(configs), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
