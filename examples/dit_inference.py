@@ -1,26 +1,30 @@
-"""DiT inference with the Ulysses attention: a random Flux transformer, P ranks vs one device.
+"""DiT inference under diffusers' own Ulysses with the fa-a2a backend, against one device.
 
-Builds a diffusers FluxTransformer2DModel from a config (random weights, nothing downloaded), runs
-a flow-matching Euler loop of --steps transformer calls on one device (diffusers' own attention)
-and under Ulysses (fa_a2a.dit.parallelize_flux) for each --impls entry, and prints a table: error
-of the final latents against the single-device bf16 run and against an fp32 single-device run
-(the bf16 noise floor), and the latency per step (median over steps, max over ranks, eager).
+Builds a diffusers Flux, Wan or QwenImage transformer (--model; tiny random weights by default,
+nothing downloaded; --pretrained PATH loads real weights with from_pretrained), runs a
+flow-matching Euler loop of --steps transformer calls on one device (diffusers' SDPA) and then
+under `enable_parallelism(ContextParallelConfig(ulysses_degree=P))` with each --impls entry:
+  fused | serial | nccl | reference   the fa-a2a attention backend with that impl of the op
+  diffusers                           diffusers' own Ulysses (backend "native": permute +
+                                      all_to_all_single around SDPA)
+and prints a table: error of the final latents against the single-device bf16 run and against
+an fp32 single-device run (the bf16 noise floor), and the latency per step (median over steps,
+max over ranks, eager).
 
 How the P ranks run:
-  python examples/dit_inference.py --nproc 2      P processes sharing GPU 0; peers' buffers mapped
-                                                   with CUDA IPC (ulysses.transport.VmmTransport),
-                                                   a gloo group for host-side collectives. "nccl"
-                                                   is skipped (NCCL refuses two ranks on one GPU).
-  torchrun --nproc-per-node=8 examples/dit_inference.py
-                                                   one rank per GPU, NCCL group; all impls.
-  python examples/dit_inference.py --emulated --nproc 4
-                                                   one process plays the P ranks (one forward over
-                                                   P stacked shards); fused / serial only.
+  torchrun --nproc-per-node=8 examples/dit_inference.py --model wan
+                                     one rank per GPU, NCCL group; all impls.
+  python examples/dit_inference.py --nproc 2
+                                     P processes sharing GPU 0: peers' buffers mapped through the
+                                     project's VMM/IPC transport, a gloo group for the host-side
+                                     collectives. "nccl" and "diffusers" are skipped (they need
+                                     NCCL, which refuses two ranks on one GPU). diffusers' gather
+                                     of the model output goes through host memory (gloo).
+  python examples/dit_inference.py --device cpu --nproc 2 --impls reference,nccl,diffusers
+                                     a CPU smoke test of the wiring (fp32, gloo).
 On ranks sharing one GPU the latencies are those of time-shared kernels: they check the code
-path, they do not predict multi-GPU speed.
-
-Defaults: --size small (Flux widths: 24 heads x 128, joint dim 4096; 2 double + 4 single
-blocks), 64 x 64 image tokens (a 1024 px image), 512 text tokens, 4 steps. Measured: not yet.
+path, they do not predict multi-GPU speed. --ulysses-anything lets P not divide the token
+counts (those calls take diffusers' templated path with FA4 as the local attention).
 """
 
 from __future__ import annotations
@@ -36,76 +40,104 @@ import time
 import torch
 import torch.distributed as dist
 
-SIZES = {
-    # heads, head_dim, double blocks, single blocks, in_channels, joint dim, pooled dim
-    "tiny": dict(num_attention_heads=4, attention_head_dim=128, num_layers=1, num_single_layers=1,
-                 in_channels=64, joint_attention_dim=256, pooled_projection_dim=128),
-    "small": dict(num_attention_heads=24, attention_head_dim=128, num_layers=2, num_single_layers=4,
-                  in_channels=64, joint_attention_dim=4096, pooled_projection_dim=768),
-    # FLUX.1's transformer (about 12B parameters, 24 GB in bf16 per rank).
-    "flux": dict(num_attention_heads=24, attention_head_dim=128, num_layers=19, num_single_layers=38,
-                 in_channels=64, joint_attention_dim=4096, pooled_projection_dim=768),
+# Per model: the diffusers class, presets (tiny: 4 heads x 128; small: 24 heads x 128, a few blocks),
+# and the default token grid (image/video latents after patching; text tokens).
+MODELS = {
+    "flux": dict(cls="FluxTransformer2DModel", presets=dict(
+        tiny=dict(num_attention_heads=4, attention_head_dim=128, num_layers=1, num_single_layers=1, in_channels=64,
+                  joint_attention_dim=256, pooled_projection_dim=128, axes_dims_rope=(16, 56, 56)),
+        small=dict(num_attention_heads=24, attention_head_dim=128, num_layers=2, num_single_layers=4, in_channels=64,
+                   joint_attention_dim=4096, pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))),
+        frames=1, height=64, width=64, text_len=512),
+    "wan": dict(cls="WanTransformer3DModel", presets=dict(
+        tiny=dict(num_attention_heads=4, attention_head_dim=128, num_layers=2, in_channels=16, out_channels=16,
+                  text_dim=256, ffn_dim=1024, patch_size=(1, 2, 2)),
+        small=dict(num_attention_heads=12, attention_head_dim=128, num_layers=4, in_channels=16, out_channels=16,
+                   text_dim=4096, ffn_dim=8960, patch_size=(1, 2, 2))),
+        frames=4, height=30, width=52, text_len=512),  # 480x832 px, 13 frames: 4 x 30 x 52 tokens after patching
+    "qwenimage": dict(cls="QwenImageTransformer2DModel", presets=dict(
+        tiny=dict(num_attention_heads=4, attention_head_dim=128, num_layers=2, in_channels=64, out_channels=16,
+                  joint_attention_dim=256, axes_dims_rope=(16, 56, 56)),
+        small=dict(num_attention_heads=24, attention_head_dim=128, num_layers=4, in_channels=64, out_channels=16,
+                   joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))),
+        frames=1, height=64, width=64, text_len=512),
 }
+FA_IMPLS = ("fused", "serial", "nccl", "reference")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="flux")
+    ap.add_argument("--pretrained", default=None, help="path (or hub id) of the transformer's weights; default random")
+    ap.add_argument("--size", choices=("tiny", "small"), default="tiny", help="preset of the random model")
     ap.add_argument("--nproc", type=int, default=2, help="ranks P when not under torchrun (default 2)")
-    ap.add_argument("--emulated", action="store_true", help="one process plays the P ranks")
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--double-layers", type=int, default=None, help="override the preset's double-stream blocks")
-    ap.add_argument("--single-layers", type=int, default=None, help="override the preset's single-stream blocks")
-    ap.add_argument("--height", type=int, default=64, help="image token rows (packed latents)")
-    ap.add_argument("--width", type=int, default=64, help="image token columns")
-    ap.add_argument("--text-len", type=int, default=512)
+    ap.add_argument("--frames", type=int, default=None, help="latent frames (Wan)")
+    ap.add_argument("--height", type=int, default=None, help="latent token rows")
+    ap.add_argument("--width", type=int, default=None, help="latent token columns")
+    ap.add_argument("--text-len", type=int, default=None)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4, help="denoising steps (transformer calls) timed")
-    ap.add_argument("--impls", default="fused,serial,nccl", help="comma-separated: fused, serial, nccl, reference")
+    ap.add_argument("--impls", default="fused,serial,nccl,diffusers",
+                    help="comma-separated: fused, serial, nccl, reference, diffusers")
+    ap.add_argument("--ulysses-anything", action="store_true", help="allow token counts P does not divide")
     ap.add_argument("--no-fp32-ref", action="store_true", help="skip the fp32 single-device run")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: a smoke test of the wiring (impls reference and nccl = permute + gloo all_to_all)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-    for name in ("nproc", "height", "width", "text_len", "batch", "steps"):
+    spec = MODELS[args.model]
+    for name in ("frames", "height", "width", "text_len"):
+        if getattr(args, name) is None:
+            setattr(args, name, spec[name])
+    for name in ("nproc", "frames", "height", "width", "text_len", "batch", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.model != "wan" and args.frames != 1:
+        ap.error("--frames: only Wan takes video latents")
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [s for s in args.impls if s not in ("fused", "serial", "nccl", "reference")]
+    bad = [s for s in args.impls if s not in FA_IMPLS + ("diffusers",)]
     if bad or not args.impls:
         ap.error(f"--impls: unknown {bad or 'empty list'}")
     return args
 
 
-def build_model(args, device):
-    from diffusers import FluxTransformer2DModel
+def build_model(args, device, dtype):
+    import diffusers
 
-    cfg = dict(SIZES[args.size])
-    if args.double_layers is not None:
-        cfg["num_layers"] = args.double_layers
-    if args.single_layers is not None:
-        cfg["num_single_layers"] = args.single_layers
-    cfg["axes_dims_rope"] = (16, 56, 56) if cfg["attention_head_dim"] == 128 else (8, 28, 28)
-    # Same seed on every rank, initialised on the device: identical weights (checked below).
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = FluxTransformer2DModel(**cfg)
-    return model.eval().to(torch.bfloat16), cfg
+    cls = getattr(diffusers, MODELS[args.model]["cls"])
+    if args.pretrained:
+        model = cls.from_pretrained(args.pretrained, torch_dtype=dtype)
+    else:
+        torch.manual_seed(args.seed)  # same seed on every rank: identical weights (checked in run())
+        with torch.device(device):
+            model = cls(**MODELS[args.model]["presets"][args.size])
+    return model.eval().to(device, dtype)
 
 
-def make_inputs(args, cfg, device):
+def make_inputs(args, model, device, dtype):
+    """(initial latents, conditioning kwargs, timestep scale) for one model call."""
     g = torch.Generator().manual_seed(args.seed + 1)
-    H, W, J, B = args.height, args.width, args.text_len, args.batch
-    ids = torch.zeros(H, W, 3)
-    ids[..., 1] = torch.arange(H)[:, None]
-    ids[..., 2] = torch.arange(W)[None, :]
-    return dict(
-        latents=torch.randn(B, H * W, cfg["in_channels"], generator=g).to(device, torch.bfloat16),
-        encoder_hidden_states=torch.randn(B, J, cfg["joint_attention_dim"], generator=g).to(device, torch.bfloat16),
-        pooled_projections=torch.randn(B, cfg["pooled_projection_dim"], generator=g).to(device, torch.bfloat16),
-        img_ids=ids.reshape(-1, 3).to(device),
-        txt_ids=torch.zeros(J, 3, device=device),
-    )
+    cfg = model.config
+    B, F, H, W, J = args.batch, args.frames, args.height, args.width, args.text_len
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    if args.model == "flux":
+        ids = torch.zeros(H, W, 3)
+        ids[..., 1], ids[..., 2] = torch.arange(H)[:, None], torch.arange(W)[None, :]
+        cond = dict(encoder_hidden_states=rnd(B, J, cfg.joint_attention_dim),
+                    pooled_projections=rnd(B, cfg.pooled_projection_dim),
+                    img_ids=ids.reshape(-1, 3).to(device), txt_ids=torch.zeros(J, 3, device=device))
+        if cfg.guidance_embeds:
+            cond["guidance"] = torch.full((B,), 3.5, device=device, dtype=dtype)
+        return rnd(B, H * W, cfg.in_channels), cond, 1.0
+    if args.model == "wan":
+        p = cfg.patch_size
+        latents = rnd(B, cfg.in_channels, F * p[0], H * p[1], W * p[2])
+        return latents, dict(encoder_hidden_states=rnd(B, J, cfg.text_dim)), 1000.0
+    cond = dict(encoder_hidden_states=rnd(B, J, cfg.joint_attention_dim), img_shapes=[[(F, H, W)]] * B)
+    return rnd(B, F * H * W, cfg.in_channels), cond, 1.0
 
 
 def _timed(fn, device):
@@ -122,81 +154,91 @@ def _timed(fn, device):
     return res, start.elapsed_time(stop)
 
 
-def denoise(model, inputs, steps, dtype, *, sync=None):
+def denoise(model, latents, cond, t_scale, steps, dtype, *, sync=None):
     """Flow-matching Euler over `steps` transformer calls; returns (final latents, ms per call)."""
-    x = inputs["latents"].to(dtype)
-    cond = {k: (v.to(dtype) if k in ("encoder_hidden_states", "pooled_projections") else v)
-            for k, v in inputs.items() if k != "latents"}
+    x = latents.to(dtype)
+    cond = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("_ids")
+                else v) for k, v in cond.items()}
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
     times = []
     for i in range(steps):
-        t = torch.full((x.shape[0],), sigmas[i], device=x.device, dtype=dtype)
+        t = torch.full((x.shape[0],), sigmas[i] * t_scale, device=x.device, dtype=dtype)
         if sync is not None:
             sync()
-        v, ms = _timed(lambda: model(hidden_states=x, timestep=t, **cond).sample, x.device)
+        v, ms = _timed(lambda: model(hidden_states=x, timestep=t, **cond, return_dict=False)[0], x.device)
         times.append(ms)
         x = (x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()).to(dtype)
     return x, times
 
 
-def run(rank, world_size, args, device, group_backend):
-    from fa_a2a.dit import parallelize_flux
+def _gather_through_host(cls, tensor, dim, mesh):
+    """diffusers' output gather for ranks sharing one GPU over gloo (CUDA tensors via host memory)."""
+    group = mesh.get_group()
+    host = tensor.contiguous().cpu()
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, host, group=group)
+    return torch.cat(parts, dim=dim).to(tensor.device)
 
-    distributed = world_size > 1 and not args.emulated
-    P = args.nproc if args.emulated else world_size
+
+def run(rank, world_size, args, device, group_backend):
+    from diffusers import ContextParallelConfig
+
+    from fa_a2a.diffusers_backend import register_diffusers_backend, route_counts
+
+    if device.type == "cpu" and torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only torch
+    if device.type == "cuda" and group_backend == "gloo":
+        import diffusers.hooks.context_parallel as cp_hooks
+
+        cp_hooks.EquipartitionSharder.unshard = classmethod(_gather_through_host)
 
     def host_barrier():
-        if distributed:
-            dist.barrier()
+        dist.barrier()
 
     def all_max(value):
-        if not distributed:
-            return value
         t = torch.tensor([value], dtype=torch.float64, device=device if group_backend == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
-    model, cfg = build_model(args, device)
-    if distributed:  # every rank must hold the same weights
-        sums = torch.tensor([sum(p.double().sum().item() for p in model.parameters())], dtype=torch.float64)
-        sums = sums.to(device) if group_backend == "nccl" else sums
-        lo, hi = sums.clone(), sums.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        if lo.item() != hi.item():
-            raise RuntimeError("ranks built different weights (seeded init differs across devices)")
-    inputs = make_inputs(args, cfg, device)
-    S = args.height * args.width
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args, device, dtype)
+    sums = torch.tensor([sum(p.double().sum().item() for p in model.parameters())], dtype=torch.float64)
+    sums = sums.to(device) if group_backend == "nccl" else sums
+    lo, hi = sums.clone(), sums.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    if lo.item() != hi.item():
+        raise RuntimeError("ranks built different weights (seeded init differs across devices)")
+    latents, cond, t_scale = make_inputs(args, model, device, dtype)
     results = []
     with torch.no_grad():
         ref32 = None
         if rank == 0 and not args.no_fp32_ref:
-            ref32, _ = denoise(copy.deepcopy(model).float(), inputs, args.steps, torch.float32)
-        base, base_times = None, [0.0]
+            ref32, _ = denoise(copy.deepcopy(model).float(), latents, cond, t_scale, args.steps, torch.float32)
+        base = None
         if rank == 0:
-            denoise(model, inputs, 1, torch.bfloat16)  # warm-up
-            base, base_times = denoise(model, inputs, args.steps, torch.bfloat16)
-        if rank == 0:
+            denoise(model, latents, cond, t_scale, 1, dtype)  # warm-up
+            base, base_times = denoise(model, latents, cond, t_scale, args.steps, dtype)
             results.append(dict(impl="1 device (SDPA)", times=base_times, out=base))
         host_barrier()
-        outs = {}
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world_size,
+                                                              ulysses_anything=args.ulysses_anything))
+        outs, routes = {}, {}
         for impl in args.impls:
-            if impl == "nccl" and (args.emulated or (device.type == "cuda" and group_backend != "nccl")):
+            if impl in ("nccl", "diffusers") and device.type == "cuda" and group_backend != "nccl":
                 if rank == 0:
-                    print("skipping impl=nccl: needs one rank per GPU with an NCCL group")
+                    print(f"skipping impl={impl}: needs one rank per GPU with an NCCL group")
                 continue
-            handle = parallelize_flux(model, group=None, impl=impl,
-                                      emulated_ranks=P if args.emulated else None)
-            try:
-                x = inputs["latents"]
-                t = torch.full((x.shape[0],), 1.0, device=device, dtype=torch.bfloat16)
-                model(hidden_states=x, timestep=t, **{k: v for k, v in inputs.items() if k != "latents"})  # compile
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                host_barrier()
-                out, times = denoise(model, inputs, args.steps, torch.bfloat16, sync=host_barrier)
-            finally:
-                handle.remove()
+            name = "native" if impl == "diffusers" else register_diffusers_backend(
+                "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}", impl)
+            model.set_attention_backend(name)
+            denoise(model, latents, cond, t_scale, 1, dtype)  # compile
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            host_barrier()
+            route_counts(name, reset=True)
+            out, times = denoise(model, latents, cond, t_scale, args.steps, dtype, sync=host_barrier)
+            routes[impl] = route_counts(name) if impl != "diffusers" else {}
             times = [all_max(v) for v in times]
             outs[impl] = out
             if rank == 0:
@@ -207,38 +249,33 @@ def run(rank, world_size, args, device, group_backend):
     for r in results:
         out = r["out"].float()
         d = (out - base.float()).abs()
-        row = dict(impl=r["impl"], max_err_vs_bf16=d.max().item(), mean_err_vs_bf16=d.mean().item(),
-                   ms_per_step=statistics.median(r["times"]), ms_steps=r["times"])
+        row = dict(impl=r["impl"], max_err_vs_1dev=d.max().item(), mean_err_vs_1dev=d.mean().item(),
+                   ms_per_step=statistics.median(r["times"]), ms_steps=r["times"], routes=routes.get(r["impl"], {}))
         if ref32 is not None:
             d32 = (out - ref32.float()).abs()
             row.update(max_err_vs_fp32=d32.max().item(), mean_err_vs_fp32=d32.mean().item())
         rows.append(row)
-    if "fused" in outs and "serial" in outs:
-        same = torch.equal(outs["fused"], outs["serial"])
-    else:
-        same = None
-    mode = (f"emulated P={P} in one process" if args.emulated else
-            f"P={P} processes, {group_backend} group"
-            + (", one GPU shared (CUDA IPC)" if group_backend == "gloo" and device.type == "cuda" else ""))
+    same = torch.equal(outs["fused"], outs["serial"]) if "fused" in outs and "serial" in outs else None
+    mode = (f"P={world_size} processes, {group_backend} group"
+            + (", one GPU shared (CUDA VMM/IPC)" if group_backend == "gloo" and device.type == "cuda" else ""))
     params = sum(p.numel() for p in model.parameters())
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{card}; Flux '{args.size}' {cfg['num_layers']}+{cfg['num_single_layers']} "
-          f"blocks, {params / 1e9:.2f} B params, bf16; S = {S} image + {args.text_len} text tokens, "
-          f"B = {args.batch}; {args.steps} steps; {mode}")
-    head = "| impl | max err vs 1-dev bf16 | mean err | max err vs fp32 | mean err vs fp32 | ms/step (median) |"
-    print(head)
-    print("|" + "---|" * 6)
+    tokens = args.frames * args.height * args.width
+    print(f"\n{card}; {args.model} ({args.pretrained or args.size}), {params / 1e9:.2f} B params, {dtype}; "
+          f"{tokens} latent + {args.text_len} text tokens, B = {args.batch}; {args.steps} steps; {mode}")
+    print("| impl | max err vs 1-dev | mean err | max err vs fp32 | mean err vs fp32 | ms/step (median) | routes |")
+    print("|" + "---|" * 7)
     for row in rows:
         e32 = (f"{row['max_err_vs_fp32']:.3g} | {row['mean_err_vs_fp32']:.3g}" if "max_err_vs_fp32" in row
                else "- | -")
-        print(f"| {row['impl']} | {row['max_err_vs_bf16']:.3g} | {row['mean_err_vs_bf16']:.3g} | {e32} | "
-              f"{row['ms_per_step']:.2f} |")
+        print(f"| {row['impl']} | {row['max_err_vs_1dev']:.3g} | {row['mean_err_vs_1dev']:.3g} | {e32} | "
+              f"{row['ms_per_step']:.2f} | {row['routes'] or '-'} |")
     if same is not None:
         print(f"fused and serial final latents bit-identical: {same}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=card, mode=mode, config=cfg, S=S,
-                           text_len=args.text_len, steps=args.steps, fused_equals_serial=same, rows=rows), f, indent=1)
+            json.dump(dict(device=card, mode=mode, model=args.model, tokens=tokens, text_len=args.text_len,
+                           steps=args.steps, fused_equals_serial=same, rows=rows), f, indent=1)
     return rows
 
 
@@ -262,10 +299,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (SM90 for the fused and serial impls); --device cpu for a smoke test")
-    if args.device == "cpu" and set(args.impls) - {"reference", "nccl"}:
-        raise SystemExit("--device cpu: only --impls reference,nccl run on CPU")
+    if args.device == "cpu" and set(args.impls) - {"reference", "nccl", "diffusers"}:
+        raise SystemExit("--device cpu: only --impls reference,nccl,diffusers run on CPU")
     t0 = time.time()
-    if "WORLD_SIZE" in os.environ and not args.emulated:  # torchrun
+    if "WORLD_SIZE" in os.environ:  # torchrun
         world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
         if args.device == "cuda":
             shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -284,10 +321,9 @@ def main(argv=None):
                 close_transports()
         finally:
             dist.destroy_process_group()
-    elif args.emulated or args.nproc == 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-        run(0, 1, args, device, "none")
     else:
+        if args.nproc < 2:
+            raise SystemExit("--nproc: Ulysses needs P >= 2 ranks")
         import torch.multiprocessing as mp
 
         with socket.socket() as s:

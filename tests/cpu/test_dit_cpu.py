@@ -182,8 +182,42 @@ def _check_models(P, group, rank):
                 assert backend.route_counts(names["reference"]) == {"templated": n_cp}
 
 
+    _check_ring(P, rank)
+    _check_applied_twice()
+
+
+def _check_ring(P, rank):
+    """Ring attention (diffusers' templated ring over the backend's local op, which returns the lse)."""
+    from diffusers import ContextParallelConfig
+
+    torch.manual_seed(0)
+    model = _flux().eval()
+    x = _flux_inputs(*EVEN, torch.Generator().manual_seed(1))
+    ref = model(**x)[0]
+    name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+    model.set_attention_backend(name)
+    model.enable_parallelism(config=ContextParallelConfig(ring_degree=P))
+    backend.route_counts(name, reset=True)
+    err = (model(**x)[0] - ref).abs().max().item()
+    assert err <= ATOL, f"rank {rank} P={P} ring: max error {err:.3g}"
+    assert backend.route_counts(name) == {"templated": 2}
+
+
+def _check_applied_twice():
+    torch.manual_seed(0)
+    model = _flux().eval()
+    backend.enable_ulysses(model, impl="reference")
+    for again in (lambda: backend.enable_ulysses(model, impl="reference"),
+                  lambda: backend.enable_ulysses(model, impl="nccl")):
+        with pytest.raises(ValueError, match="twice"):
+            again()
+    with pytest.raises(ValueError, match="_cp_plan"):
+        backend.enable_ulysses(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_models_match_single_device_under_diffusers_cp(P):
+    """Also: ring degree P through the templated path, and enable_ulysses applied twice refused."""
     run_on_gloo_groups(_check_models, (P,), timeout_s=240)
 
 
@@ -255,20 +289,3 @@ def test_without_parallel_config_the_backend_is_local_attention():
     assert torch.allclose(out, torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), atol=1e-6)
     with pytest.raises(ValueError, match="dropout_p"):
         backend._attention(name, "reference", q, k, v, None, 0.1, False, None, False, False, None)
-
-
-def _check_applied_twice(P, group, rank):
-    _cpu_shims()
-    torch.manual_seed(0)
-    model = _flux().eval()
-    backend.enable_ulysses(model, impl="reference")
-    for again in (lambda: backend.enable_ulysses(model, impl="reference"),
-                  lambda: backend.enable_ulysses(model, impl="nccl")):
-        with pytest.raises(ValueError, match="twice"):
-            again()
-    with pytest.raises(ValueError, match="_cp_plan"):
-        backend.enable_ulysses(torch.nn.Linear(2, 2))
-
-
-def test_enable_ulysses_twice_is_refused():
-    run_on_gloo_groups(_check_applied_twice, (2,), timeout_s=120)
