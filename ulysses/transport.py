@@ -6,34 +6,51 @@ buffer (each window contiguous, dim-0 stride W, W a multiple of 16 bytes), plus
 `pointer_table()` (int64 [P] window base addresses on the device) for kernels that take peers as
 pointers. Kernels store into windows[d] and then call `barrier()`: an in-stream kernel
 (cute_kernels/signal.py) with a device-resident epoch, so a captured CUDA graph replays it.
-Waits are bounded (`timeout_s`); `check()` turns a timeout into BarrierTimeoutError naming the
-rank that never arrived.
+
+Failure handling (every wait is bounded; nothing hangs on a rank that failed or went away):
+- In-stream barrier waits end after `timeout_s` (default 30 s, `FA_A2A_TIMEOUT_S`). A timeout is
+  written to a host-mapped error mirror; from then on `barrier()` and `windows()` on this
+  transport raise BarrierTimeoutError naming the rank that never arrived (no synchronization
+  needed: the host reads the mirror). Barriers queued before the host saw it, and CUDA-graph
+  replays, end at once with void results: call `check()` (synchronizes) after replays. A failed
+  transport stays failed: `close_transports()` and build a new one.
+- Setup (VmmTransport's creation and every new `windows()` allocation) is collective: after each
+  step the ranks exchange their outcome and either all go on or all raise TransportSetupError
+  naming the ranks that failed and why (no VMM or POSIX-fd support, a peer GPU this GPU cannot
+  access, cuMemCreate out of memory, windows() calls that differ between ranks, a rank that does
+  not arrive within `setup_timeout_s`, default 300 s, `FA_A2A_SETUP_TIMEOUT_S`). A rank that
+  fails frees what it had created (handles, reservation, mappings). After a setup failure the
+  transport refuses further use.
 
 Backends:
   EmulatedTransport  one process plays P ranks: windows are one local buffer of P windows and
                      the barrier is one launch of P CTAs (CTA d plays rank d). Tests and
                      single-GPU development.
   VmmTransport       one process per rank, on one GPU (processes sharing it) or on distinct
-                     GPUs. Each rank cuMemCreate's its window with a POSIX-fd handle; the fds go
-                     to every peer over a Unix socket (SCM_RIGHTS); each rank reserves P*W of
-                     address space and cuMemMap's rank d's allocation at base + d*W. This is the
-                     uniform-stride mapping the fused kernel's rank-window layout needs (NVSHMEM
-                     lays out its symmetric heap the same way). The mapping steps were seen
-                     working on an H200 (2026-12-02, cuda-bindings 13.3.1, 2 MiB granularity, two
-                     processes, cuMemsetD32 into the peer window); this class: not run on a GPU yet.
-                     Bootstrap traffic (socket address, checks) goes over the process group,
-                     which may be gloo: NCCL refuses two ranks on one GPU.
+                     GPUs of one node. Each rank cuMemCreate's its window with a POSIX-fd handle;
+                     the fds go to every peer over a Unix socket (SCM_RIGHTS); each rank reserves
+                     P*W of address space and cuMemMap's rank d's allocation at base + d*W. This
+                     is the uniform-stride mapping the fused kernel's rank-window layout needs
+                     (NVSHMEM lays out its symmetric heap the same way). Run on an H200
+                     (2026-12-02) with 2 and 4 processes sharing the GPU (tests/gpu); not run on
+                     distinct GPUs yet. The process group carries one exchange at creation (socket
+                     address, host names, device checks; it may be gloo: NCCL refuses two ranks
+                     on one GPU); every later setup step and `host_barrier()` go over the Unix
+                     socket with `setup_timeout_s`. Ranks on several hosts are refused (the
+                     abstract Unix socket does not leave the host).
 
   SymmetricMemoryTransport  ranks on distinct GPUs through torch symmetric memory
-                     (torch.distributed._symmetric_memory, backend "symm"). Its buffer_ptrs are
-                     not promised to sit at one stride, which the rank-window layout needs: the
-                     transport checks each allocation and raises ValueError (use "vmm") when the
-                     peers' buffers are not at one positive stride. It refuses ranks that share a
-                     device (seen on an H200). Not run on a GPU yet (needs >= 2 GPUs).
+                     (torch.distributed._symmetric_memory, backend "symm", never chosen by
+                     default). Window bases are buffer_ptrs[d] + the tensor's offset in its
+                     pool segment (the same on every rank; read from this rank's own); the
+                     rank-window layout needs them at one stride, which torch does not promise:
+                     the transport checks each allocation and raises ValueError (use "vmm") when
+                     they are not. It refuses ranks that share a device (seen on an H200). Not run
+                     on a GPU yet (needs >= 2 GPUs); its waits are the process group's.
 
 Collective calls: `windows()` with a new (name, shape, dtype) allocates, and every rank must
-make the same calls in the same order (VmmTransport checks name and size against its peers).
-Allocation is host-synchronous: do it before CUDA-graph capture (a first, eager call).
+make the same calls in the same order (checked: name and size). Allocation is host-synchronous:
+do it before CUDA-graph capture (a first, eager call).
 
 Window reuse: each Ulysses call runs pre-A2A -> barrier -> attention -> post-A2A -> barrier ->
 copy-out. A rank writes into a peer's windows only after passing a barrier that the peer
@@ -43,28 +60,32 @@ call make reuse across calls safe.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import threading
+import socket
+import struct
+import time
 import uuid
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 __all__ = [
     "BarrierTimeoutError",
+    "TransportSetupError",
     "Transport",
     "EmulatedTransport",
     "VmmTransport",
     "SymmetricMemoryTransport",
     "uniform_window_stride",
     "get_transport",
-    "rank_windows",
     "close_transports",
     "tensor_from_address",
 ]
 
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_SETUP_TIMEOUT_S = 300.0
 
 
 class BarrierTimeoutError(RuntimeError):
@@ -75,18 +96,20 @@ class BarrierTimeoutError(RuntimeError):
         self.missing = missing
 
 
+class TransportSetupError(RuntimeError):
+    """A collective setup step failed; every rank raises it. `failures`: {rank: reason}."""
+
+    def __init__(self, step: str, failures: dict[int, str]):
+        parts = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+        super().__init__(f"{step} failed ({parts})")
+        self.step = step
+        self.failures = dict(failures)
+
+
 def tensor_from_address(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor [nbytes] over memory this module mapped (the tensor does not own it)."""
-    try:
-        storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
-        t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
-    except (AttributeError, RuntimeError, TypeError):
-
-        class _Interface:
-            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                        "strides": None, "version": 2}
-
-        t = torch.as_tensor(_Interface(), device=device)
+    storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
+    t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
     if t.data_ptr() != address or t.device != device:
         raise RuntimeError(f"could not wrap address {address:#x} as a tensor on {device}")
     return t
@@ -112,6 +135,16 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _positive_seconds(value, name: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+    return v
+
+
 class Transport:
     """Common part: window cache, signal pad, epoch/error tensors, barrier and its check."""
 
@@ -121,23 +154,27 @@ class Transport:
     local_ranks: Sequence[int]
 
     def __init__(self, world_size: int, device: torch.device, local_ranks: Sequence[int],
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
         from cute_kernels.signal import MAX_WORLD_SIZE
 
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size: must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        self.timeout_s = _positive_seconds(timeout_s, "timeout_s")
+        self.setup_timeout_s = _positive_seconds(setup_timeout_s, "setup_timeout_s")
         self.world_size = world_size
         self.device = device
         self.local_ranks = tuple(local_ranks)
-        self.timeout_s = float(timeout_s)
         self._windows: dict = {}
         self._ptr_tables: dict = {}
         self.closed = False
+        self._failure: Optional[Exception] = None  # set once; every later call raises it
         n = len(self.local_ranks)
         self.epoch = torch.zeros(n, dtype=torch.int32, device=device)
         self.error = torch.zeros(n, world_size, dtype=torch.int32, device=device)
+        # host-visible mirror of `error` (pinned, mapped): the host sees a timeout without a sync
+        self.error_host = (torch.zeros(n, world_size, dtype=torch.int32, pin_memory=True)
+                           if device.type == "cuda" else None)
+        self._error_host_np = self.error_host.numpy() if self.error_host is not None else None
         self.signal = self.windows("__signal__", (world_size,), torch.int32)
 
     # ---- backend hooks ---------------------------------------------------------------------
@@ -145,8 +182,26 @@ class Transport:
         """Collective: a uint8 tensor over P windows and the window stride in bytes."""
         raise NotImplementedError
 
-    def host_barrier(self) -> None:
-        """Host-side barrier of all ranks (bootstrap and teardown only)."""
+    def host_barrier(self, timeout_s: Optional[float] = None) -> None:
+        """Host-side barrier of all ranks (plan set-up and teardown). Emulated: nothing to wait for."""
+
+    # ---- state -----------------------------------------------------------------------------
+    def _usable(self, what: str) -> None:
+        """Raise if this transport is closed or has failed (a barrier timeout seen by the host)."""
+        if self.closed:
+            raise RuntimeError(f"{what}: this transport is closed")
+        if self._failure is None and self._error_host_np is not None and self._error_host_np.any():
+            self._failure = self._timeout_error(self.error_host)
+        f = self._failure
+        if isinstance(f, BarrierTimeoutError):
+            raise BarrierTimeoutError(f"{what} refused, this transport failed earlier: {f}", f.missing)
+        if isinstance(f, TransportSetupError):
+            raise TransportSetupError(f"{what} refused, this transport failed earlier at {f.step}", f.failures)
+
+    def _fail(self, exc: Exception) -> Exception:
+        if self._failure is None:
+            self._failure = exc
+        return exc
 
     # ---- windows ---------------------------------------------------------------------------
     def windows(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -159,8 +214,7 @@ class Transport:
         if any(s < 0 for s in shape):
             raise ValueError(f"shape: sizes must be >= 0, got {shape}")
         key = (name, shape, dtype)
-        if self.closed:
-            raise RuntimeError("windows: this transport is closed")
+        self._usable("windows")
         if key not in self._windows:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -170,6 +224,10 @@ class Transport:
             flat, window_bytes = self._allocate(f"{name}:{shape}:{dtype}", nbytes)
             self._windows[key] = _windows_view(flat, self.world_size, window_bytes, shape, dtype)
         return self._windows[key]
+
+    def allocated_windows(self) -> list[torch.Tensor]:
+        """Every windows() tensor allocated so far ([P, *shape] each), the signal pad excluded."""
+        return [w for (name, _, _), w in self._windows.items() if name != "__signal__"]
 
     def pointer_table(self, windows: torch.Tensor) -> torch.Tensor:
         """int64 [P] device tensor of the window base addresses of a windows() tensor."""
@@ -182,21 +240,32 @@ class Transport:
 
     # ---- barrier ---------------------------------------------------------------------------
     def barrier(self) -> None:
-        """In-stream barrier of all ranks on the current stream (graph-capturable)."""
+        """In-stream barrier of all ranks on the current stream (graph-capturable).
+
+        Raises BarrierTimeoutError, without synchronizing, once an earlier barrier of this
+        transport is seen to have timed out."""
         from cute_kernels.signal import barrier
 
+        self._usable("barrier")
         barrier(self.signal[:, : self.world_size], self.epoch, self.error,
-                self.local_ranks[0], int(self.timeout_s * 1e9))
+                self.local_ranks[0], int(self.timeout_s * 1e9), error_host=self.error_host)
+
+    def _timeout_error(self, error: torch.Tensor) -> Optional[BarrierTimeoutError]:
+        missing = [(self.local_ranks[j], int(q), int(error[j, q]))
+                   for j, q in zip(*torch.nonzero(error, as_tuple=True))]
+        if not missing:
+            return None
+        parts = [f"rank {r} waited {self.timeout_s:g} s at barrier epoch {e} for rank {q}, "
+                 "which never arrived" for r, q, e in missing]
+        return BarrierTimeoutError("; ".join(parts), missing)
 
     def check(self) -> None:
         """Raise BarrierTimeoutError if any barrier of this process timed out (synchronizes)."""
-        error = self.error.cpu()
-        missing = [(self.local_ranks[j], int(q), int(error[j, q]))
-                   for j, q in zip(*torch.nonzero(error, as_tuple=True))]
-        if missing:
-            parts = [f"rank {r} waited {self.timeout_s:g} s at barrier epoch {e} for rank {q}, "
-                     "which never arrived" for r, q, e in missing]
-            raise BarrierTimeoutError("; ".join(parts), missing)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        err = self._timeout_error(self.error.cpu())
+        if err is not None:
+            raise self._fail(err)
 
     def close(self) -> None:
         """Drop the windows; tensors obtained from windows() must not be used afterwards."""
@@ -243,10 +312,24 @@ def uniform_window_stride(buffer_ptrs: Sequence[int], nbytes: int) -> int:
     return stride
 
 
+def symmetric_window_bases(handle, local_ptr: int, rank: int) -> list[int]:
+    """Each rank's address of the tensor (at local_ptr on `rank`) a symmetric-memory handle was
+    made for. torch allocates symm_mem.empty from a pool: buffer_ptrs are the peers' segment bases
+    and the tensor sits at the same offset into each segment (pytorch#162193); the offset is read
+    from this rank's own addresses."""
+    ptrs = [int(p) for p in handle.buffer_ptrs]
+    offset = int(local_ptr) - ptrs[rank]
+    if not 0 <= offset < int(getattr(handle, "buffer_size", offset + 1)):
+        raise ValueError(f"buffer_ptrs: the tensor at {int(local_ptr):#x} is not inside this rank's "
+                         f"segment at {ptrs[rank]:#x}")
+    return [p + offset for p in ptrs]
+
+
 class SymmetricMemoryTransport(Transport):
     """One process per GPU; windows are torch symmetric-memory buffers that sit at one stride."""
 
-    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -256,25 +339,27 @@ class SymmetricMemoryTransport(Transport):
         if device.type != "cuda":
             raise ValueError(f"device: SymmetricMemoryTransport needs a CUDA device, got {device}")
         self._buffers: list[torch.Tensor] = []
-        super().__init__(dist.get_world_size(self.group), device, (dist.get_rank(self.group),), timeout_s)
+        super().__init__(dist.get_world_size(self.group), device, (dist.get_rank(self.group),), timeout_s,
+                         setup_timeout_s)
 
-    def host_barrier(self) -> None:
+    def host_barrier(self, timeout_s: Optional[float] = None) -> None:
+        """dist.barrier of the group (bounded by the process group's timeout only)."""
         import torch.distributed as dist
 
         dist.barrier(group=self.group)
 
     def _allocate(self, name: str, nbytes: int):
+        import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        import torch.distributed as dist
-
         handle = symm_mem.rendezvous(buf, self.group.group_name)
         # each rank sees its own addresses: agree before raising, or the ranks that passed would
         # wait for the others in the host barrier below
         refusal = None
         try:
-            window_bytes = uniform_window_stride(handle.buffer_ptrs, nbytes)
+            bases = symmetric_window_bases(handle, buf.data_ptr(), self.local_ranks[0])
+            window_bytes = uniform_window_stride(bases, nbytes)
         except ValueError as exc:
             refusal = exc
         ok = torch.tensor([refusal is None], dtype=torch.int32, device=self.device)
@@ -288,11 +373,202 @@ class SymmetricMemoryTransport(Transport):
         self.host_barrier()  # every window zeroed before any peer stores into it
         self._buffers.append(buf)
         span = (self.world_size - 1) * window_bytes + nbytes
-        return tensor_from_address(int(handle.buffer_ptrs[0]), span, self.device), window_bytes
+        return tensor_from_address(bases[0], span, self.device), window_bytes
 
     def close(self) -> None:
         super().close()
         self._buffers.clear()
+
+
+# ---- bootstrap over a Unix socket (bounded waits) ----------------------------------------------
+_HEADER = struct.Struct("!Q")
+_MAX_FDS = 64
+
+
+def _send_msg(sock: socket.socket, obj, fds: Sequence[int] = ()) -> None:
+    data = json.dumps(obj).encode()
+    data = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def _recv_msg(sock: socket.socket):
+    """(object, received fds); the fds arrive with the message's first bytes."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, _MAX_FDS)
+    fds = list(fds)
+    try:
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        while len(data) < _HEADER.size:
+            more = sock.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the peer closed the connection")
+            data += more
+        (n,) = _HEADER.unpack(data[:_HEADER.size])
+        while len(data) < _HEADER.size + n:
+            more = sock.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the peer closed the connection")
+            data += more
+        return json.loads(data[_HEADER.size:_HEADER.size + n]), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+class _Bootstrap:
+    """Gather-to-root-and-broadcast over an abstract Unix socket, every wait bounded.
+
+    Rank 0 listens; in each step every other rank connects, sends (step, value[, fd]) and waits
+    for the root's answer: the list of every rank's value (and the fds passed along), or the
+    root's error. Steps carry a sequence number and a name, so ranks that call different steps
+    are told so instead of exchanging the wrong data. The root gives up on ranks that have not
+    arrived within the timeout and tells the ranks that did; the others wait for the root's answer
+    up to twice the timeout (the root may start the step up to one timeout after them) and then
+    give up naming rank 0. Any failure leaves the bootstrap broken (later steps raise).
+    """
+
+    def __init__(self, rank: int, world_size: int, address: str, timeout_s: float):
+        self.rank, self.world_size, self.address, self.timeout_s = rank, world_size, address, timeout_s
+        self._seq = 0
+        self._listener = None
+        self.broken: Optional[str] = None
+        if rank == 0 and world_size > 1:
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                lst.bind(address)
+                lst.listen(max(world_size, 8))
+            except BaseException:
+                lst.close()
+                raise
+            self._listener = lst
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def allgather(self, step: str, value, fd: int = -1, timeout_s: Optional[float] = None):
+        """Every rank's value (list by rank) and, for ranks that passed one, their fd (dup'ed
+        into this process; list by rank, -1 where none). Raises TransportSetupError."""
+        if self.broken is not None:
+            raise TransportSetupError(step, {self.rank: f"the bootstrap failed earlier ({self.broken})"})
+        self._seq += 1
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + (timeout_s if self.rank == 0 else 2 * timeout_s)
+        try:
+            if self.world_size == 1:
+                return [value], [os.dup(fd) if fd >= 0 else -1]
+            if self.rank == 0:
+                return self._root(step, value, fd, deadline, timeout_s)
+            return self._leaf(step, value, fd, deadline)
+        except TransportSetupError as exc:
+            self.broken = str(exc)
+            raise
+        except OSError as exc:  # a peer went away mid-step
+            self.broken = _reason(exc)
+            raise TransportSetupError(step, {self.rank: f"bootstrap socket error ({_reason(exc)})"}) from exc
+
+    def _root(self, step, value, fd, deadline, timeout_s):
+        P = self.world_size
+        values, fds, conns = [None] * P, [-1] * P, {}
+        values[0] = value
+        fds[0] = os.dup(fd) if fd >= 0 else -1
+        problems: dict[int, str] = {}
+        try:
+            while len(conns) < P - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._listener.settimeout(left)
+                try:
+                    conn, _ = self._listener.accept()
+                except socket.timeout:
+                    break
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    msg, got = _recv_msg(conn)
+                except (OSError, ValueError) as exc:
+                    conn.close()
+                    problems[0] = f"could not read a bootstrap message ({_reason(exc)})"
+                    continue
+                q = msg.get("rank")
+                if not isinstance(q, int) or not 0 < q < P or q in conns:
+                    for f in got:
+                        os.close(f)
+                    conn.close()
+                    problems[0] = f"received an unexpected bootstrap message {msg!r}"
+                    continue
+                conns[q] = conn
+                if (msg.get("seq"), msg.get("step")) != (self._seq, step):
+                    problems[q] = (f"was at setup step {msg.get('seq')} {msg.get('step')!r} while rank 0 was at "
+                                   f"step {self._seq} {step!r}: the ranks' windows() calls differ")
+                values[q] = msg.get("value")
+                if got:
+                    fds[q] = got[0]
+                    for f in got[1:]:
+                        os.close(f)
+            for q in range(1, P):
+                if q not in conns:
+                    problems[q] = f"did not arrive within {timeout_s:g} s"
+            if problems:
+                err = TransportSetupError(step, problems)
+                for conn in conns.values():
+                    try:
+                        _send_msg(conn, {"error": str(err), "failures": {str(k): v for k, v in problems.items()}})
+                    except OSError:
+                        pass
+                raise err
+            reply = {"values": values, "has_fd": [f >= 0 for f in fds]}
+            passed = [f for f in fds if f >= 0]
+            for q, conn in conns.items():
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                _send_msg(conn, reply, passed)
+            return values, fds
+        except BaseException:
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            raise
+        finally:
+            for conn in conns.values():
+                conn.close()
+
+    def _leaf(self, step, value, fd, deadline):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            while True:  # the root's listener exists from creation on; retry only transient refusals
+                try:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                    sock.connect(self.address)
+                    break
+                except (ConnectionRefusedError, FileNotFoundError) as exc:
+                    if time.monotonic() >= deadline:
+                        raise TransportSetupError(step, {0: f"did not answer rank {self.rank} "
+                                                            f"(its socket refused: {_reason(exc)})"}) from None
+                    time.sleep(0.05)
+                except socket.timeout:
+                    raise TransportSetupError(step, {0: f"did not answer rank {self.rank} (no accept)"}) from None
+            _send_msg(sock, {"rank": self.rank, "seq": self._seq, "step": step, "value": value},
+                      [fd] if fd >= 0 else [])
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                msg, got = _recv_msg(sock)
+            except (OSError, ValueError) as exc:
+                raise TransportSetupError(step, {0: f"did not answer rank {self.rank} "
+                                                    f"({_reason(exc)})"}) from None
+            if "error" in msg:
+                for f in got:
+                    os.close(f)
+                raise TransportSetupError(step, {int(k): v for k, v in msg["failures"].items()})
+            fds, it = [], iter(got)
+            for has in msg["has_fd"]:
+                fds.append(next(it) if has else -1)
+            return msg["values"], fds
+        finally:
+            sock.close()
 
 
 # ---- CUDA VMM ----------------------------------------------------------------------------------
@@ -314,25 +590,97 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def _pci_bus_id(ordinal: int) -> str:
+    cu = _cu()
+    dev = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    return _check(cu.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId").split(b"\0")[0].decode()
+
+
+def _can_access_peer(ordinal: int, peer_ordinal: int) -> bool:
+    """Whether `ordinal` can map memory that lives on `peer_ordinal` (same device: yes)."""
+    if ordinal == peer_ordinal:
+        return True
+    cu = _cu()
+    dev, peer = (_check(cu.cuDeviceGet(o), "cuDeviceGet") for o in (ordinal, peer_ordinal))
+    return bool(_check(cu.cuDeviceCanAccessPeer(dev, peer), "cuDeviceCanAccessPeer"))
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 class VmmTransport(Transport):
     """One process per rank; peers' windows mapped at a uniform stride with CUDA VMM."""
 
-    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
         import torch.distributed as dist
-        from multiprocessing.connection import Listener
 
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized")
+        setup_timeout_s = _positive_seconds(setup_timeout_s, "setup_timeout_s")
         self.group = group if group is not None else dist.group.WORLD
         rank = dist.get_rank(self.group)
         world_size = dist.get_world_size(self.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"device: VmmTransport needs a CUDA device, got {device}")
+        self._rank = rank
+        self._mappings: list[tuple[int, int, list]] = []  # (base, P*W, handles)
+        self._bootstrap: Optional[_Bootstrap] = None
+        # Step 1, local: device, VMM and POSIX-fd support, the root's socket. Outcomes go to every
+        # rank in the one process-group exchange, so all ranks raise together or go on together.
+        token = uuid.uuid4().hex[:16]
+        problem, bus_id = None, None
+        try:
+            device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"device: VmmTransport needs a CUDA device, got {device}")
+            bus_id = self._probe(device)
+        except Exception as exc:  # reported to every rank below
+            problem = _reason(exc)
+        info = {"token": token, "host": socket.gethostname(), "bus_id": bus_id, "problem": problem}
+        infos = [None] * world_size
+        dist.all_gather_object(infos, info, group=self.group)
+        failures = {r: x["problem"] for r, x in enumerate(infos) if x["problem"]}
+        if failures:
+            raise TransportSetupError("VmmTransport set-up", failures)
+        hosts = sorted({x["host"] for x in infos})
+        if len(hosts) > 1:
+            raise ValueError(f"group: the VMM transport needs every rank on one host (its handles travel over "
+                             f"a Unix socket); the ranks are on {hosts}")
+        # Step 2: the root listens (its failure reaches the others as a bootstrap timeout).
+        address = f"\0fa_a2a.{infos[0]['token']}"
+        problem = None
+        try:
+            self._bootstrap = _Bootstrap(rank, world_size, address, setup_timeout_s)
+        except Exception as exc:
+            problem = _reason(exc)
+        # Step 3: every rank can map every peer's GPU.
+        if problem is None:
+            try:
+                problem = self._peer_problem([x["bus_id"] for x in infos])
+            except Exception as exc:
+                problem = _reason(exc)
+        if self._bootstrap is None:
+            raise TransportSetupError("VmmTransport set-up", {rank: problem})
+        try:
+            self._agree("VmmTransport peer access", problem)
+            super().__init__(world_size, device, (rank,), timeout_s, setup_timeout_s)
+        except BaseException:
+            self._release_all()
+            raise
+
+    def _probe(self, device: torch.device) -> str:
+        cu = _cu()
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # create and bind the primary context
-        cu = _cu()
         self._dev = device.index
+        cu_dev = _check(cu.cuDeviceGet(self._dev), "cuDeviceGet")
+        attr = cu.CUdevice_attribute
+        if not _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev),
+                      "cuDeviceGetAttribute"):
+            raise RuntimeError(f"GPU {self._dev} does not support CUDA virtual memory management")
+        if not _check(cu.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu_dev), "cuDeviceGetAttribute"):
+            raise RuntimeError(f"GPU {self._dev} cannot export POSIX file-descriptor memory handles")
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -342,137 +690,174 @@ class VmmTransport(Transport):
         self._granularity = int(_check(cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
             "cuMemGetAllocationGranularity"))
-        self._mappings: list[tuple[int, int, list]] = []  # (base, P*W, handles)
-        self._rank = rank
-        # Unix-socket listener for fd passing; its address is shared over the group.
-        token = uuid.uuid4().hex[:12]
-        tokens = [None] * world_size
-        dist.all_gather_object(tokens, (token, os.getpid()), group=self.group)
-        self._addresses = [f"\0fa_a2a.{tokens[0][0]}.{r}" for r in range(world_size)]
-        self._listener = Listener(self._addresses[rank], family="AF_UNIX")
-        self._alloc_count = 0
-        dist.barrier(group=self.group)
-        super().__init__(world_size, device, (rank,), timeout_s)
+        return _pci_bus_id(self._dev)
+
+    def _peer_problem(self, bus_ids: list[str]) -> Optional[str]:
+        """Why this rank cannot map some peer's memory (None: it can). A peer GPU that this
+        process does not see (CUDA_VISIBLE_DEVICES) is left to the mapping step's own errors."""
+        n = _check(_cu().cuDeviceGetCount(), "cuDeviceGetCount")
+        local = {_pci_bus_id(o): o for o in range(n)}
+        refused = [f"rank {q} (GPU {bus_ids[q]})" for q in range(len(bus_ids))
+                   if q != self._rank and bus_ids[q] in local and not _can_access_peer(self._dev, local[bus_ids[q]])]
+        if refused:
+            return (f"GPU {self._dev} ({bus_ids[self._rank]}) cannot access the memory of "
+                    f"{', '.join(refused)} (cuDeviceCanAccessPeer)")
+        return None
+
+    def _agree(self, step: str, problem: Optional[str], value=None, fd: int = -1):
+        """One bootstrap step: every rank's outcome (and value, fd) to every rank; all raise
+        TransportSetupError together if any rank reports a problem. Returns (values, fds)."""
+        values, fds = self._bootstrap.allgather(step, {"problem": problem, "value": value}, fd)
+        failures = {r: v["problem"] for r, v in enumerate(values) if v["problem"]}
+        if failures:
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            self._bootstrap.broken = step
+            raise TransportSetupError(step, failures)
+        return [v["value"] for v in values], fds
 
     @property
     def rank(self) -> int:
         return self._rank
 
-    def host_barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier(group=self.group)
-
-    def _exchange_fds(self, fd: int, tag: tuple) -> list[int]:
-        """Send this rank's fd to every peer and receive theirs (SCM_RIGHTS over Unix sockets).
-
-        Each peer connects exactly once per allocation, and _allocate ends with a host barrier,
-        so a connection accepted here always belongs to this allocation (the tag checks it).
-        """
-        from multiprocessing.connection import Client
-        from multiprocessing.reduction import recv_handle, send_handle
-
-        P, me = self.world_size, self._rank
-        failure: list[BaseException] = []
-
-        def serve():
-            try:
-                for _ in range(P - 1):
-                    with self._listener.accept() as conn:
-                        peer = conn.recv()
-                        conn.send(tag)
-                        send_handle(conn, fd, peer)
-            except BaseException as exc:  # surfaced below
-                failure.append(exc)
-
-        server = threading.Thread(target=serve, daemon=True)
-        server.start()
-        fds = [-1] * P
-        fds[me] = fd
-        for q in range(P):
-            if q == me:
-                continue
-            with Client(self._addresses[q], family="AF_UNIX") as conn:
-                conn.send(os.getpid())
-                peer_tag = conn.recv()
-                if peer_tag != tag:
-                    raise RuntimeError(f"rank {q} allocated {peer_tag} while rank {me} allocated {tag}: "
-                                       "windows() calls must match on all ranks")
-                fds[q] = recv_handle(conn)
-        server.join()
-        if failure:
-            raise RuntimeError(f"rank {me}: sending its window handle failed") from failure[0]
-        return fds
+    def host_barrier(self, timeout_s: Optional[float] = None) -> None:
+        """Every rank arrives, or every rank raises TransportSetupError naming those that did
+        not within `timeout_s` (default: setup_timeout_s)."""
+        self._usable("host_barrier")
+        try:
+            self._bootstrap.allgather("host barrier", None, timeout_s=timeout_s)
+        except TransportSetupError as exc:
+            raise self._fail(exc)
 
     def _allocate(self, name: str, nbytes: int):
         cu = _cu()
-        P = self.world_size
+        P, me = self.world_size, self._rank
         W = _round_up(nbytes, self._granularity)
-        self._alloc_count += 1
-        handle = _check(cu.cuMemCreate(W, self._prop, 0), "cuMemCreate")
-        fd = int(_check(cu.cuMemExportToShareableHandle(
-            handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-            "cuMemExportToShareableHandle"))
+        step = f"windows {name}"
+        handle, fd, problem = None, -1, None
+        imported: list = []
+        base, mapped = None, []
+        fds: list[int] = []
+
+        def release():
+            for off in mapped:
+                cu.cuMemUnmap(base + off, W)
+            if base is not None:
+                cu.cuMemAddressFree(base, P * W)
+            for h in imported + ([handle] if handle is not None else []):
+                cu.cuMemRelease(h)
+            for f in fds + ([fd] if fd >= 0 else []):
+                os.close(f)
+            mapped.clear()
+            imported.clear()
+            fds.clear()
+
         try:
-            fds = self._exchange_fds(fd, (self._alloc_count, name, W))
-        finally:
-            os.close(fd)
-        handles = [handle]
-        by_rank = [None] * P
-        by_rank[self._rank] = handle
-        for q in range(P):
-            if q == self._rank:
-                continue
+            # Step 1: this rank's allocation and its handle; the handles travel with the outcome.
             try:
-                h = _check(cu.cuMemImportFromShareableHandle(
-                    fds[q], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                    f"cuMemImportFromShareableHandle(rank {q})")
-            finally:
-                os.close(fds[q])
-            handles.append(h)
-            by_rank[q] = h
-        base = int(_check(cu.cuMemAddressReserve(P * W, self._granularity, 0, 0), "cuMemAddressReserve"))
-        for q in range(P):
-            _check(cu.cuMemMap(base + q * W, W, 0, by_rank[q], 0), f"cuMemMap(rank {q})")
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self._dev
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        _check(cu.cuMemSetAccess(base, P * W, [desc], 1), "cuMemSetAccess")
-        self._mappings.append((base, P * W, handles))
-        flat = tensor_from_address(base, P * W, self.device)
-        # Zero this rank's own window, then make sure every rank did before anyone signals.
-        flat[self._rank * W:(self._rank + 1) * W].zero_()
-        torch.cuda.synchronize(self.device)
-        self.host_barrier()
+                handle = _check(cu.cuMemCreate(W, self._prop, 0), f"cuMemCreate({W} bytes)")
+                fd = int(_check(cu.cuMemExportToShareableHandle(
+                    handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    "cuMemExportToShareableHandle"))
+            except Exception as exc:
+                problem = _reason(exc)
+            tags, fds = self._agree(step, problem, [name, W], fd)
+            if any(t != tags[0] for t in tags):
+                raise TransportSetupError("windows(): the ranks' calls differ, they must match",
+                                          {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
+            os.close(fd)
+            fd = -1
+            # Step 2: import the peers' handles, map all P at base + d*W, zero this rank's window.
+            problem = None
+            try:
+                by_rank = [None] * P
+                by_rank[me] = handle
+                for q in range(P):
+                    if q == me:
+                        continue
+                    h = _check(cu.cuMemImportFromShareableHandle(
+                        fds[q], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                        f"cuMemImportFromShareableHandle(rank {q})")
+                    imported.append(h)
+                    by_rank[q] = h
+                base = int(_check(cu.cuMemAddressReserve(P * W, self._granularity, 0, 0), "cuMemAddressReserve"))
+                for q in range(P):
+                    _check(cu.cuMemMap(base + q * W, W, 0, by_rank[q], 0), f"cuMemMap(rank {q})")
+                    mapped.append(q * W)
+                desc = cu.CUmemAccessDesc()
+                desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = self._dev
+                desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                _check(cu.cuMemSetAccess(base, P * W, [desc], 1), "cuMemSetAccess")
+                flat = tensor_from_address(base, P * W, self.device)
+                flat[me * W:(me + 1) * W].zero_()
+                torch.cuda.synchronize(self.device)
+            except Exception as exc:
+                problem = _reason(exc)
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            fds = []
+            # every rank mapped and zeroed its window before anyone stores into a peer's
+            self._agree(f"{step} mapping", problem)
+        except BaseException as exc:
+            release()
+            if isinstance(exc, TransportSetupError):
+                self._fail(exc)
+            raise
+        self._mappings.append((base, P * W, [handle] + imported))
         return flat, W
 
-    def close(self) -> None:
-        """Unmap everything (collective: peers may still be writing until the host barrier)."""
-        if not self._mappings:
-            return
-        cu = _cu()
-        torch.cuda.synchronize(self.device)
-        self.host_barrier()
-        super().close()
+    def _release_all(self) -> None:
+        """Unmap and release every allocation and close the socket; best effort, first error raised."""
+        cu = _cu() if self._mappings else None
+        first = None
         for base, size, handles in self._mappings:
-            _check(cu.cuMemUnmap(base, size), "cuMemUnmap")
-            _check(cu.cuMemAddressFree(base, size), "cuMemAddressFree")
-            for h in handles:
-                _check(cu.cuMemRelease(h), "cuMemRelease")
+            calls = [(cu.cuMemUnmap, (base, size)), (cu.cuMemAddressFree, (base, size))]
+            calls += [(cu.cuMemRelease, (h,)) for h in handles]
+            for fn, args in calls:
+                try:
+                    _check(fn(*args), fn.__name__)
+                except RuntimeError as exc:
+                    first = first or exc
         self._mappings.clear()
-        self._listener.close()
+        if self._bootstrap is not None:
+            self._bootstrap.close()
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Unmap everything. Collective: peers may still be writing until the host barrier; a
+        transport that failed skips that barrier (its peers may be gone)."""
+        if self.closed:
+            return
+        barrier_error = None
+        if self._mappings:
+            try:
+                self._usable("close")
+                torch.cuda.synchronize(self.device)
+                self.host_barrier()
+            except Exception as exc:
+                barrier_error = exc
+        failed_before = self._failure is not None and self._failure is not barrier_error
+        super().close()
+        self._release_all()
+        if barrier_error is not None and not failed_before:
+            raise barrier_error
 
 
 _transports: dict = {}
 
 
-def get_transport(group=None, *, backend: str | None = None, timeout_s: float | None = None) -> Transport:
+def get_transport(group=None, *, backend: str | None = None, timeout_s: float | None = None,
+                  setup_timeout_s: float | None = None) -> Transport:
     """The process's transport for `group` (created on first use; collective then).
 
-    backend: "vmm" (default; ranks sharing a GPU or on distinct GPUs) or "symm" (torch symmetric
-    memory, distinct GPUs only). `FA_A2A_TRANSPORT` overrides the default. `FA_A2A_TIMEOUT_S` sets
-    the barrier timeout (default 30 s).
+    backend: "vmm" (default; ranks sharing a GPU or on distinct GPUs of one host) or "symm" (torch
+    symmetric memory, distinct GPUs only). `FA_A2A_TRANSPORT` overrides the default.
+    timeout_s: in-stream barrier timeout (`FA_A2A_TIMEOUT_S`, default 30 s).
+    setup_timeout_s: bound of every host-side setup wait (`FA_A2A_SETUP_TIMEOUT_S`, default 300 s).
     """
     import torch.distributed as dist
 
@@ -480,13 +865,16 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
     if backend not in ("vmm", "ipc", "symm"):
         raise ValueError(f"backend: expected 'vmm' (or its alias 'ipc') or 'symm', got {backend!r}")
     backend = "vmm" if backend == "ipc" else backend
+    explicit_timeout = timeout_s is not None
+    if timeout_s is None:
+        timeout_s = _positive_seconds(os.environ.get("FA_A2A_TIMEOUT_S", DEFAULT_TIMEOUT_S), "FA_A2A_TIMEOUT_S")
+    if setup_timeout_s is None:
+        setup_timeout_s = _positive_seconds(os.environ.get("FA_A2A_SETUP_TIMEOUT_S", DEFAULT_SETUP_TIMEOUT_S),
+                                            "FA_A2A_SETUP_TIMEOUT_S")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized")
     if group is None:
         group = dist.group.WORLD
-    explicit_timeout = timeout_s is not None
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     key = (group.group_name, torch.cuda.current_device(), backend)
     cached = _transports.get(key)
     if cached is not None and not cached.closed and explicit_timeout and cached.timeout_s != timeout_s:
@@ -494,28 +882,18 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
                          "close_transports() first to change it")
     if key not in _transports or _transports[key].closed:
         cls = SymmetricMemoryTransport if backend == "symm" else VmmTransport
-        _transports[key] = cls(group, timeout_s=timeout_s)
+        _transports[key] = cls(group, timeout_s=timeout_s, setup_timeout_s=setup_timeout_s)
     return _transports[key]
 
 
-def rank_windows(shape, *, dtype: torch.dtype, device=None, group=None, name: str = "rank_windows") -> torch.Tensor:
-    """Windows [P, *shape[1:]] of the group's transport (collective on first use per shape).
-
-    shape[0] must be the group size P. `device` must be the current CUDA device (or None).
-    """
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        raise ValueError("shape: expected (P, ...)")
-    if device is not None and torch.device(device) != torch.device("cuda", torch.cuda.current_device()):
-        raise ValueError(f"device: {device} is not the current CUDA device")
-    transport = get_transport(group)
-    if shape[0] != transport.world_size:
-        raise ValueError(f"shape: dim 0 ({shape[0]}) must be the group size {transport.world_size}")
-    return transport.windows(name, shape[1:], dtype)
-
-
 def close_transports() -> None:
-    """Close every cached transport (collective)."""
+    """Close every cached transport (collective); raises the first close error after closing all."""
+    first = None
     for t in _transports.values():
-        t.close()
+        try:
+            t.close()
+        except Exception as exc:
+            first = first or exc
     _transports.clear()
+    if first is not None:
+        raise first

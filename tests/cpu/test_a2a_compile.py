@@ -1,7 +1,8 @@
 """Compile-only checks (sm_90a, fake tensors, no GPU) of the A2A and barrier kernels.
 
 The PTX is read back to check what the design relies on: 16-byte vector loads and stores in the
-A2A copies, and system-scope release/acquire plus the %globaltimer bound in the barrier.
+A2A copies, and system-scope release/acquire plus the %globaltimer bound in the barrier. The
+compile caches are keyed by their arguments (world size included).
 """
 import pytest
 import torch
@@ -24,8 +25,19 @@ def keep_ptx(tmp_path):
 @pytest.mark.parametrize("world_size,num_local", [(2, 1), (8, 8)])
 def test_barrier_uses_system_scope_release_acquire(world_size, num_local, keep_ptx):
     ptx = _ptx(compile_barrier(world_size, num_local, extra_options=keep_ptx))
-    for needle in ("fence.acq_rel.sys", "st.release.sys", "ld.acquire.sys", "%globaltimer", "bar.sync"):
+    # the last one: a timeout written to the host-mapped error mirror, which the host reads unsynced
+    for needle in ("fence.acq_rel.sys", "st.release.sys", "ld.acquire.sys", "%globaltimer", "bar.sync",
+                   "st.relaxed.sys.global"):
         assert needle in ptx, needle
+
+
+def test_compile_cache_key_is_the_arguments():
+    assert compile_barrier(4, 1) is compile_barrier(4, 1)
+    assert compile_barrier(4, 4) is not compile_barrier(4, 1)
+    assert compile_post_a2a(torch.bfloat16, 64, 2) is compile_post_a2a(torch.bfloat16, 64, 2)
+    assert compile_post_a2a(torch.bfloat16, 64, 4) is not compile_post_a2a(torch.bfloat16, 64, 2)
+    assert compile_pre_a2a(torch.float16, 64, 2, False) is compile_pre_a2a(torch.float16, 64, 2, False)
+    assert compile_pre_a2a(torch.float16, 64, 2, True) is not compile_pre_a2a(torch.float16, 64, 2, False)
 
 
 def test_barrier_rejects_bad_sizes():

@@ -21,9 +21,9 @@ ONLY = {"vector": ["st.global.v4.b32"],
 
 
 @pytest.mark.parametrize("mode", ["vector", "bulk"])
-def test_compiles_and_emits_stores(mode):
-    fn = compile_remote_store(mode, keep_ptx=True)
-    ptx = str(fn.artifacts.PTX)
+def test_compiles_and_emits_stores(mode, tmp_path):
+    fn = compile_remote_store(mode, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = fn.__ptx__
     assert ".target sm_90a" in ptx
     for ins in COMMON + ONLY[mode]:
         assert ins in ptx, f"{mode}: {ins} missing from the PTX"
@@ -32,7 +32,8 @@ def test_compiles_and_emits_stores(mode):
         assert ins not in ptx, f"{mode}: unexpected {ins}"
 
 
-def test_compile_other_thread_count():
+def test_compile_cache_key_is_the_arguments():
+    assert compile_remote_store("vector") is compile_remote_store("vector")
     assert compile_remote_store("vector", num_threads=128) is not compile_remote_store("vector")
 
 

@@ -3,6 +3,8 @@
 Moved data must be bit-identical to the reference A2A of ulysses.layout / ulysses.reference.
 Windows are poisoned (NaN) before every run, so an element the kernels never wrote shows; the
 window stride is deliberately not the window size (windows carved out of a larger buffer).
+Reused windows are run into without poisoning too, so an element left over from the previous
+run shows. A barrier timeout makes the transport refuse later calls, naming the missing rank.
 """
 import pytest
 import torch
@@ -88,6 +90,44 @@ def test_post_a2a_matches_reference_bit_exact(case):
             assert torch.equal(w[d], ref[d]), (case, run, d)
 
 
+def test_reused_windows_carry_no_stale_elements():
+    """The same transport windows across runs, as the op's window plan reuses them: poison, run A,
+    check; run B into A's leftovers, check (a stale element of A differs from B); poison again, run
+    C, check. Pre-A2A with uneven S, padding heads, GQA and joint rows; post-A2A scatter and broadcast."""
+    P, B, S, H, Hkv, D, J = 4, 2, 333, 6, 2, 64, 5
+    dtype = torch.bfloat16
+    L = UlyssesLayout(S, H, Hkv, P, joint_len=J)
+    t = EmulatedTransport(P)
+    dq = t.windows("q", (B, L.num_rows, L.heads_loc, D), dtype)
+    dk = t.windows("k", (B, L.num_rows, L.kv_heads_loc, D), dtype)
+    dv = t.windows("v", (B, L.num_rows, L.kv_heads_loc, D), dtype)
+    out_w = t.windows("out", (B, L.seq_loc, L.heads_pad, D), dtype)
+    jout_w = t.windows("jout", (B, J, L.heads_pad, D), dtype)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    H_loc = L.heads_loc
+    for run, poison in enumerate((True, False, True)):
+        if poison:
+            for w in t.allocated_windows():
+                w.fill_(float("nan"))
+        full = [torch.randn(B, S, h, D, device=DEV, dtype=dtype, generator=g) for h in (H, Hkv, Hkv)]
+        joint = tuple(torch.randn(B, J, h, D, device=DEV, dtype=dtype, generator=g) for h in (H, Hkv, Hkv))
+        qs, ks, vs = (split_seq(x, P) for x in full)
+        outs = [torch.randn(B, P * L.seq_loc, H_loc, D, device=DEV, dtype=dtype, generator=g) for _ in range(P)]
+        jouts = [torch.randn(B, J, H_loc, D, device=DEV, dtype=dtype, generator=g) for _ in range(P)]
+        for r in range(P):
+            pre_a2a(qs[r], ks[r], vs[r], (dq, dk, dv), r, seq_len=S, joint=joint)
+            post_a2a(outs[r], out_w, r)
+            post_a2a(jouts[r], jout_w, r, broadcast=True)
+        torch.cuda.synchronize()
+        ref = emulated_pre_a2a(L, qs, ks, vs, joint)
+        want_out = head_to_seq(outs)
+        for d in range(P):
+            for name, got, want in (("q", dq[d], ref[d][0]), ("k", dk[d], ref[d][1]), ("v", dv[d], ref[d][2]),
+                                    ("out", out_w[d][:, :, :P * H_loc], want_out[d]),
+                                    ("joint out", jout_w[d][:, :, :P * H_loc], torch.cat(jouts, dim=2))):
+                assert torch.equal(got, want), (run, name, d)
+
+
 def test_post_a2a_broadcast_and_head_padding():
     P, B, J, H_loc, D = 4, 2, 77, 3, 64
     dtype = torch.float16
@@ -135,21 +175,37 @@ def test_emulated_barrier_counts_epochs(P):
     t.check()
 
 
-def test_barrier_timeout_names_the_missing_rank():
+def test_barrier_timeout_names_the_missing_rank_and_refuses_later_calls():
     from cute_kernels.signal import barrier
 
     P = 4
     t = EmulatedTransport(P, timeout_s=0.05)
+    w = t.windows("x", (8,), torch.float32)
     # ranks 0..2 arrive, rank 3 never does
-    barrier(t.signal, t.epoch[:P - 1], t.error[:P - 1], 0, int(0.05e9))
+    barrier(t.signal, t.epoch[:P - 1], t.error[:P - 1], 0, int(0.05e9), error_host=t.error_host[:P - 1])
     torch.cuda.synchronize()
-    with pytest.raises(BarrierTimeoutError, match="for rank 3, which never arrived") as info:
+    assert t.error_host[:P - 1, 3].tolist() == [1] * (P - 1)  # the host-mapped mirror
+    # later calls are refused, naming the missing rank, without a check() first
+    for call in (t.barrier, lambda: t.windows("x", (8,), torch.float32)):
+        with pytest.raises(BarrierTimeoutError, match="refused.*for rank 3, which never arrived") as info:
+            call()
+        assert sorted(info.value.missing) == [(r, 3, 1) for r in range(P - 1)]
+    with pytest.raises(BarrierTimeoutError, match="for rank 3, which never arrived"):
         t.check()
-    assert sorted(info.value.missing) == [(r, 3, 1) for r in range(P - 1)]
-    # poisoned: later barriers signal but do not wait (no second timeout)
-    barrier(t.signal, t.epoch[:P - 1], t.error[:P - 1], 0, int(60e9))
+    assert t.epoch[:P - 1].tolist() == [1] * (P - 1)  # nothing launched after the refusal
+    # the kernel on its own (as in a replayed graph): poisoned, it signals but does not wait
+    barrier(t.signal, t.epoch[:P - 1], t.error[:P - 1], 0, int(60e9), error_host=t.error_host[:P - 1])
     torch.cuda.synchronize()
     assert t.epoch[:P - 1].tolist() == [2] * (P - 1)
+    assert w.shape == (P, 8)
+
+
+def test_barrier_rejects_an_unpinned_error_mirror():
+    from cute_kernels.signal import barrier
+
+    t = EmulatedTransport(2)
+    with pytest.raises(ValueError, match="error_host"):
+        barrier(t.signal, t.epoch, t.error, 0, int(1e9), error_host=torch.zeros(2, 2, dtype=torch.int32))
 
 
 def test_emulated_barrier_in_cuda_graph():

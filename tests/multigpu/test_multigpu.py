@@ -1,9 +1,15 @@
 """ulysses_attention on real ranks, one GPU each (torchrun, NCCL; windows mapped with CUDA VMM).
 
-pytest runs this file under torchrun in a subprocess (skipped with < 2 GPUs). Every rank builds
-the same inputs; "serial", "fused" and "nccl" must equal the reference path (ulysses.reference's
-A2As around fa4_forward) bit for bit on the valid rows: the same FA4 runs on the same data.
-"reference" (fp32 attention) is checked against the fp64 oracle.
+pytest runs this file under torchrun in a subprocess, for P = 2, 4 and 8 as far as the machine
+has GPUs. Every rank builds the same inputs; "fused", "serial" and "nccl" must equal the
+reference path (ulysses.reference's A2As around fa4_forward) bit for bit on the valid rows: the
+same FA4 runs on the same data. "reference" (fp32 attention) is checked against the fp64 oracle.
+
+Before every impl each rank poisons its own windows (NaN) and the ranks line up on the host, so
+an impl that leaves some remote tile unwritten shows NaN instead of the previous impl's values
+(the window plan is shared by the impls). After the last case the transport's check() raises if
+any barrier timed out. `check_ranks` is also run by tests/gpu/test_transport_ipc.py on processes
+sharing one GPU, where it is shown to fail on a fused epilogue that drops its remote tiles.
 """
 import os
 import subprocess
@@ -12,44 +18,63 @@ import sys
 import pytest
 import torch
 
-NPROC = min(torch.cuda.device_count(), 4) if torch.cuda.is_available() else 0
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+IMPLS = ("fused", "serial", "nccl", "reference")
+# (B, S, H, H_kv, D, J, causal) as functions of P
+CASES = (lambda P: (1, P * 1024, 3 * P, 3 * P, 128, 0, False),
+         lambda P: (2, P * 251 - 1, 2 * P - 2, 2, 128, 77, False),  # uneven S, padded heads, GQA, joint
+         lambda P: (1, P * 512, 2 * P, P, 64, 0, True))
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(NPROC < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("nproc", [2, 4, 8])
 @pytest.mark.parametrize("backend", ["vmm", "symm"])
-def test_torchrun_real_ranks(backend):
+def test_torchrun_real_ranks(backend, nproc):
+    if nproc > N_GPUS:
+        pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
     env = dict(os.environ, FA_A2A_TRANSPORT=backend)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.abspath(__file__)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    if backend == "symm" and proc.stdout.count("RANK SYMM-NONUNIFORM") == NPROC:
+    if backend == "symm" and proc.stdout.count("RANK SYMM-NONUNIFORM") == nproc:
         pytest.skip("torch symmetric memory placed the peers' buffers at no single stride here")
-    assert proc.stdout.count("RANK OK") == NPROC, proc.stdout[-4000:]
+    assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]
 
 
-def _main():
-    import torch.distributed as dist
+def _poison_own_windows(transport, rank: int) -> None:
+    """NaN into this rank's window of every float allocation, then every rank waits for all."""
+    for w in transport.allocated_windows():
+        if w.dtype.is_floating_point:
+            w[rank].fill_(float("nan"))
+    torch.cuda.synchronize()
+    transport.host_barrier()
 
+
+def drop_remote_tiles(fused_forward):
+    """A broken fused epilogue for tests: its O tiles reach this rank's own window only."""
+
+    def broken(q, k, v, out_windows, rank, **kwargs):
+        scratch = torch.empty_like(out_windows, memory_format=torch.contiguous_format)
+        fused_forward(q, k, v, scratch, rank, **kwargs)
+        out_windows[rank].copy_(scratch[rank])
+
+    return broken
+
+
+def check_ranks(P, group, rank, *, impls=IMPLS, cases=CASES):
+    """Every impl on every case equals the reference pipeline on this rank (see the docstring)."""
     from fa_a2a.fused import fa4_forward
     from fa_a2a.op import ulysses_attention
     from ulysses.layout import UlyssesLayout, split_seq
     from ulysses.reference import emulated_post_a2a, emulated_pre_a2a, full_attention
-    from ulysses.transport import close_transports
+    from ulysses.transport import get_transport
 
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    rank, P = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16
-    # (B, S, H, H_kv, D, J, causal)
-    cases = [(1, P * 1024, 3 * P, 3 * P, 128, 0, False),
-             (2, P * 251 - 1, 2 * P - 2, 2, 128, 77, False),
-             (1, P * 512, 2 * P, P, 64, 0, True)]
-    for i, (B, S, H, Hkv, D, J, causal) in enumerate(cases):
+    for i, case in enumerate(cases):
+        B, S, H, Hkv, D, J, causal = case(P)
         g = torch.Generator(device="cuda").manual_seed(i)
         full = [torch.randn(B, S, h, D, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv)]
         joint = tuple(torch.randn(B, J, h, D, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv)) if J else None
@@ -60,13 +85,15 @@ def _main():
         heads = emulated_pre_a2a(L, *shards, joint)
         want, want_joint = emulated_post_a2a(L, [fa4_forward(q, k, v, causal=causal, seqused_k=used) for q, k, v in heads])
         n = L.valid_rows(rank)
-        for impl in ("serial", "fused", "nccl", "reference"):
+        for impl in impls:
+            if impl in ("fused", "serial"):
+                _poison_own_windows(get_transport(group), rank)
             try:
-                res = ulysses_attention(*(s[rank] for s in shards), impl=impl, joint=joint, causal=causal, seq_len=S)
+                res = ulysses_attention(*(s[rank] for s in shards), group=group, impl=impl, joint=joint,
+                                        causal=causal, seq_len=S)
             except ValueError as e:  # only the "symm" backend may refuse, and only for this reason
                 if os.environ.get("FA_A2A_TRANSPORT") == "symm" and "one positive stride" in str(e):
-                    print(f"RANK SYMM-NONUNIFORM {rank}", flush=True)
-                    return
+                    return False
                 raise
             out, jout = res if joint is not None else (res, None)
             assert (out[:, n:] == 0).all(), (impl, i)
@@ -83,6 +110,22 @@ def _main():
             if joint is not None:
                 assert torch.equal(jout, want_joint), (impl, i, rank)
     torch.cuda.synchronize()
+    get_transport(group).check()
+    return True
+
+
+def _main():
+    import torch.distributed as dist
+
+    from ulysses.transport import close_transports
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, P = dist.get_rank(), dist.get_world_size()
+    if not check_ranks(P, None, rank):
+        print(f"RANK SYMM-NONUNIFORM {rank}", flush=True)
+        return
     close_transports()
     dist.destroy_process_group()
     print(f"RANK OK {rank}", flush=True)
