@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--configs", nargs="*", default=["192x128c1x2"])
+    ap.add_argument("--configs", nargs="*", default=["192x128c1x2", "128x128c2x1"])
     ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--trials", type=int, default=11)
     ap.add_argument("--start-after", default=None)
@@ -75,8 +75,8 @@ def main():
     weight_t = plain_w.weight.t()
     configs = {"default": None, **{c: parse_config(c) for c in args.configs}}
 
-    plans = []
-    for S_loc in args.seqlens:
+    def methods_for(S_loc):
+        """The timed callables of one shape (their own tensors: closures bind this call's locals)."""
         x = r(1, S_loc, C).to(dtype)
         pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda", dtype=torch.float32)
         ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda") / (D // 2))[None]
@@ -98,8 +98,12 @@ def main():
         methods["plain+copy"] = lambda: (K.qkv_projection_plain(x, plain_w, y), view.copy_(y5))
         methods["matmul"] = lambda: torch.matmul(x, weight_t)
         methods["linear"] = lambda: torch.nn.functional.linear(x, plain_w.weight, plain_w.bias)
+        return methods
+
+    plans = []
+    for S_loc in args.seqlens:
         ok = {}
-        for name, fn in methods.items():  # compile and warm up before any timing
+        for name, fn in methods_for(S_loc).items():  # compile and warm up before any timing
             try:
                 t0 = time.time()
                 fn()
