@@ -185,6 +185,10 @@ def run(rank, world_size, args, device, group_backend):
 
     from fa_a2a.diffusers_backend import register_diffusers_backend, route_counts
 
+    import logging
+
+    if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP hooks call it; transformers adds it on import
+        logging.Logger.warning_once = logging.Logger.warning
     if device.type == "cpu" and torch.accelerator.device_count() == 0:
         torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only torch
     if device.type == "cuda" and group_backend == "gloo":

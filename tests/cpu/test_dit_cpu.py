@@ -8,9 +8,10 @@ must agree to atol 1e-5, on even lengths and with ulysses_anything=True on uneve
 the rows each call saw, so a run that silently did not shard (or took the wrong route) fails.
 The same through cache-dit's context parallelism when cache-dit is installed.
 
-Two test shims make diffusers' CP run on a CPU torch with gloo (neither changes the arithmetic):
-torch.accelerator.device_count() is 0 there (diffusers divides by it), and gloo's all_gather
-refuses the uneven shards of ulysses_anything's output gather (padded, gathered, trimmed here).
+Test shims make diffusers' CP run on a CPU torch with gloo (none changes the arithmetic):
+torch.accelerator.device_count() is 0 there (diffusers divides by it); gloo's all_gather refuses
+the uneven shards of ulysses_anything's output gather (padded, gathered, trimmed here); and
+diffusers' CP hooks call logger.warning_once, which exists once transformers is imported.
 """
 
 import copy
@@ -109,10 +110,14 @@ def _gather_anything_padded(tensor, dim, group):
 
 
 def _cpu_shims():
+    import logging
+
     import diffusers.hooks.context_parallel as cp_hooks
 
     torch.accelerator.device_count = lambda: 1
     cp_hooks._all_gather_anything = _gather_anything_padded
+    if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP calls it; transformers adds it on import
+        logging.Logger.warning_once = logging.Logger.warning
 
 
 class _RecordRows:

@@ -8,12 +8,14 @@ group for the host-side collectives). "fused" and "serial" run the same FA4 arit
 model outputs must be bit-identical; against ref, FA4's rule: max|out - ref| <= 2 max|base - ref|
 + atol. The backend's route counts show that every self-attention went through the Ulysses op.
 
-Test shim: gloo cannot all-gather CUDA tensors, so diffusers' gather of the model output goes
-through host memory here (once per forward; no change to the arithmetic).
+Test shims: diffusers' gather of the model output goes through host memory (gloo, CUDA tensors;
+once per forward, no change to the arithmetic), and logger.warning_once (called by diffusers' CP
+hooks; transformers adds it on import) is defined when absent.
 """
 
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -96,6 +98,8 @@ def _check(P, group, rank):
     from ulysses.transport import close_transports
 
     cp_hooks.EquipartitionSharder.unshard = classmethod(_unshard_through_host)
+    if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP calls it; transformers adds it on import
+        logging.Logger.warning_once = logging.Logger.warning
     names = {impl: backend.register_diffusers_backend(f"fa_a2a_{impl}", impl) for impl in IMPLS}
     results = {}
     torch.set_grad_enabled(False)
