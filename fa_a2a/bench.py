@@ -415,7 +415,7 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
     fa, serial, fused = med.get("fa"), med.get("serial"), med.get("fused")
     out = {"e_res_us": None, "e_res_rel": None, "hiding": None, "speedup": None,
            "fused_over_fa": None, "fused_over_fa_paired": None, "speedup_nccl": None,
-           "layer_speedup": None}
+           "layer_speedup": None, "comm_us": None}
     if raw and raw.get("fa") and raw.get("fused") and len(raw["fa"]) == len(raw["fused"]):
         out["fused_over_fa_paired"] = statistics.median([u / a for u, a in zip(raw["fused"], raw["fa"])])
     if fa is not None and fused is not None:
@@ -427,9 +427,10 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
         diffs = [s - a for s, a in zip(raw["serial"], raw["fa"])]
         d = statistics.median(diffs)
         comm_resolved = d > 3 * statistics.median([abs(x - d) for x in diffs])
-    if (fa is not None and fused is not None and serial is not None and serial - fa > 0
-            and comm_resolved):
-        out["hiding"] = 1.0 - (fused - fa) / (serial - fa)
+    if fa is not None and serial is not None and serial - fa > 0 and comm_resolved:
+        out["comm_us"] = serial - fa  # the communication a hiding ratio divides by
+        if fused is not None:
+            out["hiding"] = 1.0 - (fused - fa) / (serial - fa)
     if serial is not None and fused is not None:
         out["speedup"] = serial / fused
     if med.get("serial_nccl") is not None and fused is not None:
@@ -570,8 +571,8 @@ def model_row(p: dict, cfg: BenchConfig, model: Optional[PlatformModel], num_sms
     if "fa" not in med:
         return None
     t = _tiles(cfg, p["M"], num_sms)
-    fa, serial = med["fa"], med.get("serial")
-    comm = serial - fa if serial is not None and serial > fa else None
+    fa = med["fa"]
+    comm = p["derived"].get("comm_us")  # None unless T_serial - T_FA stands out of the noise
     row = {"M": p["M"], "dest": p.get("dest", "hbm"), "waves": t.waves, "volume_bytes": t.volume,
            "gap_us": fa / t.waves, "e_res_us": p["derived"].get("e_res_us"), "hiding": p["derived"].get("hiding"),
            "fused_us": med.get("fused"), "design_test": None, "e_res_model_us": None, "hiding_model": None,

@@ -446,17 +446,18 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
     n_sm = bench.n_sm
     dst = dests[0][1]
 
-    # 1. zero-gap periodic sweep -> R
-    zero = []
-    for k in plan.ks:
-        for b in plan.bs_zero:
-            zero.append(asdict(bench.run(dst, k, b, n_bursts=plan.n_periodic, warmup=4)))
+    # 1. zero-gap periodic sweep -> R (of the control too: its knee is fitted with its own R)
+    zeros = {name: [asdict(bench.run(buf, k, b, n_bursts=plan.n_periodic, warmup=4))
+                    for k in plan.ks for b in plan.bs_zero] for name, buf in dests}
+    zero = zeros["dest"]
     vz = np.array([x["volume"] for x in zero], float)
     tz = np.array([x["period_s"] for x in zero])
     min_v = plan.min_fit_volume
     if (vz >= min_v).sum() < 3:
         min_v = float(np.sort(vz)[-3])
     r = fit_drain_rate(vz, tz, min_volume=min_v)
+    r_ctrl = (fit_drain_rate(vz, np.array([x["period_s"] for x in zeros["control"]]), min_volume=min_v)
+              if "control" in zeros else None)
     fit_pts = vz >= min_v
     zero_rms = float(np.sqrt(np.mean(np.square((vz[fit_pts] / r - tz[fit_pts]) / tz[fit_pts]))))
     log(f"zero-gap sweep: {len(zero)} points, R = {r / GB:.1f} GB/s (fit on V >= {min_v / MiB:.2f} MiB, "
@@ -503,13 +504,14 @@ def run_sweeps(bench, dests: list, plan: SweepPlan, log=print) -> tuple[Platform
     cf = fit_capacity(vi, ti, r)
     cf_ctrl = None
     if "control" in iso:
-        cf_ctrl = fit_capacity(vi, np.array([x["issue_s"] for x in iso["control"]]), r)
+        cf_ctrl = fit_capacity(vi, np.array([x["issue_s"] for x in iso["control"]]), r_ctrl)
     log(f"isolated sweep: Q {'=' if cf.knee_found else '>='} {cf.capacity / MiB:.2f} MiB"
         + (f", knee at V = {cf.knee_volume / MiB:.2f} MiB" if cf.knee_found else " (no knee in range: lower bound)"))
 
     model = PlatformModel(t_iss0=t0, drain_rate=r, capacity=cf.capacity, capacity_is_lower_bound=not cf.knee_found)
     res = {
-        "zero_gap": {"points": zero, "fit_min_volume_B": min_v, "fit_rms_rel_error": zero_rms},
+        "zero_gap": {"points": zero, "fit_min_volume_B": min_v, "fit_rms_rel_error": zero_rms,
+                     "control_points": zeros.get("control"), "control_drain_rate_Bps": r_ctrl},
         "t_iss0_table": floor_tab,
         "gap_sweep": {"num_ctas": n_sm, "bytes_per_cta": b0, "volume": v0, "dest": sweep["dest"],
                       "control": sweep.get("control"), "error_issue_rel": err_iss.tolist(),
@@ -564,7 +566,8 @@ def markdown_table(model: PlatformModel, res: dict, fa: dict, header: str) -> st
           else "no knee in the swept range: a lower bound") + f", K = {iso['num_ctas']} "
          f"(fit rms {cf['rms_rel_error']:.1%})"),
         *([("Q of the HBM control", f"{'' if iso['control_fit']['knee_found'] else '>= '}"
-            f"{iso['control_fit']['capacity'] / MiB:.2f} MiB", "same sweep, this process's HBM buffer")]
+            f"{iso['control_fit']['capacity'] / MiB:.2f} MiB",
+            f"same sweeps on this process's HBM buffer, its own R = {zg['control_drain_rate_Bps'] / GB:.0f} GB/s")]
           if iso.get("control_fit") else []),
         ("gap-sweep error, T_iss", f"mean {e_iss.mean():.1%}, max {e_iss.max():.1%}",
          f"prediction with no refit, {len(e_iss)} gaps"),

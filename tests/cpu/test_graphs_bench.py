@@ -290,7 +290,8 @@ def test_derived_metrics_with_missing_inputs():
     steady = {"fa": [100.0, 100.5, 99.5], "serial": [104.0, 104.5, 103.5], "fused": [101.0] * 3}
     assert bench.derive(med, steady)["hiding"] == pytest.approx(0.75)
     noisy = {"fa": [100.0, 103.0, 97.0], "serial": [104.0, 101.0, 105.0], "fused": [101.0] * 3}
-    assert bench.derive(med, noisy)["hiding"] is None
+    assert bench.derive(med, noisy)["hiding"] is None and bench.derive(med, noisy)["comm_us"] is None
+    assert bench.derive(med, steady)["comm_us"] == 4.0
     d = bench.derive({"fa": 100.0, "fused": 110.0})
     assert d["e_res_us"] == 10.0 and d["hiding"] is None and d["speedup"] is None
     d = bench.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
