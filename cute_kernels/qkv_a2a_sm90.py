@@ -21,6 +21,12 @@ h = p * H_loc + j. QKVWeights.from_linear gathers the weight rows for any other 
   so a KV head needed by several ranks is computed once per rank that receives it (the GEMM
   computes the replicated columns instead of storing one column twice).
 
+Joint (text) rows and uneven S (ulysses/layout.py row order): joint rows are replicated, so rank
+r projects them with its own heads' weight rows only (QKVWeights with world_size 1) into its own
+window (windows[t][r:r+1]): q at row0 = S_pad, k and v at row0 = S (two calls: the q and k/v row
+offsets differ once S < S_pad). The rank holding padded sequence rows (s >= S) sends k and v of
+those rows to s + J: one more call with x[:, valid:] and row0 = r*S_loc + valid + J for k|v.
+
 The kernel sees D as (l, m, (h_t*D, P, n_t)) with strides (N*h_t*D, h_t*D, (1, W, T)) (T: the
 distance from q's to k's window, n_t consecutive tensors of one launch): one TMA descriptor with
 5 modes (i, m, p, t, l) addresses every rank. tile_N divides h_t*D, so an output tile lies in one
@@ -41,10 +47,24 @@ output; nothing waits for remote completion. Visibility to the consumer comes fr
 kernel launched after this one on the same stream (cute_kernels/signal.py): kernel completion
 orders every store of this grid before that barrier's release.
 
-Measured: the rank-window probe behind this kernel (H200, 2026-12-03, emulated P = 8, bf16,
-C = 3072, N = 9216, CUDA-graph medians) gave T_rank-window / T_plain-quack = 1.021 / 1.002 /
-1.002 at S_loc = 576 / 1024 / 4096 and bit-exact windows; quack's default 128x192 tile was 1.5x
-slower than cuBLAS at S_loc = 576 (79 vs 51.5 us). Numbers of this module: examples/qkv_speed.py.
+Measured (H200, 2026-12-03, bf16, C = 3072, N = 9216, H = 24, D = 128, emulated P = 8 windows,
+source rank 3; examples/qkv_speed.py: CUDA-graph replays of 20 calls, medians of 11 trials, us).
+fused: q|k|v + bias into the windows (one launch); plain: quack's own kernel, same tiles, plain
+output; -nr: q|k with bias + RMSNorm + RoPE and v with bias (two launches each):
+
+    S_loc  config        fused  plain  ratio   fused-nr plain-nr ratio   matmul  plain+copy
+    576    128x192 c2x1  74.8   74.2   1.008   91.2     91.6     0.995   52.2    93.7
+    576    192x128 c1x2  50.1   49.9   1.003   82.3     82.3     1.000
+    1024   128x192 c2x1  83.7   83.2   1.006   92.5     91.9     1.006   89.8    117.3
+    1024   192x128 c1x2  109.3  109.1  1.002   147.7    147.3    1.003
+    4096   128x192 c2x1  347.8  344.8  1.009   364.2    364.0    1.001   372.0   489.6
+    4096   192x128 c1x2  343.8  344.3  0.998   364.6    364.6    1.000
+
+(-nr rows with 128-row tiles use 128x128 for q|k.) Per-trial spread: about +-1% at 576, +-2-4%
+at 1024 and 4096; an earlier run of the same 4096 case gave fused/plain 1.013, 0.994, 1.016.
+The fused projection with the better tile (config_for) is 0.96 / 0.93 / 0.93 of torch.matmul
+(cuBLAS) at S_loc = 576 / 1024 / 4096. The norm+RoPE variant's two launches (q|k: N = 6144,
+v: N = 3072) each end in a partial wave: 82.3 us at 576, against 50.1 for one bias-only launch.
 
 Host requirement seen on the H200 machine: quack fingerprints epilogue functions by walking their
 globals and treats functions as library code (keyed by name) only when their file lies under a
@@ -198,12 +218,26 @@ class GemmConfig(NamedTuple):
 
 def default_config(width: int, head_dim: int, epilogue: bool) -> GemmConfig:
     """quack's SM90 default shape (128-row tiles, cluster 2x1, pingpong) with tile_N dividing
-    the per-rank width h_t*D (and a multiple of D when the epilogue normalizes whole heads)."""
-    order = (128, 256, 192, 64) if epilogue else (192, 128, 256, 64)
+    the per-rank width h_t*D (and a multiple of D when the epilogue normalizes whole heads).
+    The configuration the GPU tests check bit for bit; config_for picks by rows."""
+    order = (128, 192, 64) if epilogue else (192, 128, 64)
     for tile_n in order:
         if width % tile_n == 0 and (not epilogue or tile_n % head_dim == 0):
             return GemmConfig(tile_n=tile_n)
     raise ValueError(f"width: no tile_N in {order} divides h_t*D = {width}")
+
+
+def config_for(rows: int, width: int, head_dim: int, epilogue: bool) -> GemmConfig:
+    """Tile rows 192 (tile 192x128, cluster 1x2, pingpong) where that pads fewer rows than
+    128-row tiles, else default_config. Measured on the H200 (2026-12-03, Flux shapes, module
+    docstring): at S_loc = 576 the fused projection took 50.1 us with 192x128 against 74.8 us
+    with quack's 128x192 (cuBLAS 52.2); at 1024 128-row tiles were faster (83.7 vs 109.3 us);
+    at 4096 all within 1%. Its bit-exact GPU test is tests/gpu/test_qkv_a2a.py::test_192_row_tiles."""
+    base = default_config(width, head_dim, epilogue)
+    pad = lambda tile: -(-rows // tile) * tile - rows  # noqa: E731
+    if width % 128 == 0 and pad(192) < pad(128):
+        return GemmConfig(192, 128, 1, 2, True)
+    return base
 
 
 class _Kernel(NamedTuple):
@@ -438,9 +472,11 @@ def _check_inputs(x, proj, rope_cs, config):
     if x.dtype != proj.weight.dtype or x.device != proj.weight.device:
         raise ValueError(f"x: {proj.weight.dtype} on {proj.weight.device} (the weight's) expected, "
                          f"got {x.dtype} on {x.device}")
-    if x.shape[2] != proj.weight.shape[1] or not x.is_contiguous() or _address(x) % 16:
-        raise ValueError(f"x: contiguous, 16-byte aligned, C = {proj.weight.shape[1]} expected, "
-                         f"got shape {tuple(x.shape)} strides {x.stride()}")
+    C = proj.weight.shape[1]
+    if (x.shape[2] != C or x.stride(2) != 1 or (x.stride(1) != C and x.shape[1] > 1)
+            or (x.stride(0) * x.element_size()) % 16 or _address(x) % 16):
+        raise ValueError(f"x: contiguous rows of C = {C}, 16-byte aligned base and batch stride "
+                         f"expected, got shape {tuple(x.shape)} strides {x.stride()}")
     M = x.shape[1]
     if rope_cs is not None and (rope_cs.dtype != torch.float32 or rope_cs.shape != (M, proj.head_dim)
                                 or not rope_cs.is_contiguous() or rope_cs.device != x.device):
@@ -472,7 +508,7 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     """y = x W^T (+ bias) (q, k: + per-head RMSNorm with weight, + interleaved RoPE), stored as the
     Ulysses pre-A2A: rows [row0, row0 + M) of every destination window.
 
-    x [B, M, C] contiguous. windows = (dq, dk, dv): [P, B, N, H_loc, D] / [P, B, N, H_kv_loc, D]
+    x [B, M, C] with contiguous rows (a row slice of a larger x is fine). windows = (dq, dk, dv): [P, B, N, H_loc, D] / [P, B, N, H_kv_loc, D]
     (window d = destination rank d, each window contiguous, a uniform dim-0 stride W that is a
     multiple of 16 bytes); an entry None skips that tensor (e.g. joint rows, whose q and k/v rows
     differ: launch q and k|v separately with their row0). rope_cs: fp32 [M, D] interleaved

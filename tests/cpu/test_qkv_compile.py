@@ -246,3 +246,35 @@ def test_bad_inputs_name_the_argument():
             K.qkv_a2a_projection(x, proj, windows, 0, config=K.GemmConfig(tile_n=192))
     with pytest.raises(ValueError, match="x: a CUDA tensor"):
         K.qkv_a2a_projection(torch.zeros(1, 4, 16, dtype=torch.bfloat16), proj, windows, 0)
+
+
+def test_config_for_rows():
+    """192-row tiles where they pad fewer rows (measured faster at S_loc = 576, slower at 1024)."""
+    assert K.config_for(576, 384, 128, True) == K.GemmConfig(192, 128, 1, 2, True)
+    assert K.config_for(1024, 384, 128, False) == K.default_config(384, 128, False)
+    assert K.config_for(4096, 384, 128, False).tile_m == 128
+    assert K.config_for(576, 192, 64, True) == K.default_config(192, 64, True)  # 128 does not divide 192
+    assert K.default_config(384, 128, False).tile_n == 192
+    assert K.default_config(192, 64, True).tile_n == 192
+    assert K.default_config(64, 64, True).tile_n == 64
+
+
+def test_interleaved_cos_sin():
+    ang = torch.rand(5, 4)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    cs = K.interleaved_cos_sin(cos, sin)
+    assert cs.dtype == torch.float32 and cs.shape == (5, 8)
+    assert torch.equal(cs[:, 0::2], ang.cos()) and torch.equal(cs[:, 1::2], ang.sin())
+    with pytest.raises(ValueError, match="cos, sin"):
+        K.interleaved_cos_sin(cos, sin[:, :6])
+
+
+def test_row_slices_of_x_are_accepted():
+    """x needs contiguous rows only: a batch stride larger than M*C (a row slice) is fine."""
+    with FakeTensorMode():
+        proj, _, windows, cs = _fake_problem(torch.bfloat16, 128, B=2)
+        x = torch.empty_strided((2, 200, 256), (300 * 256, 256, 1), dtype=torch.bfloat16, device="cuda")
+        K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs)
+        bad = torch.empty_strided((2, 200, 256), (300 * 256, 264, 1), dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="x: contiguous rows"):
+            K.qkv_a2a_projection(bad, proj, windows, 0, rope_cs=cs)

@@ -84,7 +84,7 @@ def make_proj(H, H_kv, D, C, P, dtype, *, bias=True, norm=True, layout=None, see
                                     q_norm_weight=nw[0], k_norm_weight=nw[1], **heads)
 
 
-def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1):
+def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=None):
     """All P source ranks (reverse order) into fresh NaN windows, fused and reference; returns the
     reference outputs per rank for the numerics check."""
     P, D = proj.world_size, proj.head_dim
@@ -97,9 +97,9 @@ def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1):
     for r in reversed(range(P)):
         x = torch.randn(B, S_loc, C, generator=g, device=DEV).to(dtype)
         cs = rope_table(S_loc, D, r * S_loc) if rope else None
-        K.qkv_a2a_projection(x, proj, got.tensors, r * S_loc, rope_cs=cs)
+        K.qkv_a2a_projection(x, proj, got.tensors, r * S_loc, rope_cs=cs, config=config)
         y.fill_(float("nan"))
-        K.qkv_projection_plain(x, proj, y, rope_cs=cs)
+        K.qkv_projection_plain(x, proj, y, rope_cs=cs, config=config)
         scatter(y, ref.tensors, proj, r * S_loc)
         outs.append((x, cs, y.clone()))
     torch.cuda.synchronize()
@@ -131,6 +131,19 @@ def test_bias_norm_rope_bit_exact(P, S_loc):
     got, ref, outs = run_case(proj, 1, S_loc, C, dtype, rope=True)
     assert_bit_exact(got, ref)
     assert_close_to_torch(proj, outs[:2], True, dtype)
+
+
+@pytest.mark.parametrize("P,S_loc", [(8, 576), (2, 130)])
+def test_192_row_tiles(P, S_loc):
+    """config_for's 192x128 tiles (cluster 1x2): the last M tile is partial at S_loc = 130."""
+    dtype, D, C = torch.bfloat16, 128, 512
+    config = K.config_for(S_loc, 2 * D, D, True)
+    assert (config.tile_m, config.tile_n) == (192, 128)
+    proj = make_proj(2 * P, 2 * P, D, C, P, dtype)
+    for rope, nproj in ((True, proj), (False, K.QKVWeights(proj.weight, proj.bias, None, P, 2, 2, D))):
+        got, ref, outs = run_case(nproj, 1, S_loc, C, dtype, rope=rope, config=config)
+        assert_bit_exact(got, ref)
+        assert_close_to_torch(nproj, outs[:1], rope, dtype)
 
 
 def test_head_dim_64_and_batch():
