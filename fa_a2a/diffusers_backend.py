@@ -128,7 +128,7 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
     """Why a context-parallel call cannot go to ulysses_attention (None: it can).
 
     Every fact used here is the same on all ranks (shapes other than S, dtypes, flags), so all
-    ranks take the same route; per-rank row counts are compared in _uneven_reason.
+    ranks take the same route; per-rank row counts are compared in _shard_kwargs.
     """
     if cp.ring_degree > 1:
         return "ring degree > 1"
@@ -148,20 +148,21 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
     return None
 
 
-def _uneven_reason(rows: list[tuple[int, int]]) -> Optional[str]:
-    """Why these per-rank (q, k) row counts cannot go to ulysses_attention (None: they can).
+def _shard_kwargs(rows: list[tuple[int, int]]):
+    """(extra op arguments, None) for these per-rank (q, k) row counts, or (None, why not).
 
     The op takes equal shards (rows [r*S_loc, (r+1)*S_loc) of rank r; an uneven total only as
     padding at the end, through seq_len). diffusers' ulysses_anything splits every input with
     tensor_split, so the longer shards come first and, with several inputs (text and image),
-    every rank may hold a different count. Once the op takes per-rank valid row counts, pass
-    [q for q, _ in rows] to it and drop the first test below: that is the only change here.
+    every rank may hold a different count (e.g. 4+32 and 3+31). Once the op takes per-rank
+    valid row counts, the uneven case returns them here (e.g. ({"shard_rows": [q for q, _ in
+    rows]}, None)): that is the only change in this module.
     """
     if any(q != k for q, k in rows):
-        return "K/V of another length than Q"
+        return None, "K/V of another length than Q"
     if len({q for q, _ in rows}) > 1:
-        return "uneven shards (ulysses_anything)"
-    return None
+        return None, "uneven shards (ulysses_anything)"
+    return {}, None
 
 
 def _call_ulysses(q, k, v, **kwargs):
@@ -191,14 +192,15 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
         _count(name, "local")
         return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
-    reason = _not_fusable(impl, query, key, attn_mask, return_lse, cp)
+    reason, extra = _not_fusable(impl, query, key, attn_mask, return_lse, cp), {}
     if reason is None:
         group = cp._ulysses_mesh.get_group()
         if cp.ulysses_anything or key.shape[1] != query.shape[1]:
-            reason = _uneven_reason(_rows_per_rank(query.shape[1], key.shape[1], group))
+            extra, reason = _shard_kwargs(_rows_per_rank(query.shape[1], key.shape[1], group))
     if reason is None:
         _count(name, "ulysses")
-        return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale)
+        return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
+                             **extra)
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     _log_once(name, reason)
