@@ -53,6 +53,8 @@ from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
 from flash_attn.cute.tile_scheduler import StaticPersistentTileScheduler
 from flash_attn.cute.utils import AuxData
+
+from cute_kernels.remote_store import bulk_store_s2g
 from quack import copy_utils, layout_utils
 
 
@@ -108,21 +110,19 @@ def _fa4_patched(persistent_ctas: Optional[int]):
         _fa4_sm90.assume_tensor_aligned, _fa4_sm90.SingleTileScheduler = saved
 
 
+O_STORES = ("tma", "st", "paced")
 _MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
+_OVERLAP_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap)
+_ONE_BLOCK_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma_one_n_block)
 TIMESTAMP_FIELDS = ("smid", "cta", "cta_start", "epilogue", "sO_free", "store_issued", "end")
 
 
 class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     """FA4's SM90 forward whose output epilogue routes each O tile to its Ulysses rank.
 
-    Everything but the output path and (optionally) the tile scheduler is FA4's (mainloop,
+    Everything but the output path (and, for "paced", the tile scheduler) is FA4's (mainloop,
     softmax, pipelines). The tile configuration is FA4's own choice for the head dim (see
-    fa_a2a.fused).
-
-    persistent_ctas: None (FA4's one tile per CTA) or the number of persistent CTAs (the SM
-    count): each CTA walks tiles c, c + grid, ... with FA4's static persistent scheduler, stages
-    O in its own shared-memory buffer (not aliased with sQ) and waits for the bulk store's read
-    of it only before it writes the next tile's O there (and once before it exits).
+    fa_a2a.fused). o_store "paced" needs persistent_ctas (the SM count): see the module docstring.
     timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
     """
 
@@ -130,24 +130,21 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                  timestamps: bool = False, **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
-        if o_store not in ("tma", "st"):
-            raise ValueError(f"o_store: 'tma' or 'st', got {o_store!r}")
+        if o_store not in O_STORES:
+            raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
+        if (o_store == "paced") != (persistent_ctas is not None):
+            raise ValueError(f"persistent_ctas: an int >= 1 exactly when o_store='paced', got {persistent_ctas!r}")
         if persistent_ctas is not None:
             if isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int) or persistent_ctas < 1:
-                raise ValueError(f"persistent_ctas: expected None or an int >= 1, got {persistent_ctas!r}")
+                raise ValueError(f"persistent_ctas: expected an int >= 1, got {persistent_ctas!r}")
             if kwargs.get("is_causal", False):
-                raise ValueError("persistent_ctas: FA4 schedules causal tiles longest-first, one per CTA; "
-                                 "use None with causal=True")
+                raise ValueError("o_store: 'paced' runs persistent CTAs; FA4 schedules causal tiles "
+                                 "longest-first, one per CTA")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
         self.persistent_ctas = persistent_ctas
         self.timestamps = timestamps
         super().__init__(*args, **kwargs)
-
-    @property
-    def own_o_staging(self) -> bool:
-        """O staged in its own smem buffer: the next tile's Q may then land while O drains."""
-        return self.persistent_ctas is not None
 
     # FA4 sets use_tma_O in __call__; here the O path is this kernel's own choice.
     @property
@@ -157,31 +154,6 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     @use_tma_O.setter
     def use_tma_O(self, _value) -> None:
         pass
-
-    def _get_shared_storage_cls(self):
-        if not self.own_o_staging:
-            return super()._get_shared_storage_cls()
-        # FA4's layout (Q not in registers) with sQ's range doubled: Q, then the O staging buffer
-        assert not self.Q_in_regs and cute.cosize(self.sO_layout) <= cute.cosize(self.sQ_layout)
-        self._sO_offset = int(cute.cosize(self.sQ_layout))  # elements; a multiple of the swizzle period
-        sQO_struct, sK_struct, sV_struct = [
-            cute.struct.Align[cute.struct.MemRange[self.dtype, n], self.buffer_align_bytes]
-            for n in (2 * self._sO_offset, cute.cosize(self.sK_layout), cute.cosize(self.sV_layout))
-        ]
-        cosize_sP = cute.cosize(self.sP_layout) if const_expr(self.sP_layout is not None) else 0
-        sP_struct = cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
-
-        @cute.struct
-        class SharedStorageQOKV:
-            mbar_ptr_Q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_ptr_K: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            mbar_ptr_V: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            sV: sV_struct
-            sQ: sQO_struct
-            sK: sK_struct
-            sP: sP_struct
-
-        return SharedStorageQOKV
 
     @cute.jit
     def __call__(
@@ -225,26 +197,96 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
             )
 
     def mma(self, *args, **kwargs):
-        """FA4's consumer warp groups, with this kernel's O staging buffer and final store wait."""
+        """FA4's consumer warp groups; "paced" adds its O buffer, pending-tile slot and final flush."""
         bound = _MMA_SIGNATURE.bind(self, *args, **kwargs)
         a = bound.arguments
-        if const_expr(self.own_o_staging):
-            # the second half of the doubled sQ range (see _get_shared_storage_cls)
-            a["sO"] = cute.make_tensor(a["sQ"].iterator + self._sO_offset, a["sO"].layout)
         if const_expr(self.timestamps):
             self._times = a["aux_data"].tensors[0]
             self._t_cta_start = cute.arch.globaltimer()
+        if const_expr(self.o_store == "paced"):
+            smem = cutlass.memory.SmemAllocator()
+            # O staging of its own (sQ is refilled with the next tile's Q while O drains); rows
+            # padded by 16 bytes: unswizzled rows for the row copies, no bank conflicts for stmatrix
+            row_elems = self.tile_hdimv + 128 // self.dtype.width
+            a["sO"] = self._sO = smem.allocate_tensor(
+                self.dtype, cute.make_layout((self.tile_m, self.tile_hdimv), stride=(row_elems, 1)),
+                byte_alignment=128,
+            )
+            self._row_bytes = row_elems * self.dtype.width // 8
+            # (m_block, head, batch, valid) of the tile whose O waits in sO, read by warp 4 only
+            self._pending = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+            self._mO = a["mO"]
+            self._clear_pending(self._pending)
         super().mma(*bound.args[1:], **bound.kwargs)
-        if const_expr(self.own_o_staging and self.o_store == "tma"):
-            # the last tile's bulk store must have read sO before the CTA's smem goes away
-            self._wait_o_store_read()
+        if const_expr(self.o_store == "paced"):
+            # the CTA's last tile: its rows leave at once; smem must be read before the CTA exits
+            self._flush_pending(self._pending, a["sO"], Int32(0))
 
     @cute.jit
-    def _wait_o_store_read(self):
-        """The storing warp (4) waits until its bulk stores have read shared memory."""
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:
+    def _clear_pending(self, pending: cute.Tensor):
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            pending[3] = Int32(0)
+
+    @cute.jit
+    def _store_rows(self, pending: cute.Tensor, sO: cute.Tensor, r_lo: Int32, r_hi: Int32):
+        """Warp 4 copies rows [r_lo, r_hi) of the pending tile from sO to their ranks, one bulk
+        copy (cp.async.bulk, row_bytes of O) per row, lane l taking rows r_lo + l, r_lo + l + 32, ...;
+        rows past the sequence are skipped. Each lane commits its copies as one bulk group."""
+        mO = self._mO  # (s_loc, dv, h_loc, (b, p)) gmem
+        seqlen_loc = mO.shape[0]
+        num_ranks = mO.shape[3][1]
+        st = mO.layout.stride
+        m_block, head, batch = pending[0], pending[1], pending[2]
+        o_base = mO.iterator.toint()
+        s_base = sO.iterator.toint()
+        nbytes = Int32(self.tile_hdimv * self.dtype.width // 8)
+        for r in cutlass.range(r_lo + cute.arch.lane_idx(), r_hi, cute.arch.WARP_SIZE, unroll=1):
+            row = m_block * self.tile_m + r
+            if row < seqlen_loc * num_ranks:
+                dst = row // seqlen_loc
+                off = (Int64(row - dst * seqlen_loc) * Int64(st[0]) + Int64(head) * Int64(st[2])
+                       + Int64(batch) * Int64(st[3][0]) + Int64(dst) * Int64(st[3][1]))
+                bulk_store_s2g(o_base + off * (self.dtype.width // 8), s_base + r * self._row_bytes, nbytes)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _flush_pending(self, pending: cute.Tensor, sO: cute.Tensor, r_lo: Int32):
+        """Warp 4: copy the pending tile's rows from r_lo on, then wait until every copy has read sO."""
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            if pending[3] != 0:
+                self._store_rows(pending, sO, r_lo, Int32(self.tile_m))
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _pace_rows(self, pending: cute.Tensor, sO: cute.Tensor, n_block: Int32, seqlen):
+        """After KV block n_block of the current tile (non-causal: blocks n_iter-1 down to 0, the
+        first one handled before the loop), warp 4 copies the pending tile's rows of iteration
+        i = n_iter-1-n_block: rows [ceil((i-1)*tile_m/(n_iter-1)), ceil(i*tile_m/(n_iter-1))),
+        so that its O leaves evenly over iterations 1 .. n_iter-1."""
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            if pending[3] != 0:
+                span = cute.ceil_div(seqlen.seqlen_k, self.tile_n) - 1
+                i = span - n_block
+                if i >= 1:
+                    r_lo = ((i - 1) * self.tile_m + span - 1) // span
+                    r_hi = (i * self.tile_m + span - 1) // span
+                    self._store_rows(pending, sO, r_lo, r_hi)
+
+    def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
+        bound = _OVERLAP_SIGNATURE.bind(self, *args, **kwargs)
+        out = super().mma_one_n_block_intrawg_overlap(*bound.args[1:], **bound.kwargs)
+        if const_expr(self.o_store == "paced"):
+            a = bound.arguments
+            self._pace_rows(self._pending, self._sO, a["n_block"], a["seqlen"])
+        return out
+
+    def mma_one_n_block(self, *args, **kwargs):
+        bound = _ONE_BLOCK_SIGNATURE.bind(self, *args, **kwargs)
+        out = super().mma_one_n_block(*bound.args[1:], **bound.kwargs)
+        if const_expr(self.o_store == "paced"):
+            a = bound.arguments
+            self._pace_rows(self._pending, self._sO, a["n_block"], a["seqlen"])
+        return out
 
     @cute.jit
     def epilogue(
@@ -268,11 +310,15 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         # registers -> smem, as FA4 does
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if const_expr(self.own_o_staging and self.o_store == "tma"):
-            # the previous tile's bulk store (issued by warp 4) has read sO
-            self._wait_o_store_read()
-        # all MMA threads are done reading V (sO aliases sQ) or, with its own buffer, the
-        # previous tile's O has left sO
+        if const_expr(self.o_store == "paced"):
+            # the previous tile's rows not yet sent (all of them when this tile had a single KV
+            # block) leave now, and warp 4 waits until every row copy has read sO
+            r_sent = Int32(self.tile_m)
+            if cute.ceil_div(seqlen.seqlen_k, self.tile_n) < 2:
+                r_sent = Int32(0)
+            self._flush_pending(self._pending, sO, r_sent)
+        # all MMA threads are done reading V (sO aliases sQ) or, "paced", the previous tile's O
+        # has left its own sO
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
         )
@@ -328,10 +374,28 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.timestamps):
                     t_issued = cute.arch.globaltimer()
-                if const_expr(not self.own_o_staging):
-                    # wait until smem has been read, not until the (remote) writes are visible;
-                    # with its own O buffer that wait moves to the next tile's epilogue
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                # wait until smem has been read, not until the (remote) writes are visible
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif const_expr(self.o_store == "paced"):
+            # sO complete and visible to the bulk-copy proxy; warp 4 marks it pending: its rows
+            # leave during the next tile's KV loop (_pace_rows) or at the CTA's end
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrierFwd.Epilogue),
+                number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
+            )
+            pending = self._pending
+            if warp_idx == 4:
+                cute.arch.barrier(
+                    barrier_id=int(NamedBarrierFwd.Epilogue),
+                    number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
+                )
+                pending[0] = m_block
+                pending[1] = head_idx
+                pending[2] = batch_idx
+                pending[3] = Int32(1)
+                if const_expr(self.timestamps):
+                    t_issued = cute.arch.globaltimer()
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFwd.Epilogue),
@@ -360,7 +424,10 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         if const_expr(self.timestamps):
             t_end = cute.arch.globaltimer()
             mTimes = self._times[batch_idx, head_idx, m_block, None]
-            stamps = (Int64(cute.arch.smid()), Int64(cute.arch.block_idx()[0]), self._t_cta_start,
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            stamps = (Int64(cute.arch.smid()), Int64(bx) + Int64(gx) * (Int64(by) + Int64(gy) * Int64(bz)),
+                      self._t_cta_start,
                       t_epilogue, t_free, t_issued, t_end)
             if tidx == 0:
                 for i in cutlass.range_constexpr(len(TIMESTAMP_FIELDS)):

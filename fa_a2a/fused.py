@@ -222,7 +222,6 @@ def fa4_a2a_forward(
     seqused_k: Optional[torch.Tensor] = None,
     lse_windows: Optional[torch.Tensor] = None,
     o_store: Optional[str] = None,
-    persistent: Optional[bool] = None,
     timestamps: Optional[torch.Tensor] = None,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
@@ -234,10 +233,9 @@ def fa4_a2a_forward(
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
     lse_windows: optional fp32 [P, B, H, S_loc] (each window contiguous): the rows' log-sum-exp
     routed like O, lse_windows[s // S_loc][b, rank * H_loc + h, s % S_loc].
-    o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
-    persistent: one CTA per SM walking the tiles, O staged in its own shared-memory buffer so
-    that a CTA computes its next tile while the previous tile's store drains (see the kernel's
-    docstring); None: the default (False), refused with causal.
+    o_store: "tma" | "st" | "paced" | None (auto: "tma" when S_loc is a multiple of the tile's
+    rows, else "st"). "paced" (any S_loc, not causal): persistent CTAs, each tile's O rows sent
+    evenly over the next tile's KV loop, for slow links (see the kernel's docstring).
     timestamps: optional int64 [B, H_loc, ceil(S / tile_m), 7], contiguous: a debug variant that
     stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns).
     """
@@ -259,14 +257,11 @@ def fa4_a2a_forward(
     aligned = S_loc % tile_m_for(q.shape[-1], causal) == 0
     if o_store is None:
         o_store = "tma" if aligned else "st"
-    elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
-        raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
-    if persistent is None:
-        persistent = False
-    elif not isinstance(persistent, bool):
-        raise ValueError(f"persistent: expected a bool or None, got {persistent!r}")
-    if persistent and causal:
-        raise ValueError("persistent: FA4 schedules causal tiles longest-first, one per CTA; got causal=True")
+    elif o_store not in ("tma", "st", "paced") or (o_store == "tma" and not aligned):
+        raise ValueError(f"o_store: {o_store!r} is not 'st', 'paced', or 'tma' with S_loc a multiple of the tile rows")
+    if o_store == "paced" and causal:
+        raise ValueError("o_store: 'paced' runs persistent CTAs; FA4 schedules causal tiles longest-first, "
+                         "got causal=True")
     if timestamps is not None:
         B, S = q.shape[0], q.shape[1]
         shape = (B, H_loc, -(-S // tile_m_for(q.shape[-1], causal)), 7)
@@ -274,7 +269,7 @@ def fa4_a2a_forward(
                 or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
                 or timestamps.device != q.device):
             raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
-    ctas = _num_sms(q.device) if persistent else None
+    ctas = _num_sms(q.device) if o_store == "paced" else None
     compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal, ctas, timestamps)
     if not _is_fake(q):
         compiled(q, k, v, dst, lse_dst, scale, seqused_k, timestamps)

@@ -33,7 +33,7 @@ def _windows(P, win_elems, dtype, host, keep):
 
 
 def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0, seqused=None, extra_keys=0,
-              with_lse=False, persistent=None, host=False):
+              with_lse=False, o_store=None, host=False):
     torch.manual_seed(1000 * P + S_loc + H_loc + D)
     S, H = P * S_loc, P * H_loc
     H_kv = kv_heads or H_loc
@@ -52,7 +52,7 @@ def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0,
         lses = [torch.empty(B, H_loc, S, device="cuda") for _ in range(P)]
     for r in range(P):
         fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk, lse_windows=lse_windows,
-                        persistent=persistent)
+                        o_store=o_store)
     outs = [fa4_forward(qs[r], ks[r], vs[r], causal=causal, seqused_k=sk, lse=None if lses is None else lses[r])
             for r in range(P)]
     torch.cuda.synchronize()
@@ -116,32 +116,32 @@ def test_fused_more_keys_than_queries():
     _run_case(2, 1, 256, 2, 128, torch.bfloat16, False, extra_keys=77)
 
 
-PERSISTENT_CASES = [
-    # P, B, S_loc, H_loc, D, dtype: more tiles than SMs, so CTAs run several tiles
-    (8, 2, 1024, 3, 128, torch.bfloat16),  # TMA path, 384 tiles
-    (4, 1, 320, 3, 128, torch.bfloat16),  # tiles straddle rank boundaries: per-thread stores
-    (8, 1, 100, 1, 128, torch.float16),  # S_loc < tile_m
-    (2, 2, 1536, 4, 64, torch.float16),  # D = 64 (tile_m 192), TMA path, 128 tiles
-    (8, 1, 1000, 3, 128, torch.bfloat16),  # straddling, 189 tiles
+PACED_CASES = [
+    # P, B, S_loc, H_loc, D, dtype, extra_keys: more tiles than SMs, so CTAs run several tiles
+    (8, 2, 1024, 3, 128, torch.bfloat16, 0),  # 384 tiles, 8 KV blocks each
+    (4, 1, 320, 3, 128, torch.bfloat16, 0),  # tiles straddle rank boundaries
+    (8, 1, 100, 1, 128, torch.float16, 0),  # S_loc < tile_m: a tile spans several ranks
+    (2, 2, 1536, 4, 64, torch.float16, 0),  # D = 64 (tile_m 192)
+    (8, 1, 1000, 3, 128, torch.bfloat16, 77),  # straddling, a partial last tile, ragged keys
+    (1, 3, 128, 64, 128, torch.bfloat16, 0),  # one KV block per tile: rows leave at the next epilogue
 ]
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["hbm", "host"])
-@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype", PERSISTENT_CASES)
-def test_persistent_matches_fa4_plus_reference_a2a(P, B, S_loc, H_loc, D, dtype, host):
-    _run_case(P, B, S_loc, H_loc, D, dtype, False, persistent=True, host=host)
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,extra_keys", PACED_CASES)
+def test_paced_matches_fa4_plus_reference_a2a(P, B, S_loc, H_loc, D, dtype, extra_keys, host):
+    _run_case(P, B, S_loc, H_loc, D, dtype, False, extra_keys=extra_keys, o_store="paced", host=host)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_fused_into_host_windows(persistent):
-    # FA4's scheduler and the persistent one, windows in pinned host memory, with LSE and GQA
-    _run_case(4, 1, 512, 4, 128, torch.bfloat16, False, kv_heads=2, with_lse=True, persistent=persistent,
-              host=True)
+@pytest.mark.parametrize("o_store", ["tma", "paced"])
+def test_fused_into_host_windows(o_store):
+    # windows in pinned host memory, with LSE and GQA
+    _run_case(4, 1, 512, 4, 128, torch.bfloat16, False, kv_heads=2, with_lse=True, o_store=o_store, host=True)
 
 
-def test_persistent_lse_and_seqused():
+def test_paced_lse_gqa_padded_windows_and_seqused():
     _run_case(4, 2, 384, 4, 128, torch.bfloat16, False, kv_heads=1, window_pad=4096, seqused=1400,
-              with_lse=True, persistent=True)
+              with_lse=True, o_store="paced")
 
 
 def test_timestamps_debug_variant():
@@ -153,20 +153,20 @@ def test_timestamps_debug_variant():
     out = fa4_forward(q, k, v)
     expected = _reference_windows([out] * P, P)[:, :, :, :H_loc]
     n_m = P * S_loc // tile_m_for(D)
-    for persistent in (False, True):
+    for o_store in ("tma", "paced"):
         ts = torch.zeros(B, H_loc, n_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
         windows = torch.full((P, B, S_loc, P * H_loc, D), POISON, device="cuda", dtype=torch.bfloat16)
-        fa4_a2a_forward(q, k, v, windows, 0, persistent=persistent, timestamps=ts)
+        fa4_a2a_forward(q, k, v, windows, 0, o_store=o_store, timestamps=ts)
         torch.cuda.synchronize()
         assert torch.equal(windows[:, :, :, :H_loc], expected)
         st = ts.view(-1, len(TIMESTAMP_FIELDS))
         f = {name: st[:, i] for i, name in enumerate(TIMESTAMP_FIELDS)}
         assert bool((f["cta_start"] > 0).all())
         for a, b in zip(TIMESTAMP_FIELDS[2:], TIMESTAMP_FIELDS[3:]):
-            assert bool((f[a] <= f[b]).all()), (a, b)
+            assert bool((f[a] <= f[b]).all()), (o_store, a, b)
         n_ctas = len(set(f["cta"].tolist()))
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert n_ctas == (min(sms, st.shape[0]) if persistent else st.shape[0])
+        assert n_ctas == (min(sms, st.shape[0]) if o_store == "paced" else st.shape[0])
 
 
 def test_tile_m_known():
