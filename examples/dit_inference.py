@@ -25,6 +25,12 @@ How the P ranks run:
 On ranks sharing one GPU the latencies are those of time-shared kernels: they check the code
 path, they do not predict multi-GPU speed. --ulysses-anything lets P not divide the token
 counts (those calls take diffusers' templated path with FA4 as the local attention).
+
+Measured (NVIDIA H200, 2026-12-03, `--model flux --nproc 2 --impls fused,serial --steps 3`: tiny
+Flux, 4096 image + 512 text tokens, bf16, 2 processes sharing the GPU): max error of the final
+latents against the fp32 single-device run 0.0362 for the single-device bf16 model, fused and
+serial alike (bit-identical latents); 6.38 ms/step on one device, 15.41 (fused) and 15.10
+(serial) ms/step time-shared.
 """
 
 from __future__ import annotations
