@@ -38,7 +38,6 @@ Output bit-identical to FA4's output moved by the reference A2A (tests/gpu/test_
 
 import inspect
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -51,10 +50,7 @@ from flash_attn.cute import utils
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
-from flash_attn.cute.tile_scheduler import StaticPersistentTileScheduler
 from flash_attn.cute.utils import AuxData
-
-from cute_kernels.remote_store import bulk_store_s2g
 from quack import copy_utils, layout_utils
 
 
@@ -80,69 +76,37 @@ def _assume_nested_aligned(t, *, canonicalize_singletons=False, align_bits=128):
     return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=strides))
 
 
-@lru_cache(maxsize=None)
-def _persistent_scheduler(num_ctas: int):
-    """FA4's static persistent scheduler with a grid of min(num_ctas, tiles) CTAs.
-
-    FA4's own get_grid_shape asks the driver for the SM count while tracing; here the count is a
-    compile-time fact (part of the compile key), so the kernel also compiles without a GPU.
-    """
-
-    class PersistentTileScheduler(StaticPersistentTileScheduler):
-        @staticmethod
-        def get_grid_shape(params, *, loc=None, ip=None):
-            return (cutlass.min(Int32(num_ctas), params.total_blocks_cluster), Int32(1), Int32(1))
-
-    return PersistentTileScheduler
-
-
 @contextmanager
-def _fa4_patched(persistent_ctas: Optional[int]):
-    """While FA4's __call__ is traced: let its alignment helper accept nested strides and, for a
-    persistent kernel, let its non-causal scheduler be the static persistent one."""
-    saved = _fa4_sm90.assume_tensor_aligned, _fa4_sm90.SingleTileScheduler
+def _nested_stride_alignment():
+    """While FA4's __call__ is traced, let its alignment helper accept nested strides."""
+    saved = _fa4_sm90.assume_tensor_aligned
     _fa4_sm90.assume_tensor_aligned = _assume_nested_aligned
-    if persistent_ctas is not None:
-        _fa4_sm90.SingleTileScheduler = _persistent_scheduler(persistent_ctas)
     try:
         yield
     finally:
-        _fa4_sm90.assume_tensor_aligned, _fa4_sm90.SingleTileScheduler = saved
+        _fa4_sm90.assume_tensor_aligned = saved
 
 
-O_STORES = ("tma", "st", "paced")
+O_STORES = ("tma", "st")
 _MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
-_OVERLAP_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma_one_n_block_intrawg_overlap)
-_ONE_BLOCK_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma_one_n_block)
 TIMESTAMP_FIELDS = ("smid", "cta", "cta_start", "epilogue", "sO_free", "store_issued", "end")
 
 
 class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     """FA4's SM90 forward whose output epilogue routes each O tile to its Ulysses rank.
 
-    Everything but the output path (and, for "paced", the tile scheduler) is FA4's (mainloop,
-    softmax, pipelines). The tile configuration is FA4's own choice for the head dim (see
-    fa_a2a.fused). o_store "paced" needs persistent_ctas (the SM count): see the module docstring.
+    Everything but the output path is FA4's (mainloop, softmax, scheduler, pipelines). The
+    tile configuration is FA4's own choice for the head dim (see fa_a2a.fused).
     timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
     """
 
-    def __init__(self, *args, o_store: str = "tma", persistent_ctas: Optional[int] = None,
-                 timestamps: bool = False, **kwargs):
+    def __init__(self, *args, o_store: str = "tma", timestamps: bool = False, **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
         if o_store not in O_STORES:
             raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
-        if (o_store == "paced") != (persistent_ctas is not None):
-            raise ValueError(f"persistent_ctas: an int >= 1 exactly when o_store='paced', got {persistent_ctas!r}")
-        if persistent_ctas is not None:
-            if isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int) or persistent_ctas < 1:
-                raise ValueError(f"persistent_ctas: expected an int >= 1, got {persistent_ctas!r}")
-            if kwargs.get("is_causal", False):
-                raise ValueError("o_store: 'paced' runs persistent CTAs; FA4 schedules causal tiles "
-                                 "longest-first, one per CTA")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
-        self.persistent_ctas = persistent_ctas
         self.timestamps = timestamps
         super().__init__(*args, **kwargs)
 
@@ -190,103 +154,19 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
             )
         # the stamps ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
         aux_data = AuxData([mTimes], None) if const_expr(self.timestamps) else AuxData()
-        with _fa4_patched(self.persistent_ctas):
+        with _nested_stride_alignment():
             super().__call__(
                 mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, aux_data=aux_data,
                 stream=stream,
             )
 
     def mma(self, *args, **kwargs):
-        """FA4's consumer warp groups; "paced" adds its O buffer, pending-tile slot and final flush."""
-        bound = _MMA_SIGNATURE.bind(self, *args, **kwargs)
-        a = bound.arguments
+        """FA4's consumer warp groups; the stamped build notes the CTA's start for its epilogues."""
         if const_expr(self.timestamps):
+            a = _MMA_SIGNATURE.bind(self, *args, **kwargs).arguments
             self._times = a["aux_data"].tensors[0]
             self._t_cta_start = cute.arch.globaltimer()
-        if const_expr(self.o_store == "paced"):
-            smem = cutlass.memory.SmemAllocator()
-            # O staging of its own (sQ is refilled with the next tile's Q while O drains); rows
-            # padded by 16 bytes: unswizzled rows for the row copies, no bank conflicts for stmatrix
-            row_elems = self.tile_hdimv + 128 // self.dtype.width
-            a["sO"] = self._sO = smem.allocate_tensor(
-                self.dtype, cute.make_layout((self.tile_m, self.tile_hdimv), stride=(row_elems, 1)),
-                byte_alignment=128,
-            )
-            self._row_bytes = row_elems * self.dtype.width // 8
-            # (m_block, head, batch, valid) of the tile whose O waits in sO, read by warp 4 only
-            self._pending = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-            self._mO = a["mO"]
-            self._clear_pending(self._pending)
-        super().mma(*bound.args[1:], **bound.kwargs)
-        if const_expr(self.o_store == "paced"):
-            # the CTA's last tile: its rows leave at once; smem must be read before the CTA exits
-            self._flush_pending(self._pending, a["sO"], Int32(0))
-
-    @cute.jit
-    def _clear_pending(self, pending: cute.Tensor):
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-            pending[3] = Int32(0)
-
-    @cute.jit
-    def _store_rows(self, pending: cute.Tensor, sO: cute.Tensor, r_lo: Int32, r_hi: Int32):
-        """Warp 4 copies rows [r_lo, r_hi) of the pending tile from sO to their ranks, one bulk
-        copy (cp.async.bulk, row_bytes of O) per row, lane l taking rows r_lo + l, r_lo + l + 32, ...;
-        rows past the sequence are skipped. Each lane commits its copies as one bulk group."""
-        mO = self._mO  # (s_loc, dv, h_loc, (b, p)) gmem
-        seqlen_loc = mO.shape[0]
-        num_ranks = mO.shape[3][1]
-        st = mO.layout.stride
-        m_block, head, batch = pending[0], pending[1], pending[2]
-        o_base = mO.iterator.toint()
-        s_base = sO.iterator.toint()
-        nbytes = Int32(self.tile_hdimv * self.dtype.width // 8)
-        for r in cutlass.range(r_lo + cute.arch.lane_idx(), r_hi, cute.arch.WARP_SIZE, unroll=1):
-            row = m_block * self.tile_m + r
-            if row < seqlen_loc * num_ranks:
-                dst = row // seqlen_loc
-                off = (Int64(row - dst * seqlen_loc) * Int64(st[0]) + Int64(head) * Int64(st[2])
-                       + Int64(batch) * Int64(st[3][0]) + Int64(dst) * Int64(st[3][1]))
-                bulk_store_s2g(o_base + off * (self.dtype.width // 8), s_base + r * self._row_bytes, nbytes)
-        cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def _flush_pending(self, pending: cute.Tensor, sO: cute.Tensor, r_lo: Int32):
-        """Warp 4: copy the pending tile's rows from r_lo on, then wait until every copy has read sO."""
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-            if pending[3] != 0:
-                self._store_rows(pending, sO, r_lo, Int32(self.tile_m))
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _pace_rows(self, pending: cute.Tensor, sO: cute.Tensor, n_block: Int32, seqlen):
-        """After KV block n_block of the current tile (non-causal: blocks n_iter-1 down to 0, the
-        first one handled before the loop), warp 4 copies the pending tile's rows of iteration
-        i = n_iter-1-n_block: rows [ceil((i-1)*tile_m/(n_iter-1)), ceil(i*tile_m/(n_iter-1))),
-        so that its O leaves evenly over iterations 1 .. n_iter-1."""
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-            if pending[3] != 0:
-                span = cute.ceil_div(seqlen.seqlen_k, self.tile_n) - 1
-                i = span - n_block
-                if i >= 1:
-                    r_lo = ((i - 1) * self.tile_m + span - 1) // span
-                    r_hi = (i * self.tile_m + span - 1) // span
-                    self._store_rows(pending, sO, r_lo, r_hi)
-
-    def mma_one_n_block_intrawg_overlap(self, *args, **kwargs):
-        bound = _OVERLAP_SIGNATURE.bind(self, *args, **kwargs)
-        out = super().mma_one_n_block_intrawg_overlap(*bound.args[1:], **bound.kwargs)
-        if const_expr(self.o_store == "paced"):
-            a = bound.arguments
-            self._pace_rows(self._pending, self._sO, a["n_block"], a["seqlen"])
-        return out
-
-    def mma_one_n_block(self, *args, **kwargs):
-        bound = _ONE_BLOCK_SIGNATURE.bind(self, *args, **kwargs)
-        out = super().mma_one_n_block(*bound.args[1:], **bound.kwargs)
-        if const_expr(self.o_store == "paced"):
-            a = bound.arguments
-            self._pace_rows(self._pending, self._sO, a["n_block"], a["seqlen"])
-        return out
+        super().mma(*args, **kwargs)
 
     @cute.jit
     def epilogue(
@@ -310,15 +190,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         # registers -> smem, as FA4 does
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if const_expr(self.o_store == "paced"):
-            # the previous tile's rows not yet sent (all of them when this tile had a single KV
-            # block) leave now, and warp 4 waits until every row copy has read sO
-            r_sent = Int32(self.tile_m)
-            if cute.ceil_div(seqlen.seqlen_k, self.tile_n) < 2:
-                r_sent = Int32(0)
-            self._flush_pending(self._pending, sO, r_sent)
-        # all MMA threads are done reading V (sO aliases sQ) or, "paced", the previous tile's O
-        # has left its own sO
+        # all MMA threads are done reading V (sO aliases sQ)
         cute.arch.barrier(
             barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
         )
@@ -376,26 +248,6 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                     t_issued = cute.arch.globaltimer()
                 # wait until smem has been read, not until the (remote) writes are visible
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-        elif const_expr(self.o_store == "paced"):
-            # sO complete and visible to the bulk-copy proxy; warp 4 marks it pending: its rows
-            # leave during the next tile's KV loop (_pace_rows) or at the CTA's end
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(
-                barrier_id=int(NamedBarrierFwd.Epilogue),
-                number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
-            )
-            pending = self._pending
-            if warp_idx == 4:
-                cute.arch.barrier(
-                    barrier_id=int(NamedBarrierFwd.Epilogue),
-                    number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
-                )
-                pending[0] = m_block
-                pending[1] = head_idx
-                pending[2] = batch_idx
-                pending[3] = Int32(1)
-                if const_expr(self.timestamps):
-                    t_issued = cute.arch.globaltimer()
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFwd.Epilogue),

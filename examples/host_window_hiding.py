@@ -5,15 +5,19 @@ stores reach them over PCIe, zero-copy), or in HBM for comparison. One source ra
 (rank 0 of P = 8 emulated ranks, bf16, D = 128, H_loc = 3 by default): FA4 alone, the post-A2A
 kernel alone, serial (FA4 then post-A2A), and the fused kernel's variants:
 
-    fused          FA4's scheduler (one tile per CTA), O staged in sQ, one TMA store per tile
-    fused-paced    persistent CTAs, O in its own smem buffer, its rows sent evenly over the
-                   next tile's KV loop (cute_kernels/fa4_a2a_sm90.py, o_store="paced")
+    fused          O staged in sQ, one TMA store per tile (the default path)
+    fused-st       per-thread 16-byte stores from sQ (the path of straddling S_loc)
 
 Every variant is first checked against serial bit for bit into NaN-poisoned windows. Times are
 CUDA-graph replay medians (graphs.time_graphs, inputs rotated past L2). Printed per row: time,
 ratio to FA4, hiding H = 1 - (T - T_FA)/(T_serial - T_FA), and a bound: FA4's tiles finish in
 ceil(tiles / SMs) waves at k*T_FA/waves, each wave's O drains at the A2A-only rate R after the
 previous wave's, so T >= max(T_FA, end of the last drain); H_bound is that bound's hiding.
+
+Contention probe (--contention): an attention kernel on half the SMs that stores nothing to
+host memory (the fused kernel, one window in HBM, one tile per CTA) runs alone, then beside the
+post-A2A kernel writing an 8K O into host (or HBM) windows from the other SMs, started 20 us
+later on a second stream of the same CUDA graph: do other SMs' PCIe writes slow its mainloop?
 
 With --stamp-seqlens, one launch of each variant's debug build per destination records per-tile
 %globaltimer stamps (CTA start, epilogue entry, sO free, store issued, epilogue end); the summary
@@ -37,7 +41,7 @@ from ulysses.transport import tensor_from_address
 
 VARIANTS = {
     "fused": dict(o_store="tma"),
-    "fused-paced": dict(o_store="paced"),
+    "fused-st": dict(o_store="st"),
 }
 
 
@@ -110,6 +114,41 @@ def stamp_summary(st, t_kernel_us):
     )
 
 
+def contention_probe(n_sms, P, H_loc, D, dt, tile_m):
+    """Per-tile mainloop (us) of a one-wave attention kernel alone and beside host / HBM stores."""
+    n_tiles = n_sms // 2
+    M1 = n_tiles * tile_m
+    q1, k1, v1 = (torch.randn(1, M1, 1, D, device="cuda", dtype=dt) for _ in range(3))
+    w1 = torch.empty(1, 1, M1, 1, D, device="cuda", dtype=dt)
+    o8 = torch.randn(1, 8192, H_loc, D, device="cuda", dtype=dt)
+    keep = []
+    wins = {dest: make_windows(dest, P, 8192 // P, P * H_loc, D, dt, keep) for dest in ("hbm", "host")}
+    side = torch.cuda.Stream()
+    out = {}
+    for cond in ("alone", "hbm", "host"):
+        ts = torch.zeros(1, 1, n_tiles, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
+
+        def body():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(40000)  # ~20 us: the attention CTAs are resident first
+                if cond != "alone":
+                    post_a2a(o8, wins[cond], 0)
+            fa4_a2a_forward(q1, k1, v1, w1, 0, o_store="tma", timestamps=ts)
+            cur.wait_stream(side)
+
+        graph = capture(body, 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        st = ts.view(-1, len(TIMESTAMP_FIELDS)).cpu()
+        f = {name: st[:, i] for i, name in enumerate(TIMESTAMP_FIELDS)}
+        main_us = ((f["epilogue"] - f["cta_start"]).double() / 1e3).tolist()
+        out[cond] = dict(tiles=n_tiles, mainloop_median_us=statistics.median(main_us),
+                         mainloop_max_us=max(main_us), mainloop_min_us=min(main_us))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="JSON file to write")
@@ -123,6 +162,7 @@ def main():
     ap.add_argument("--heads-per-rank", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--contention", action="store_true", help="run the contention probe too")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (SM90)")
@@ -159,12 +199,14 @@ def main():
                 exact[name] = bool(torch.equal(mine, ref))
             methods = {
                 "fa4": [lambda s=s: fa4_forward(s[0], s[1], s[2], s[3]) for s in sets],
-                "a2a": [lambda s=s: post_a2a(s[3], win, 0) for s in sets],
-                "serial": [lambda s=s: (fa4_forward(s[0], s[1], s[2], s[3]), post_a2a(s[3], win, 0)) for s in sets],
+                "a2a": [lambda s=s, w=win: post_a2a(s[3], w, 0) for s in sets],
+                "serial": [lambda s=s, w=win: (fa4_forward(s[0], s[1], s[2], s[3]), post_a2a(s[3], w, 0))
+                           for s in sets],
             }
             for name in args.variants:
                 kw = VARIANTS[name]
-                methods[name] = [lambda s=s, kw=kw: fa4_a2a_forward(s[0], s[1], s[2], win, 0, **kw) for s in sets]
+                methods[name] = [lambda s=s, kw=kw, w=win: fa4_a2a_forward(s[0], s[1], s[2], w, 0, **kw)
+                                 for s in sets]
             est_us = 184.0 * (M / 8192) ** 2 * H_loc / 3  # FA4 on an H200, for ~2 ms per replay
             n_calls = round_up(max(2, round(2000 / est_us)), len(sets))
             times = time_graphs(methods, n_calls=n_calls, trials=args.trials, warmup=2)
@@ -183,7 +225,7 @@ def main():
                 q, k, v, _ = sets[0]
                 for name in args.variants:
                     ts = torch.zeros(1, H_loc, M // tile_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
-                    run = lambda: fa4_a2a_forward(q, k, v, win, 0, timestamps=ts, **VARIANTS[name])
+                    run = lambda w=win, ts=ts, kw=VARIANTS[name]: fa4_a2a_forward(q, k, v, w, 0, timestamps=ts, **kw)
                     graph = capture(run, 1)  # a replay starts the kernel within a few us of its event
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
@@ -203,10 +245,18 @@ def main():
         for s in stamps:
             print(f"{s['M']} {s['dest']} {s['variant']}: " + ", ".join(
                 f"{k}={s[k]:.1f}" if isinstance(s[k], float) else f"{k}={s[k]}" for k in keys))
+    contention = None
+    if args.contention:
+        contention = contention_probe(n_sms, P, H_loc, D, dt, tile_m)
+        print("\ncontention probe: per-tile mainloop of a one-wave attention kernel (us, median / min / max):")
+        for cond, c in contention.items():
+            print(f"{cond}: {c['mainloop_median_us']:.1f} / {c['mainloop_min_us']:.1f} / {c['mainloop_max_us']:.1f}"
+                  f" ({c['tiles']} tiles)")
     card = torch.cuda.get_device_name()
     with open(args.out, "w") as fh:
         json.dump(dict(card=card, P=P, H_loc=H_loc, D=D, dtype="bf16", sms=n_sms, rows=rows,
-                       stamp_fields=TIMESTAMP_FIELDS, stamps=stamps, raw_stamps=raw), fh)
+                       stamp_fields=TIMESTAMP_FIELDS, stamps=stamps, raw_stamps=raw,
+                       contention=contention), fh)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ CUDA-graph capturable.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -89,9 +88,9 @@ def tile_m_for(head_dim: int, causal: bool = False) -> int:
     return _config(head_dim, causal).m_block_size
 
 
-def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, persistent_ctas=None, times=None):
+def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, times=None):
     """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st",
-    FA4's scheduler or `persistent_ctas` persistent CTAs, optionally with per-tile timestamps)."""
+    optionally the debug build with per-tile timestamps)."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
@@ -102,15 +101,14 @@ def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, persistent_c
     qhead_per_kvhead = q.shape[2] // k.shape[2]
     key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None)
     if kind != "fa4":
-        key += (persistent_ctas, times is not None)
+        key += (times is not None,)
     if key in _compile_cache:
         return _compile_cache[key]
     if kind == "fa4":
         fa = _make_kernel(FlashAttentionForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
     else:
         fa = _make_kernel(FlashAttentionA2AForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead,
-                          causal, o_store=kind.removeprefix("a2a-"), persistent_ctas=persistent_ctas,
-                          timestamps=times is not None)
+                          causal, o_store=kind.removeprefix("a2a-"), timestamps=times is not None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
     tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
@@ -127,13 +125,6 @@ def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, persistent_c
         )
     _compile_cache[key] = compiled
     return compiled
-
-
-def _num_sms(device: torch.device) -> int:
-    """SM count of the device (FA4's FLASH_ATTENTION_NUM_SMS, or 132, when compiling without one)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return int(os.environ.get("FLASH_ATTENTION_NUM_SMS", "132"))
 
 
 def _address(t: torch.Tensor) -> int:
@@ -233,9 +224,7 @@ def fa4_a2a_forward(
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
     lse_windows: optional fp32 [P, B, H, S_loc] (each window contiguous): the rows' log-sum-exp
     routed like O, lse_windows[s // S_loc][b, rank * H_loc + h, s % S_loc].
-    o_store: "tma" | "st" | "paced" | None (auto: "tma" when S_loc is a multiple of the tile's
-    rows, else "st"). "paced" (any S_loc, not causal): persistent CTAs, each tile's O rows sent
-    evenly over the next tile's KV loop, for slow links (see the kernel's docstring).
+    o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
     timestamps: optional int64 [B, H_loc, ceil(S / tile_m), 7], contiguous: a debug variant that
     stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns).
     """
@@ -257,11 +246,8 @@ def fa4_a2a_forward(
     aligned = S_loc % tile_m_for(q.shape[-1], causal) == 0
     if o_store is None:
         o_store = "tma" if aligned else "st"
-    elif o_store not in ("tma", "st", "paced") or (o_store == "tma" and not aligned):
-        raise ValueError(f"o_store: {o_store!r} is not 'st', 'paced', or 'tma' with S_loc a multiple of the tile rows")
-    if o_store == "paced" and causal:
-        raise ValueError("o_store: 'paced' runs persistent CTAs; FA4 schedules causal tiles longest-first, "
-                         "got causal=True")
+    elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
+        raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
     if timestamps is not None:
         B, S = q.shape[0], q.shape[1]
         shape = (B, H_loc, -(-S // tile_m_for(q.shape[-1], causal)), 7)
@@ -269,7 +255,6 @@ def fa4_a2a_forward(
                 or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
                 or timestamps.device != q.device):
             raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
-    ctas = _num_sms(q.device) if o_store == "paced" else None
-    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal, ctas, timestamps)
+    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal, timestamps)
     if not _is_fake(q):
         compiled(q, k, v, dst, lse_dst, scale, seqused_k, timestamps)

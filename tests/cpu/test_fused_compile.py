@@ -22,27 +22,24 @@ def test_compiles_without_gpu(D, causal, dtype):
         fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal)
         lse_windows = torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device="cuda")
         fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal, lse_windows=lse_windows)
-    assert ("a2a-tma", dtype, D, 1, causal, False, False, None, False) in fused._compile_cache
-    assert ("a2a-tma", dtype, D, 1, causal, False, True, None, False) in fused._compile_cache
-    assert ("a2a-st", dtype, D, 1, causal, False, False, None, False) in fused._compile_cache  # 320 % tile_m != 0
+    assert ("a2a-tma", dtype, D, 1, causal, False, False, False) in fused._compile_cache
+    assert ("a2a-tma", dtype, D, 1, causal, False, True, False) in fused._compile_cache
+    assert ("a2a-st", dtype, D, 1, causal, False, False, False) in fused._compile_cache  # 320 % tile_m != 0
 
 
 @pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)])
-def test_paced_and_timestamp_variants_compile(D, dtype):
-    # persistent CTAs with paced row copies (straddling and aligned S_loc), and the stamped builds
+def test_timestamp_variants_compile(D, dtype):
+    # the stamped debug builds of both O paths (straddling and aligned S_loc)
     with FakeTensorMode():
         P, B, H_loc = 4, 1, 3
         for S_loc in (320, 3 * fused.tile_m_for(D)):
             q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
             windows = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
-            fused.fa4_a2a_forward(q, q, q, windows, 1, o_store="paced")
             n_m = -(-P * S_loc // fused.tile_m_for(D))
             ts = torch.empty(B, H_loc, n_m, 7, dtype=torch.int64, device="cuda")
-            fused.fa4_a2a_forward(q, q, q, windows, 1, o_store="paced", timestamps=ts)
             fused.fa4_a2a_forward(q, q, q, windows, 1, timestamps=ts)
-    for key in (("a2a-paced", 132, False), ("a2a-paced", 132, True), ("a2a-st", None, True), ("a2a-tma", None, True)):
-        kind, ctas, stamped = key
-        assert (kind, dtype, D, 1, False, False, False, ctas, stamped) in fused._compile_cache
+    for kind in ("a2a-st", "a2a-tma"):
+        assert (kind, dtype, D, 1, False, False, False, True) in fused._compile_cache
 
 
 def _fake_inputs(**over):
@@ -81,8 +78,6 @@ def test_bad_inputs_name_the_argument():
             fused.fa4_forward(q, k3, k3)
         with pytest.raises(ValueError, match="lse_windows"):
             fused.fa4_a2a_forward(q, k, v, w, 0, lse_windows=torch.empty(2, 1, 4, 100, device="cuda"))
-        with pytest.raises(ValueError, match="o_store: 'paced' runs persistent CTAs"):
-            fused.fa4_a2a_forward(q, k, v, w, 0, causal=True, o_store="paced")
         with pytest.raises(ValueError, match="o_store: 'bulk' is not"):
             fused.fa4_a2a_forward(q, k, v, w, 0, o_store="bulk")
         with pytest.raises(ValueError, match="timestamps: expected a contiguous int64"):

@@ -116,32 +116,23 @@ def test_fused_more_keys_than_queries():
     _run_case(2, 1, 256, 2, 128, torch.bfloat16, False, extra_keys=77)
 
 
-PACED_CASES = [
-    # P, B, S_loc, H_loc, D, dtype, extra_keys: more tiles than SMs, so CTAs run several tiles
-    (8, 2, 1024, 3, 128, torch.bfloat16, 0),  # 384 tiles, 8 KV blocks each
-    (4, 1, 320, 3, 128, torch.bfloat16, 0),  # tiles straddle rank boundaries
-    (8, 1, 100, 1, 128, torch.float16, 0),  # S_loc < tile_m: a tile spans several ranks
-    (2, 2, 1536, 4, 64, torch.float16, 0),  # D = 64 (tile_m 192)
-    (8, 1, 1000, 3, 128, torch.bfloat16, 77),  # straddling, a partial last tile, ragged keys
-    (1, 3, 128, 64, 128, torch.bfloat16, 0),  # one KV block per tile: rows leave at the next epilogue
+HOST_CASES = [
+    # P, B, S_loc, H_loc, D, dtype, o_store: windows in pinned host memory (stores over PCIe)
+    (8, 1, 1024, 3, 128, torch.bfloat16, "tma"),
+    (8, 1, 1024, 3, 128, torch.bfloat16, "st"),
+    (4, 1, 320, 3, 128, torch.bfloat16, "st"),  # tiles straddle rank boundaries
+    (8, 1, 100, 1, 128, torch.float16, "st"),  # S_loc < tile_m: a tile spans several ranks
+    (2, 2, 1536, 4, 64, torch.float16, "tma"),  # D = 64 (tile_m 192)
 ]
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["hbm", "host"])
-@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,extra_keys", PACED_CASES)
-def test_paced_matches_fa4_plus_reference_a2a(P, B, S_loc, H_loc, D, dtype, extra_keys, host):
-    _run_case(P, B, S_loc, H_loc, D, dtype, False, extra_keys=extra_keys, o_store="paced", host=host)
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,o_store", HOST_CASES)
+def test_fused_into_host_windows(P, B, S_loc, H_loc, D, dtype, o_store):
+    _run_case(P, B, S_loc, H_loc, D, dtype, False, o_store=o_store, host=True)
 
 
-@pytest.mark.parametrize("o_store", ["tma", "paced"])
-def test_fused_into_host_windows(o_store):
-    # windows in pinned host memory, with LSE and GQA
-    _run_case(4, 1, 512, 4, 128, torch.bfloat16, False, kv_heads=2, with_lse=True, o_store=o_store, host=True)
-
-
-def test_paced_lse_gqa_padded_windows_and_seqused():
-    _run_case(4, 2, 384, 4, 128, torch.bfloat16, False, kv_heads=1, window_pad=4096, seqused=1400,
-              with_lse=True, o_store="paced")
+def test_fused_into_host_windows_lse_gqa():
+    _run_case(4, 1, 512, 4, 128, torch.bfloat16, False, kv_heads=2, with_lse=True, host=True)
 
 
 def test_timestamps_debug_variant():
@@ -153,7 +144,7 @@ def test_timestamps_debug_variant():
     out = fa4_forward(q, k, v)
     expected = _reference_windows([out] * P, P)[:, :, :, :H_loc]
     n_m = P * S_loc // tile_m_for(D)
-    for o_store in ("tma", "paced"):
+    for o_store in ("tma", "st"):
         ts = torch.zeros(B, H_loc, n_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
         windows = torch.full((P, B, S_loc, P * H_loc, D), POISON, device="cuda", dtype=torch.bfloat16)
         fa4_a2a_forward(q, k, v, windows, 0, o_store=o_store, timestamps=ts)
@@ -165,8 +156,7 @@ def test_timestamps_debug_variant():
         for a, b in zip(TIMESTAMP_FIELDS[2:], TIMESTAMP_FIELDS[3:]):
             assert bool((f[a] <= f[b]).all()), (o_store, a, b)
         n_ctas = len(set(f["cta"].tolist()))
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert n_ctas == (min(sms, st.shape[0]) if o_store == "paced" else st.shape[0])
+        assert n_ctas == st.shape[0]  # FA4's scheduler: one tile per CTA
 
 
 def test_tile_m_known():
