@@ -7,7 +7,7 @@ projection y = x W^T (+ bias) (+ per-head RMSNorm with weight on q and k) (+ int
 q and k) as quack's SM90 GEMM whose output tensor D *is* those P destination windows, so the
 epilogue's TMA store of each output tile is the pre-A2A (a peer store when window d is remote).
 
-Window layout written (the op layer's in-windows, fa_a2a.op._WindowPlan): per destination rank
+Window layout written (the op layer's in-windows, fa_a2a.forward._WindowPlan): per destination rank
 d a window holding q [B, N, H_loc, D], then k [B, N, H_kv_loc, D], then v (same), each
 contiguous; the P windows sit at one uniform stride W in this process's address space (VMM peer
 mapping, or P local buffers when ranks are emulated). Element (b, m, column n) of the GEMM goes to
@@ -22,7 +22,7 @@ h = p * H_loc + j. QKVWeights.from_linear gathers the weight rows for any other 
   computes the replicated columns instead of storing one column twice).
 
 Joint (text) rows and uneven S (ulysses/layout.py row order): joint rows are replicated, so rank
-r projects them with its own heads' weight rows only (QKVWeights with world_size 1) into its own
+r projects them with its own heads' weight rows only (QKVWeights.rank_slice) into its own
 window (windows[t][r:r+1]): q at row0 = S_pad, k and v at row0 = S (two calls: the q and k/v row
 offsets differ once S < S_pad). The rank holding padded sequence rows (s >= S) sends k and v of
 those rows to s + J: one more call with x[:, valid:] and row0 = r*S_loc + valid + J for k|v.
@@ -339,6 +339,23 @@ class QKVWeights:
         lo = sum(self.world_size * w for w in self.widths[:t])
         return lo, lo + self.world_size * self.widths[t]
 
+    def rank_slice(self, rank: int) -> "QKVWeights":
+        """The weights of destination `rank`'s heads alone (world_size 1): joint rows, which every
+        rank holds, go only into the rank's own window."""
+        rank = _check_int(rank, "rank", 0)
+        if rank >= self.world_size:
+            raise ValueError(f"rank: an int in [0, {self.world_size}) expected, got {rank}")
+        cols = []
+        for t, w in enumerate(self.widths):
+            lo = self.column_range(t)[0] + rank * w
+            cols.append(slice(lo, lo + w))
+        weight = torch.cat([self.weight[c] for c in cols])
+        bias = torch.cat([self.bias[c] for c in cols]) if self.bias is not None else None
+        norm_weight = None
+        if self.norm_weight is not None:
+            norm_weight = torch.cat([self.norm_weight[c] for c in cols[:2]])
+        return QKVWeights(weight, bias, norm_weight, 1, self.heads_loc, self.kv_heads_loc, self.head_dim)
+
     @classmethod
     def from_linear(cls, wq, wk, wv, *, head_dim: int, world_size: int, bq=None, bk=None, bv=None,
                     q_norm_weight=None, k_norm_weight=None,
@@ -540,6 +557,8 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     row0 = _check_int(row0, "row0", 0)
     if row0 + M > N:
         raise ValueError(f"row0: rows [row0, row0 + {M}) must lie in the windows' {N} rows, got {row0}")
+    if M == 0:
+        return  # e.g. a rank without padded rows
     epilogue = proj.norm_weight is not None or rope_cs is not None
     es = x.element_size()
     for g in _groups(proj, [w is not None for w in windows], epilogue):
@@ -621,6 +640,8 @@ def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *
             or out.dtype != x.dtype or out.stride(-1) != 1 or out.device != x.device):
         raise ValueError(f"out: [{B}, {M}, {n_total}] {x.dtype} on {x.device} with contiguous rows "
                          "expected")
+    if M == 0:
+        return
     import quack.gemm as quack_gemm
 
     epilogue = proj.norm_weight is not None or rope_cs is not None

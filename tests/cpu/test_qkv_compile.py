@@ -275,6 +275,25 @@ def test_row_slices_of_x_are_accepted():
         proj, _, windows, cs = _fake_problem(torch.bfloat16, 128, B=2)
         x = torch.empty_strided((2, 200, 256), (300 * 256, 256, 1), dtype=torch.bfloat16, device="cuda")
         K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs)
+        empty = torch.empty(2, 0, 256, dtype=torch.bfloat16, device="cuda")  # a rank without padded rows
+        K.qkv_a2a_projection(empty, proj, windows, 800, rope_cs=torch.empty(0, 128, device="cuda"))
         bad = torch.empty_strided((2, 200, 256), (300 * 256, 264, 1), dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="x: contiguous rows"):
             K.qkv_a2a_projection(bad, proj, windows, 0, rope_cs=cs)
+
+
+def test_rank_slice_is_one_rank_of_heads():
+    D, C, P = 64, 8, 4
+    wq, wk, wv = (torch.randn(8 * D, C, dtype=torch.bfloat16) for _ in range(3))
+    bq, bk, bv = (torch.randn(8 * D) for _ in range(3))
+    nq, nk = torch.randn(D), torch.randn(D)
+    proj = K.QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=P, bq=bq, bk=bk, bv=bv,
+                                    q_norm_weight=nq, k_norm_weight=nk)
+    own = proj.rank_slice(2)
+    rows = slice(4 * D, 6 * D)  # heads 4, 5
+    assert (own.world_size, own.heads_loc, own.kv_heads_loc) == (1, 2, 2)
+    assert torch.equal(own.weight, torch.cat([wq[rows], wk[rows], wv[rows]]))
+    assert torch.equal(own.bias, torch.cat([bq[rows], bk[rows], bv[rows]]))
+    assert torch.equal(own.norm_weight, torch.cat([nq.repeat(2), nk.repeat(2)]))
+    with pytest.raises(ValueError, match="rank: an int in"):
+        proj.rank_slice(4)
