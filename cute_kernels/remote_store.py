@@ -34,11 +34,12 @@ launcher) and the CTA asks for more than half an SM's shared memory, so one CTA 
 
 Measured with this kernel (H200, 2026-12-02, `python -m fa_a2a.calibrate`, notes/measurements.md),
 all on one GPU, so the destination is this GPU's HBM, not a peer link:
-  --dest local, vector stores: R 4245 GB/s, T_iss0 0.490 µs (K = 132, 32 KiB per CTA), Q 2.19 MiB;
-  --dest local --mode bulk (--quick): R 4337 GB/s, T_iss0 0.613 µs, Q 0.35 MiB (issue ends only
-  after the bulk engine read smem, so far less is accepted-but-not-drained);
-  --dest ipc (--quick, a buffer of another process on the same GPU): R 4406 GB/s, T_iss0 0.49 µs,
-  Q 2.03 MiB.
+  local HBM (then `--dest local`, now `hbm`), vector stores: R 4245 GB/s, T_iss0 0.490 µs
+  (K = 132, 32 KiB per CTA), Q 2.19 MiB;
+  the same, bulk stores (--quick): R 4337 GB/s, T_iss0 0.613 µs, Q 0.35 MiB (a burst's issue ends
+  only after the bulk engine read smem, so far less is accepted-but-not-drained);
+  a buffer of another process on the same GPU (then `--dest ipc`, now `cuda-ipc`, --quick):
+  R 4406 GB/s, T_iss0 0.49 µs, Q 2.03 MiB.
 """
 
 import functools

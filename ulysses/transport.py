@@ -539,18 +539,12 @@ class _Bootstrap:
     def _leaf(self, step, value, fd, deadline):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            while True:  # the root's listener exists from creation on; retry only transient refusals
-                try:
-                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    sock.connect(self.address)
-                    break
-                except (ConnectionRefusedError, FileNotFoundError) as exc:
-                    if time.monotonic() >= deadline:
-                        raise TransportSetupError(step, {0: f"did not answer rank {self.rank} "
-                                                            f"(its socket refused: {_reason(exc)})"}) from None
-                    time.sleep(0.05)
-                except socket.timeout:
-                    raise TransportSetupError(step, {0: f"did not answer rank {self.rank} (no accept)"}) from None
+            try:  # the root listens from before the ranks first met: a refusal means it is gone
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.connect(self.address)
+            except (OSError, ValueError) as exc:
+                raise TransportSetupError(step, {0: f"did not answer rank {self.rank} "
+                                                    f"(connecting: {_reason(exc)})"}) from None
             _send_msg(sock, {"rank": self.rank, "seq": self._seq, "step": step, "value": value},
                       [fd] if fd >= 0 else [])
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -625,8 +619,9 @@ class VmmTransport(Transport):
         self._rank = rank
         self._mappings: list[tuple[int, int, list]] = []  # (base, P*W, handles)
         self._bootstrap: Optional[_Bootstrap] = None
-        # Step 1, local: device, VMM and POSIX-fd support, the root's socket. Outcomes go to every
-        # rank in the one process-group exchange, so all ranks raise together or go on together.
+        # Step 1, local: device, VMM and POSIX-fd support, the root's socket (listening before the
+        # exchange, so a refused connection later means the root is gone). Outcomes go to every
+        # rank in the one process-group exchange: all ranks raise together or go on together.
         token = uuid.uuid4().hex[:16]
         problem, bus_id = None, None
         try:
@@ -634,34 +629,28 @@ class VmmTransport(Transport):
             if device.type != "cuda":
                 raise ValueError(f"device: VmmTransport needs a CUDA device, got {device}")
             bus_id = self._probe(device)
+            if rank == 0:
+                self._bootstrap = _Bootstrap(0, world_size, f"\0fa_a2a.{token}", setup_timeout_s)
         except Exception as exc:  # reported to every rank below
             problem = _reason(exc)
         info = {"token": token, "host": socket.gethostname(), "bus_id": bus_id, "problem": problem}
         infos = [None] * world_size
-        dist.all_gather_object(infos, info, group=self.group)
-        failures = {r: x["problem"] for r, x in enumerate(infos) if x["problem"]}
-        if failures:
-            raise TransportSetupError("VmmTransport set-up", failures)
-        hosts = sorted({x["host"] for x in infos})
-        if len(hosts) > 1:
-            raise ValueError(f"group: the VMM transport needs every rank on one host (its handles travel over "
-                             f"a Unix socket); the ranks are on {hosts}")
-        # Step 2: the root listens (its failure reaches the others as a bootstrap timeout).
-        address = f"\0fa_a2a.{infos[0]['token']}"
-        problem = None
         try:
-            self._bootstrap = _Bootstrap(rank, world_size, address, setup_timeout_s)
-        except Exception as exc:
-            problem = _reason(exc)
-        # Step 3: every rank can map every peer's GPU.
-        if problem is None:
+            dist.all_gather_object(infos, info, group=self.group)
+            failures = {r: x["problem"] for r, x in enumerate(infos) if x["problem"]}
+            if failures:
+                raise TransportSetupError("VmmTransport set-up", failures)
+            hosts = sorted({x["host"] for x in infos})
+            if len(hosts) > 1:
+                raise ValueError(f"group: the VMM transport needs every rank on one host (its handles travel "
+                                 f"over a Unix socket); the ranks are on {hosts}")
+            if rank != 0:
+                self._bootstrap = _Bootstrap(rank, world_size, f"\0fa_a2a.{infos[0]['token']}", setup_timeout_s)
+            # Step 2: every rank can map every peer's GPU.
             try:
                 problem = self._peer_problem([x["bus_id"] for x in infos])
             except Exception as exc:
                 problem = _reason(exc)
-        if self._bootstrap is None:
-            raise TransportSetupError("VmmTransport set-up", {rank: problem})
-        try:
             self._agree("VmmTransport peer access", problem)
             super().__init__(world_size, device, (rank,), timeout_s, setup_timeout_s)
         except BaseException:
@@ -704,17 +693,22 @@ class VmmTransport(Transport):
                     f"{', '.join(refused)} (cuDeviceCanAccessPeer)")
         return None
 
-    def _agree(self, step: str, problem: Optional[str], value=None, fd: int = -1):
+    def _agree(self, step: str, problem: Optional[str], value=None, fd: int = -1, label: Optional[str] = None):
         """One bootstrap step: every rank's outcome (and value, fd) to every rank; all raise
-        TransportSetupError together if any rank reports a problem. Returns (values, fds)."""
-        values, fds = self._bootstrap.allgather(step, {"problem": problem, "value": value}, fd)
+        TransportSetupError (about `label`, default the step) together if any rank reports a
+        problem. Returns (values, fds)."""
+        label = label or step
+        try:
+            values, fds = self._bootstrap.allgather(step, {"problem": problem, "value": value}, fd)
+        except TransportSetupError as exc:
+            raise TransportSetupError(label, exc.failures) from None
         failures = {r: v["problem"] for r, v in enumerate(values) if v["problem"]}
         if failures:
             for f in fds:
                 if f >= 0:
                     os.close(f)
-            self._bootstrap.broken = step
-            raise TransportSetupError(step, failures)
+            self._bootstrap.broken = label
+            raise TransportSetupError(label, failures)
         return [v["value"] for v in values], fds
 
     @property
@@ -734,7 +728,7 @@ class VmmTransport(Transport):
         cu = _cu()
         P, me = self.world_size, self._rank
         W = _round_up(nbytes, self._granularity)
-        step = f"windows {name}"
+        label = f"windows {name}"
         handle, fd, problem = None, -1, None
         imported: list = []
         base, mapped = None, []
@@ -762,7 +756,8 @@ class VmmTransport(Transport):
                     "cuMemExportToShareableHandle"))
             except Exception as exc:
                 problem = _reason(exc)
-            tags, fds = self._agree(step, problem, [name, W], fd)
+            # (the step name is the same for every allocation: differing calls are told apart below)
+            tags, fds = self._agree("windows", problem, [name, W], fd, label=label)
             if any(t != tags[0] for t in tags):
                 raise TransportSetupError("windows(): the ranks' calls differ, they must match",
                                           {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
@@ -800,7 +795,7 @@ class VmmTransport(Transport):
                     os.close(f)
             fds = []
             # every rank mapped and zeroed its window before anyone stores into a peer's
-            self._agree(f"{step} mapping", problem)
+            self._agree("windows mapping", problem, label=f"{label} mapping")
         except BaseException as exc:
             release()
             if isinstance(exc, TransportSetupError):
@@ -828,23 +823,21 @@ class VmmTransport(Transport):
             raise first
 
     def close(self) -> None:
-        """Unmap everything. Collective: peers may still be writing until the host barrier; a
-        transport that failed skips that barrier (its peers may be gone)."""
+        """Unmap and release everything. Collective when healthy: a host barrier first, so peers
+        have finished storing into this rank's windows. A transport that failed skips it, and a
+        barrier that fails (a peer failed or is gone) is not raised: this rank's unmapping is
+        safe either way (a peer's mapping keeps the memory alive until the peer unmaps it)."""
         if self.closed:
             return
-        barrier_error = None
         if self._mappings:
             try:
                 self._usable("close")
                 torch.cuda.synchronize(self.device)
                 self.host_barrier()
-            except Exception as exc:
-                barrier_error = exc
-        failed_before = self._failure is not None and self._failure is not barrier_error
+            except Exception:
+                pass
         super().close()
         self._release_all()
-        if barrier_error is not None and not failed_before:
-            raise barrier_error
 
 
 _transports: dict = {}

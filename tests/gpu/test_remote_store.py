@@ -81,11 +81,11 @@ def test_grid_barrier_orders_aligned_bursts():
 
 
 def test_ipc_destination_reaches_owner():
-    from fa_a2a.calibrate import IpcPeerBuffer
+    from fa_a2a.calibrate import CudaIpcPeerBuffer
 
     k, b = _n_sm(), 32768
     seed = _seed(k, b, "vector")
-    with IpcPeerBuffer(k * b // 4) as peer:
+    with CudaIpcPeerBuffer(k * b // 4) as peer:
         peer.tensor.fill_(POISON)
         run_bursts(peer.tensor, num_ctas=k, bytes_per_cta=b, n_bursts=1, seed=seed)
         torch.cuda.synchronize()
