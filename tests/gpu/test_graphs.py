@@ -1,9 +1,10 @@
 """graphs.timing on a GPU: known-duration workloads time sanely, replays compute what eager calls
-compute (each input set, the right number of times), and the barrier bounds every replay."""
+compute (each input set, the right number of times), the barrier bounds every replay, and eager
+wall time covers the GPU work (and exceeds the graph time when the host path dominates)."""
 import pytest
 import torch
 
-from graphs import GpuClockMonitor, capture, time_graphs
+from graphs import GpuClockMonitor, capture, time_eager, time_graphs
 
 
 def _sleep_fn(cycles):
@@ -108,3 +109,19 @@ def test_clock_monitor_reads_the_gpu():
     clock, temp = mon.sample("x")
     assert 100 < clock < 3000 and 0 < temp < 120
     assert mon.device_info().get("max_sm_clock_mhz", 0) >= clock
+
+
+def test_eager_wall_time_covers_gpu_work_and_shows_host_cost():
+    c = 1_000_000  # ~0.5 ms of GPU time per call: GPU-bound, eager ~ graph
+    g = sorted(time_graphs({"s": _sleep_fn(c)}, n_calls=4, trials=3, warmup=1)["s"])[1]
+    e = sorted(time_eager({"s": _sleep_fn(c)}, n_calls=4, trials=3)["s"])[1]
+    assert 0.97 * g < e < 1.5 * g, (g, e)
+    x = torch.zeros(1, device="cuda")
+    calls = []
+    fns = [lambda: (calls.append(1), x.add_(1)), lambda: (calls.append(2), x.add_(2))]
+    t = time_eager({"tiny": fns}, n_calls=50, trials=2)
+    assert calls == [1, 2] * 50  # 2 trials of 50 calls, call i runs fn[i % k]
+    torch.cuda.synchronize()
+    assert x.item() == 50 * 1 + 50 * 2
+    g = sorted(time_graphs({"tiny": lambda: x.add_(1)}, n_calls=50, trials=3, warmup=1)["tiny"])[1]
+    assert min(t["tiny"]) > g  # a ~2 us kernel launched from Python costs more than its replay
