@@ -86,9 +86,9 @@ def check_ranks(P, group, rank, *, impls=IMPLS, cases=CASES):
         want, want_joint = emulated_post_a2a(L, [fa4_forward(q, k, v, causal=causal, seqused_k=used) for q, k, v in heads])
         n = L.valid_rows(rank)
         for impl in impls:
-            if impl in ("fused", "serial"):
-                _poison_own_windows(get_transport(group), rank)
             try:
+                if impl in ("fused", "serial"):
+                    _poison_own_windows(get_transport(group), rank)
                 res = ulysses_attention(*(s[rank] for s in shards), group=group, impl=impl, joint=joint,
                                         causal=causal, seq_len=S)
             except ValueError as e:  # only the "symm" backend may refuse, and only for this reason
