@@ -6,7 +6,10 @@ with diffusers' native backend and with fa-a2a's (impl "reference" and "nccl"): 
 must agree to atol 1e-5, on even lengths and with ulysses_anything=True on uneven ones (63 image +
 7 text tokens). The backend counts its calls per route and the Ulysses op is wrapped to record
 the rows each call saw, so a run that silently did not shard (or took the wrong route) fails.
-The same through cache-dit's context parallelism when cache-dit is installed.
+The same through cache-dit's context parallelism (`cache_dit.enable_cache(model,
+parallelism_config=ParallelismConfig(ulysses_size=P, attention_backend=name))`) when cache-dit is
+installed; also ring degree P (diffusers' templated ring over the backend's local op) and
+enable_ulysses applied twice (refused).
 
 Test shims make diffusers' CP run on a CPU torch with gloo (none changes the arithmetic):
 torch.accelerator.device_count() is 0 there (diffusers divides by it); gloo's all_gather refuses
@@ -185,8 +188,6 @@ def _check_models(P, group, rank):
                 err = (model(**xm)[0] - ref).abs().max().item()
                 assert err <= ATOL, f"{what} with a text mask: max error {err:.3g}"
                 assert backend.route_counts(names["reference"]) == {"templated": n_cp}
-
-
     _check_ring(P, rank)
     _check_applied_twice()
 
@@ -227,8 +228,8 @@ def test_models_match_single_device_under_diffusers_cp(P):
 
 
 def _check_cache_dit(P, group, rank):
+    import cache_dit
     from cache_dit import ParallelismConfig
-    from cache_dit.distributed.dispatch import enable_parallelism
 
     _cpu_shims()
     record = _RecordRows()
@@ -239,7 +240,7 @@ def _check_cache_dit(P, group, rank):
         model = MODELS[model_name][0]().eval()
         x = MODELS[model_name][1](*EVEN, torch.Generator().manual_seed(1))
         ref = model(**x)[0]
-        enable_parallelism(model, ParallelismConfig(ulysses_size=P, attention_backend=name))
+        cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(ulysses_size=P, attention_backend=name))
         backend.route_counts(name, reset=True)
         record.rows.clear()
         out = model(**x)[0]
