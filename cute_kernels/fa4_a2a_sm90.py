@@ -34,6 +34,29 @@ notes/measurements.md): `python -m fa_a2a.bench`, per-trial paired T_fused / T_F
 `examples/fused_speed.py` (lower of two medians) gave 1.0006, 1.0012, 1.0015, 1.0079 at 8K-64K,
 its two 64K repeats of the fused kernel 0.7% apart. The per-thread-store path costs 1.008-1.013.
 Output bit-identical to FA4's output moved by the reference A2A (tests/gpu/test_fused_a2a.py).
+
+A slow destination does not get hidden (H200, 2026-12-03, bf16, D=128, H_loc=3, emulated P=8,
+windows in pinned host memory reached over PCIe at 52 GB/s; `examples/host_window_hiding.py`,
+CUDA-graph medians, fused == serial bit for bit). T_FA4 / T_A2A-only / T_serial / T_fused, us:
+M=8K 184.5 / 121.8 / 308.4 / 296.0 (hiding H = 10%), 16K 562.4 / 247.7 / 801.1 / 776.3 (10%),
+32K 2248.5 / 491.1 / 2727.0 / 2643.5 (17%); the wave bound (SMs never wait, each wave's O drains
+at the A2A-only rate after the previous one's) is 222.5 / 639.8 / 2317.6 us (H = 69 / 68 / 86%).
+Per-tile %globaltimer stamps (the `timestamps` debug build) say why, at M=8K: first-wave CTAs
+wait 0.7-54 us (median 29) for the bulk store's smem read; the next CTA on an SM starts 0.6 us
+after the previous one ends; but the second wave's mainloops take 138-164 us (median 162) against
+89 us with windows in HBM. While the first wave's 4.3 MB drain (~83 us), those tiles compute at
+~11% speed: loads stall behind the pending PCIe writes, not the CTA behind its store. Two levers
+that take the store off the CTA's path were measured and dropped:
+- persistent CTAs (FA4's static persistent scheduler, grid = SM count), O in its own smem buffer,
+  the store's read waited for only before the next tile's O is staged (commit 536c050): the CTA
+  moves on at once (0.1 us) but its next mainloop takes 161 us (88 in HBM); T = 294.9 / 774.2 /
+  2730.8 us on host, and T / T_FA4 = 1.006 / 1.013 / 1.018 at 8K / 16K / 32K in HBM;
+- the same with O's rows sent by bulk copies evenly over the next tile's KV loop, at about the
+  link's per-SM share (commit 1dfa76e): next mainloop 163 us on host, and the per-iteration issue
+  in the MMA warp slows the mainloop itself (115 vs 89 us in HBM): T = 304.9 / 848.8 / 2806.5 us
+  on host, T / T_FA4 = 1.19 - 1.22 in HBM at 8K-64K.
+So the per-thread "st" path (which never waits on a bulk read) is no better than "tma" either:
+what stalls is compute sharing the memory system with stores that the link cannot take.
 """
 
 import inspect
