@@ -13,6 +13,8 @@ _EXPORTS = {
     "fa4_forward": "fa_a2a.fused",
     "fa4_a2a_forward": "fa_a2a.fused",
     "PlatformModel": "fa_a2a.xstage",
+    "register_diffusers_backend": "fa_a2a.diffusers_backend",
+    "enable_ulysses": "fa_a2a.diffusers_backend",
 }
 
 __all__ = sorted(_EXPORTS)
