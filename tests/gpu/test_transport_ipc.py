@@ -7,7 +7,8 @@ their next barrier() / windows() is refused naming the missing rank (no check() 
 check() names it too.
 
 Injected set-up failures (one rank's cuMemCreate out of memory, one rank's cuMemMap failing, a
-refused peer-access check, windows() calls that differ, a rank late past the set-up timeout):
+refused peer-access check, ranks on two hosts, windows() calls that differ, a rank late past the
+set-up timeout):
 every rank raises TransportSetupError naming the rank, within the timeout, and the failed
 allocation leaves no GPU memory behind (1 GiB windows against the device's free memory).
 
@@ -160,6 +161,16 @@ def _setup_failures(P, group, rank):
         expect(lambda: VmmTransport(group), "rank 1: GPU", "cannot access the memory of rank 0")
     finally:
         tr._can_access_peer = real_peer
+    dist.barrier(group=group)
+    # 3b: ranks on two hosts (rank 1 reports another host name): refused on every rank.
+    real_host = tr.socket.gethostname
+    if rank == 1:
+        tr.socket.gethostname = lambda: "another-host"
+    try:
+        with pytest.raises(ValueError, match="group: the VMM transport needs every rank on one host"):
+            VmmTransport(group)
+    finally:
+        tr.socket.gethostname = real_host
     dist.barrier(group=group)
     # 4: windows() calls that differ between the ranks.
     t = VmmTransport(group, setup_timeout_s=20)
