@@ -170,6 +170,25 @@ def qk_rope_epi_nobias(acc, cs):
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
+@gemm_epilogue(
+    ops={"cs": rotary_cos_sin_load("cs"), "qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"),
+         "b": RowVecLoad("b"), "rot": RowVecLoad("rot"), "sel": RowVecLoad("sel")},
+    prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair",
+)
+def qkv_bias_norm_rope_epi(acc, cs, qk, w, b, rot, sel):
+    """qk_bias_norm_rope_epi over q|k|v in one launch. Row vectors: on q and k columns w = the
+    head's norm weight, rot = 1, sel = 0; on v columns w = 0, rot = 0, sel = 1, where the result
+    is acc + b exactly (x * rstd * 0 = +-0, RoPE with cos 1 and sin +-0)."""
+    x = acc + b
+    x1, x2 = unpack(x * qk * w + x * sel)
+    c, s = unpack(cs)
+    r1, _ = unpack(rot)
+    v1, _ = unpack(sel)
+    c = c * r1 + v1
+    s = s * r1
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
 # (bias, norm, rope) -> epilogue of the q|k columns; (.., False, False) is the default class
 _QK_EPILOGUES = {
     (False, True, True): qk_rope_epi,
@@ -179,7 +198,17 @@ _QK_EPILOGUES = {
     (False, False, True): qk_rope_epi_nobias,
     (True, False, True): rope_table_epi,
 }
-_UNPINNED_KINDS = {"bias": "row"}  # rope_table_epi's bias operand is inferred by quack as a row vector
+_UNPINNED_KINDS = {"bias": "row"}
+
+
+def _epilogue_mod(bias: bool, norm: bool, rope: bool, one_launch: bool):
+    if one_launch:
+        if not (bias and norm and rope):
+            raise ValueError("one_launch: bias, norm weights and rope_cs expected (the one-launch "
+                             f"epilogue is bias + RMSNorm + RoPE), got bias={bias}, norm={norm}, "
+                             f"rope={rope}")
+        return qkv_bias_norm_rope_epi
+    return _QK_EPILOGUES[(bias, norm, rope)]  # rope_table_epi's bias operand is inferred by quack as a row vector
 
 
 def _mint(mod, values):
@@ -199,11 +228,12 @@ def _mint(mod, values):
     return mod._mint(visit_sig, 9, paired, False, prepass_sig, RoundingMode.RN, arg_forms, False)
 
 
-def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs):
+def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel=None):
     """epi_args of `mod`; an inferred (unpinned) row vector must be (l, n) for quack."""
     if bias is not None and bias.dim() == 1 and any(n not in mod.ops for n in mod.operand_names):
         bias = bias.unsqueeze(0)
-    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs}
+    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs,
+               "rot": rot, "sel": sel}
     return {name: by_name[name] for name in mod.operand_names}
 
 
@@ -250,8 +280,9 @@ class _Kernel(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
                        bias_dtype: Optional[torch.dtype], norm: bool, rope: bool,
-                       config: GemmConfig) -> _Kernel:
-    """Compile (once per key: every argument) the rank-window GEMM for one launch group.
+                       config: GemmConfig, one_launch: bool = False) -> _Kernel:
+    """Compile (once per key: every argument) the rank-window GEMM for one launch group
+    (one_launch: q|k|v with qkv_bias_norm_rope_epi, which needs bias, norm and rope).
 
     width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
     ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
@@ -266,13 +297,14 @@ def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
         assumed_align=16,
     )
     if norm or rope:
-        mod = _QK_EPILOGUES[(bias_dtype is not None, norm, rope)]
+        mod = _epilogue_mod(bias_dtype is not None, norm, rope, one_launch)
         # CPU stand-ins: host_arg_key reads only dtype, rank and the last extent
+        vec = torch.empty(1, dtype=torch.float32)
         dummies = _epilogue_values(
             mod,
             bias=torch.empty(1, dtype=bias_dtype) if bias_dtype is not None else None,
-            norm_weight=torch.empty(1, dtype=torch.float32), head_dim=head_dim,
-            rope_cs=torch.empty(1, head_dim, dtype=torch.float32),
+            norm_weight=vec, head_dim=head_dim,
+            rope_cs=torch.empty(1, head_dim, dtype=torch.float32), rot=vec, sel=vec,
         )
         cls = _rank_window_class(_mint(mod, dummies))
         fctx = FakeArgCtx(m, n, k, l, True, False)
@@ -338,6 +370,19 @@ class QKVWeights:
         """GEMM columns [lo, hi) of tensor t (0 = q, 1 = k, 2 = v)."""
         lo = sum(self.world_size * w for w in self.widths[:t])
         return lo, lo + self.world_size * self.widths[t]
+
+    @functools.cached_property
+    def one_launch_vectors(self) -> tuple:
+        """fp32 row vectors (w, rot, sel) over all columns for qkv_bias_norm_rope_epi: the norm
+        weight (0 on v), 1 on q|k (0 on v), 1 on v (0 on q|k). Built on first use."""
+        if self.norm_weight is None:
+            raise ValueError("proj: norm weights expected for the one-launch epilogue")
+        n_qk, n = self.column_range(1)[1], self.weight.shape[0]
+        w = torch.zeros(n, dtype=torch.float32, device=self.weight.device)
+        w[:n_qk] = self.norm_weight
+        rot = torch.zeros_like(w)
+        rot[:n_qk] = 1.0
+        return w, rot, 1.0 - rot
 
     def rank_slice(self, rank: int) -> "QKVWeights":
         """The weights of destination `rank`'s heads alone (world_size 1): joint rows, which every
@@ -447,13 +492,14 @@ def _head_rows(index, P: int, name: str) -> list:
 
 
 # ---- launch --------------------------------------------------------------------------------------
-def _groups(proj: QKVWeights, present: Sequence[bool], epilogue: bool) -> list:
-    """Launch groups: runs of consecutive present tensors with one epilogue and one width."""
+def _groups(proj: QKVWeights, present: Sequence[bool], epilogue: bool, one_launch: bool) -> list:
+    """Launch groups: runs of consecutive present tensors with one epilogue and one width.
+    Epilogue per tensor: None (bias only), "qk" (_QK_EPILOGUES) or "qkv" (one launch)."""
     groups = []
     for t in range(3):
         if not present[t]:
             continue
-        epi_t = epilogue and t < 2
+        epi_t = ("qkv" if one_launch else ("qk" if t < 2 else None)) if epilogue else None
         g = groups[-1] if groups else None
         if g and g["ts"][-1] == t - 1 and g["epi"] == epi_t and proj.widths[t] == g["width"]:
             g["ts"].append(t)
@@ -478,9 +524,12 @@ def _address(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size() if _is_fake(t) else t.data_ptr()
 
 
-def _check_inputs(x, proj, rope_cs, config):
+def _check_inputs(x, proj, rope_cs, config, one_launch):
     if not isinstance(proj, QKVWeights):
         raise ValueError(f"proj: a QKVWeights expected, got {type(proj).__name__}")
+    if one_launch and (proj.bias is None or proj.norm_weight is None or rope_cs is None):
+        raise ValueError("one_launch: bias, norm weights and rope_cs expected (the one-launch "
+                         "epilogue is bias + RMSNorm + RoPE)")
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x: a [B, M, C] tensor expected, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -504,7 +553,7 @@ def _check_inputs(x, proj, rope_cs, config):
 
 
 def _group_config(config, g, proj):
-    cfg = config if config is not None else default_config(g["width"], proj.head_dim, g["epi"])
+    cfg = config if config is not None else default_config(g["width"], proj.head_dim, bool(g["epi"]))
     if g["width"] % cfg.tile_n or (g["epi"] and cfg.tile_n % proj.head_dim):
         raise ValueError(f"config: tile_n must divide h_t*D = {g['width']}"
                          f"{' and be a multiple of D' if g['epi'] else ''}, got {cfg.tile_n}")
@@ -512,16 +561,27 @@ def _group_config(config, g, proj):
 
 
 def _group_values(proj, g, rope_cs):
+    """Columns [lo, hi) of the group and its epilogue values (sliced row vectors)."""
     lo = proj.column_range(g["ts"][0])[0]
     hi = proj.column_range(g["ts"][-1])[1]
-    bias = proj.bias[lo:hi] if proj.bias is not None else None
-    norm_weight = proj.norm_weight[lo:hi] if (g["epi"] and proj.norm_weight is not None) else None
-    return lo, hi, bias, norm_weight, (rope_cs if g["epi"] else None)
+    values = dict(bias=proj.bias[lo:hi] if proj.bias is not None else None, norm_weight=None,
+                  rope_cs=rope_cs if g["epi"] else None, rot=None, sel=None)
+    if g["epi"] == "qkv":
+        values["norm_weight"], values["rot"], values["sel"] = (
+            v[lo:hi] for v in proj.one_launch_vectors)
+    elif g["epi"] and proj.norm_weight is not None:
+        values["norm_weight"] = proj.norm_weight[lo:hi]
+    return lo, hi, values
+
+
+def _group_mod(g, values):
+    return _epilogue_mod(values["bias"] is not None, values["norm_weight"] is not None,
+                         values["rope_cs"] is not None, g["epi"] == "qkv")
 
 
 def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
                        row0: int, *, rope_cs: Optional[torch.Tensor] = None,
-                       config: Optional[GemmConfig] = None) -> None:
+                       config: Optional[GemmConfig] = None, one_launch: bool = False) -> None:
     """y = x W^T (+ bias) (q, k: + per-head RMSNorm with weight, + interleaved RoPE), stored as the
     Ulysses pre-A2A: rows [row0, row0 + M) of every destination window.
 
@@ -530,10 +590,12 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     multiple of 16 bytes); an entry None skips that tensor (e.g. joint rows, whose q and k/v rows
     differ: launch q and k|v separately with their row0). rope_cs: fp32 [M, D] interleaved
     (cos, sin) pairs of these rows' positions (see interleaved_cos_sin), or None for no RoPE.
-    The norm applies when proj has norm weights. Graph-capturable; no host sync. On fake tensors
-    (FakeTensorMode) it compiles and checks without launching.
+    The norm applies when proj has norm weights. one_launch: q, k and v in one launch of
+    qkv_bias_norm_rope_epi (bias + norm + RoPE on q and k, v passed through exactly) instead of
+    q|k and v apart: one grid instead of two partial waves. Graph-capturable; no host sync. On
+    fake tensors (FakeTensorMode) it compiles and checks without launching.
     """
-    _check_inputs(x, proj, rope_cs, config)
+    _check_inputs(x, proj, rope_cs, config, one_launch)
     if not isinstance(windows, (tuple, list)) or len(windows) != 3 or all(w is None for w in windows):
         raise ValueError("windows: a tuple (dq, dk, dv) with at least one tensor expected")
     B, M, _ = x.shape
@@ -561,7 +623,7 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
         return  # e.g. a rank without padded rows
     epilogue = proj.norm_weight is not None or rope_cs is not None
     es = x.element_size()
-    for g in _groups(proj, [w is not None for w in windows], epilogue):
+    for g in _groups(proj, [w is not None for w in windows], epilogue, one_launch):
         # split a group where the windows of its tensors are not one uniform-stride block
         runs = [[g["ts"][0]]]
         for t in g["ts"][1:]:
@@ -585,17 +647,16 @@ def _launch_group(x, proj, windows, g, row0, rope_cs, config):
     cfg = _group_config(config, g, proj)
     kern = compile_projection(x.dtype, width, proj.head_dim,
                               proj.bias.dtype if proj.bias is not None else None,
-                              g["epi"] and proj.norm_weight is not None,
-                              g["epi"] and rope_cs is not None, cfg)
+                              g["epi"] is not None and proj.norm_weight is not None,
+                              g["epi"] is not None and rope_cs is not None, cfg, g["epi"] == "qkv")
     if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
         return
-    lo, hi, bias, norm_weight, cs = _group_values(proj, g, rope_cs)
+    lo, hi, gv = _group_values(proj, g, rope_cs)
+    bias = gv["bias"]
     weight = proj.weight[lo:hi].unsqueeze(0)
     sched = _scheduler_args(kern.cluster_size, x.device.index or 0)
     if kern.call_ops:
-        mod = _QK_EPILOGUES[(bias is not None, norm_weight is not None, cs is not None)]
-        values = _epilogue_values(mod, bias=bias, norm_weight=norm_weight, head_dim=proj.head_dim,
-                                  rope_cs=cs)
+        values = _epilogue_values(_group_mod(g, gv), head_dim=proj.head_dim, **gv)
         fields = dict.fromkeys(kern.epi_type._fields)
         for name, op, key in kern.call_ops:
             value = values[name]
@@ -629,11 +690,11 @@ def rank_window_view(tensors: Sequence[torch.Tensor], row0: int, batch: int, row
 
 def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *,
                          rope_cs: Optional[torch.Tensor] = None,
-                         config: Optional[GemmConfig] = None) -> None:
+                         config: Optional[GemmConfig] = None, one_launch: bool = False) -> None:
     """The same projection through quack's own kernels (same launch groups, tile configuration
     and epilogues) writing a plain out [B, M, N_total] (columns in proj.weight's order): the
     baseline the fused kernel is compared with, bit for bit and in time. Needs a GPU."""
-    _check_inputs(x, proj, rope_cs, config)
+    _check_inputs(x, proj, rope_cs, config, one_launch)
     B, M, _ = x.shape
     n_total = proj.weight.shape[0]
     if (not isinstance(out, torch.Tensor) or tuple(out.shape) != (B, M, n_total)
@@ -645,15 +706,15 @@ def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *
     import quack.gemm as quack_gemm
 
     epilogue = proj.norm_weight is not None or rope_cs is not None
-    for g in _groups(proj, [True, True, True], epilogue):
+    for g in _groups(proj, [True, True, True], epilogue, one_launch):
         cfg = _group_config(config, g, proj)
-        lo, hi, bias, norm_weight, cs = _group_values(proj, g, rope_cs)
+        lo, hi, gv = _group_values(proj, g, rope_cs)
+        bias = gv["bias"]
         for b in range(B):
             A, Bw, Dv = x[b:b + 1], proj.weight[lo:hi].unsqueeze(0), out[b:b + 1, :, lo:hi]
             if g["epi"]:
-                mod = _QK_EPILOGUES[(bias is not None, norm_weight is not None, cs is not None)]
-                values = _epilogue_values(mod, bias=bias, norm_weight=norm_weight,
-                                          head_dim=proj.head_dim, rope_cs=cs)
+                mod = _group_mod(g, gv)
+                values = _epilogue_values(mod, head_dim=proj.head_dim, **gv)
                 mod.gemm(A, Bw, Dv, epi_args=values, tile_M=cfg.tile_m, tile_N=cfg.tile_n,
                          cluster_M=cfg.cluster_m, cluster_N=cfg.cluster_n, pingpong=cfg.pingpong)
             else:

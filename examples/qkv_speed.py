@@ -9,6 +9,7 @@ graph and timed by graph replays (graphs.time_graphs, medians over trials):
   plain+copy plain, then one copy of its output into the windows (the unfused local equivalent)
   fused-nr   q|k with bias + per-head RMSNorm + RoPE (one launch), v with bias (one launch)
   plain-nr   the same two quack GEMMs with plain outputs
+  fused-nr1  / plain-nr1: the same in one launch (one_launch=True: v passed through the epilogue)
   matmul     torch.matmul(x, W^T) (cuBLAS), and linear: torch.nn.functional.linear with bias
 W alone (57 MB) exceeds the 50 MB L2, so one input set is used. Optional extra tile
 configurations (--configs) are timed for fused/plain at every shape.
@@ -95,6 +96,10 @@ def main():
                 x, norm_w, win, row0, rope_cs=cs, config=cfg)
             methods["plain-nr" + tag] = lambda cfg=cfg: K.qkv_projection_plain(
                 x, norm_w, y, rope_cs=cs, config=cfg)
+            methods["fused-nr1" + tag] = lambda cfg=cfg: K.qkv_a2a_projection(
+                x, norm_w, win, row0, rope_cs=cs, config=cfg, one_launch=True)
+            methods["plain-nr1" + tag] = lambda cfg=cfg: K.qkv_projection_plain(
+                x, norm_w, y, rope_cs=cs, config=cfg, one_launch=True)
         methods["plain+copy"] = lambda: (K.qkv_projection_plain(x, plain_w, y), view.copy_(y5))
         methods["matmul"] = lambda: torch.matmul(x, weight_t)
         methods["linear"] = lambda: torch.nn.functional.linear(x, plain_w.weight, plain_w.bias)
@@ -135,15 +140,18 @@ def main():
         tag = "" if name == "default" else f"@{name}"
         print(f"\nconfig {name}")
         print("| S_loc | fused | plain | fused/plain | plain+copy | fused-nr | plain-nr | fused-nr/plain-nr "
-              "| matmul | fused/matmul | fused-nr/matmul | linear |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| fused-nr1 | plain-nr1 | fused-nr1/plain-nr1 | matmul | fused/matmul | fused-nr1/matmul "
+              "| linear |")
+        print("|---" * 15 + "|")
         for row in rows:
             m = row["median_us"]
             get = lambda k: m.get(k, float("nan"))  # noqa: E731
-            f, p, fn, pn, mm = (get(k) for k in ("fused" + tag, "plain" + tag, "fused-nr" + tag,
-                                                  "plain-nr" + tag, "matmul"))
+            f, p, fn, pn, f1, p1, mm = (get(k) for k in (
+                "fused" + tag, "plain" + tag, "fused-nr" + tag, "plain-nr" + tag, "fused-nr1" + tag,
+                "plain-nr1" + tag, "matmul"))
             print(f"| {row['S_loc']} | {f:.1f} | {p:.1f} | {f / p:.3f} | {get('plain+copy'):.1f} | {fn:.1f} "
-                  f"| {pn:.1f} | {fn / pn:.3f} | {mm:.1f} | {f / mm:.3f} | {fn / mm:.3f} | {get('linear'):.1f} |")
+                  f"| {pn:.1f} | {fn / pn:.3f} | {f1:.1f} | {p1:.1f} | {f1 / p1:.3f} | {mm:.1f} "
+                  f"| {f / mm:.3f} | {f1 / mm:.3f} | {get('linear'):.1f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "qkv_speed.json"), "w") as fh:

@@ -29,8 +29,8 @@ def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True
     return proj, x, windows, cs
 
 
-def _key(dtype, width, D, bias_dtype, norm, rope):
-    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128))
+def _key(dtype, width, D, bias_dtype, norm, rope, one_launch=False):
+    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128), one_launch)
 
 
 @pytest.fixture
@@ -96,13 +96,32 @@ def test_compile_is_cached():
     assert after.misses == before.misses and after.hits > before.hits
 
 
-@pytest.mark.parametrize("key", sorted(K._QK_EPILOGUES, key=str))
+def test_one_launch_compiles(record_compiles):
+    """q|k|v in one launch of qkv_bias_norm_rope_epi (separate allocations: three launches of
+    one kernel); GQA widths split the launch but keep the epilogue."""
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs, one_launch=True)
+        assert set(record_compiles) == {_key(torch.bfloat16, 256, 128, torch.bfloat16, True, True, True)}
+        record_compiles.clear()
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128, H_loc=2, H_kv_loc=1)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs, one_launch=True)
+        assert [(a[1], a[-1]) for a in record_compiles] == [(256, True), (128, True), (128, True)]
+        with pytest.raises(ValueError, match="one_launch: bias, norm weights and rope_cs"):
+            K.qkv_a2a_projection(x, proj, windows, 200, one_launch=True)
+
+
+_ALL_EPILOGUES = {**{key: mod for key, mod in K._QK_EPILOGUES.items()},
+                  (True, True, True, "one launch"): K.qkv_bias_norm_rope_epi}
+
+
+@pytest.mark.parametrize("key", sorted(_ALL_EPILOGUES, key=str))
 def test_mint_matches_quack(key, monkeypatch):
     """The class this module compiles is the one quack's own EpiMod.gemm mints for the same call
     (dense, batched, SM90, no C): pins the private quack contract the module relies on."""
     import quack.epilogue.frontend as frontend
 
-    mod = K._QK_EPILOGUES[key]
+    mod = _ALL_EPILOGUES[key]
     captured = {}
 
     class Stop(Exception):
@@ -121,9 +140,10 @@ def test_mint_matches_quack(key, monkeypatch):
         if key[0]:  # quack infers an unpinned bias (rope_table_epi) from an (l, n) tensor
             pinned = "b" in mod.ops
             bias = torch.empty((n,) if pinned else (1, n), dtype=torch.bfloat16, device=dev)
+        vec = lambda: torch.empty(n, dtype=torch.float32, device=dev)  # noqa: E731
         values = K._epilogue_values(
-            mod, bias=bias, norm_weight=torch.empty(n, dtype=torch.float32, device=dev),
-            head_dim=D, rope_cs=torch.empty(M, D, dtype=torch.float32, device=dev))
+            mod, bias=bias, norm_weight=vec(), head_dim=D,
+            rope_cs=torch.empty(M, D, dtype=torch.float32, device=dev), rot=vec(), sel=vec())
         A = torch.empty(1, M, C, dtype=torch.bfloat16, device=dev)
         Bw = torch.empty(1, n, C, dtype=torch.bfloat16, device=dev)
         Dt = torch.empty(1, M, n, dtype=torch.bfloat16, device=dev)
@@ -297,3 +317,15 @@ def test_rank_slice_is_one_rank_of_heads():
     assert torch.equal(own.norm_weight, torch.cat([nq.repeat(2), nk.repeat(2)]))
     with pytest.raises(ValueError, match="rank: an int in"):
         proj.rank_slice(4)
+
+
+def test_one_launch_vectors():
+    D, P = 64, 2
+    w = torch.randn(2 * D, 8, dtype=torch.bfloat16)
+    nq, nk = torch.randn(D), torch.randn(D)
+    proj = K.QKVWeights.from_linear(w, w, w, head_dim=D, world_size=P, q_norm_weight=nq, k_norm_weight=nk)
+    wv, rot, sel = proj.one_launch_vectors
+    n_qk = 2 * 2 * D
+    assert torch.equal(wv[:n_qk], proj.norm_weight) and not wv[n_qk:].any()
+    assert torch.equal(rot, (torch.arange(3 * 2 * D) < n_qk).float()) and torch.equal(sel, 1 - rot)
+    assert proj.one_launch_vectors[0] is wv  # built once

@@ -84,7 +84,7 @@ def make_proj(H, H_kv, D, C, P, dtype, *, bias=True, norm=True, layout=None, see
                                     q_norm_weight=nw[0], k_norm_weight=nw[1], **heads)
 
 
-def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=None):
+def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=None, one_launch=False):
     """All P source ranks (reverse order) into fresh NaN windows, fused and reference; returns the
     reference outputs per rank for the numerics check."""
     P, D = proj.world_size, proj.head_dim
@@ -97,9 +97,10 @@ def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=Non
     for r in reversed(range(P)):
         x = torch.randn(B, S_loc, C, generator=g, device=DEV).to(dtype)
         cs = rope_table(S_loc, D, r * S_loc) if rope else None
-        K.qkv_a2a_projection(x, proj, got.tensors, r * S_loc, rope_cs=cs, config=config)
+        K.qkv_a2a_projection(x, proj, got.tensors, r * S_loc, rope_cs=cs, config=config,
+                             one_launch=one_launch)
         y.fill_(float("nan"))
-        K.qkv_projection_plain(x, proj, y, rope_cs=cs, config=config)
+        K.qkv_projection_plain(x, proj, y, rope_cs=cs, config=config, one_launch=one_launch)
         scatter(y, ref.tensors, proj, r * S_loc)
         outs.append((x, cs, y.clone()))
     torch.cuda.synchronize()
@@ -144,6 +145,20 @@ def test_192_row_tiles(P, S_loc):
         got, ref, outs = run_case(nproj, 1, S_loc, C, dtype, rope=rope, config=config)
         assert_bit_exact(got, ref)
         assert_close_to_torch(nproj, outs[:1], rope, dtype)
+
+
+@pytest.mark.parametrize("P,S_loc,rows_config", [(8, 576, True), (3, 77, False)])
+def test_one_launch_bit_exact(P, S_loc, rows_config):
+    """q|k|v in one launch (qkv_bias_norm_rope_epi): bit-exact against quack's plain output of
+    the same epilogue, and v equal to the two-launch kernels' v (same tiles): passed through."""
+    dtype, D, C = torch.bfloat16, 128, 512
+    proj = make_proj(2 * P, 2 * P, D, C, P, dtype)
+    config = K.config_for(S_loc, 2 * D, D, True) if rows_config else K.GemmConfig(tile_n=128)
+    got, ref, outs = run_case(proj, 1, S_loc, C, dtype, rope=True, config=config, one_launch=True)
+    assert_bit_exact(got, ref)
+    assert_close_to_torch(proj, outs[:2], True, dtype)
+    two, _, _ = run_case(proj, 1, S_loc, C, dtype, rope=True, config=config)
+    assert torch.equal(got.tensors[2], two.tensors[2])
 
 
 def test_head_dim_64_and_batch():
