@@ -33,7 +33,8 @@ distance from q's to k's window, n_t consecutive tensors of one launch): one TMA
 (rank, tensor) block; rows past M in the last M tile are clipped by the TMA bounds (the M extent
 is this call's rows), so they never reach the next rank's rows. A launch covers consecutive
 tensors with the same epilogue and head count: q|k (norm/RoPE) and v (bias only) as two launches,
-or q|k|v as one when there is no norm and no RoPE; with GQA, q and k|v launch separately.
+or q|k|v as one when there is no norm and no RoPE or with one_launch; with GQA, q and k|v
+launch separately.
 Batches (B > 1) launch one GEMM each: a stride-0 batch mode cannot be a TMA dimension, and
 materialising B copies of the weight costs more than the launches.
 
@@ -65,6 +66,8 @@ at 1024 and 4096; an earlier run of the same 4096 case gave fused/plain 1.013, 0
 The fused projection with the better tile (config_for) is 0.96 / 0.93 / 0.93 of torch.matmul
 (cuBLAS) at S_loc = 576 / 1024 / 4096. The norm+RoPE variant's two launches (q|k: N = 6144,
 v: N = 3072) each end in a partial wave: 82.3 us at 576, against 50.1 for one bias-only launch.
+one_launch=True runs q|k|v as one grid (qkv_bias_norm_rope_epi); it compiles for sm_90a but its
+GPU test (test_one_launch_bit_exact) and timing (fused-nr1) have not run yet.
 
 Host requirement seen on the H200 machine: quack fingerprints epilogue functions by walking their
 globals and treats functions as library code (keyed by name) only when their file lies under a
