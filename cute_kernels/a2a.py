@@ -6,8 +6,11 @@ head layout [B, N, H_loc, D] with N = S_pad + J):
 
 PreA2A (seq -> head), q, k and v in ONE launch. Rank r writes, for every destination d,
   dq[d, b, r*S_loc + s, j]  = q[b, s, q_map[d*H_loc + j]]          (q_map < 0: zero head)
-  dk[d, b, kv_row(r*S_loc + s), j] = k[b, s, kv_map[d*H_kv_loc + j]]  (same for v)
-with kv_row(g) = g for g < S (= seq_len) and g + J for padded rows, and with joint tokens
+  dk[d, b, kv_row(s), j] = k[b, s, kv_map[d*H_kv_loc + j]]  (same for v)
+with kv_row(s) = key_base + s for the rank's n_r valid rows (s < n_r) and pad_base + s - n_r for
+its padding rows (ulysses.layout.UlyssesLayout.key_rows: valid keys compacted in [0, S), padded
+keys after the J joint rows; with the default ceil split kv_row(s) = g if g < S else g + J for
+g = r*S_loc + s), and with joint tokens
 (replicated, never sent) into its own window only:
   dq[r, b, S_pad + t, j] = jq[b, t, q_map[r*H_loc + j]],  dk[r, b, S + t, j] = jk[b, t, kv_map[...]].
 Padded sequence rows (s >= seq_len) are copied like any row (whatever the caller holds there):
@@ -97,6 +100,9 @@ class PreA2A(_RowCopy):
         mJV: cute.Tensor | None,
         rank: Int32,
         seq_len: Int32,
+        valid_rows: Int32,
+        key_base: Int32,
+        pad_base: Int32,
         stream,
     ):
         B, S_loc = mQ.shape[0], mQ.shape[1]
@@ -114,7 +120,7 @@ class PreA2A(_RowCopy):
         grid = blocks_q + 2 * blocks_kv + blocks_jq + 2 * blocks_jkv
         self.kernel(
             mQ, mK, mV, mDQ, mDK, mDV, mQMap, mKVMap, mJQ, mJK, mJV, rank, seq_len,
-            blocks_q, blocks_kv, blocks_jq, blocks_jkv,
+            valid_rows, key_base, pad_base, blocks_q, blocks_kv, blocks_jq, blocks_jkv,
         ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -133,6 +139,9 @@ class PreA2A(_RowCopy):
         mJV: cute.Tensor | None,
         rank: Int32,
         seq_len: Int32,
+        valid_rows: Int32,
+        key_base: Int32,
+        pad_base: Int32,
         blocks_q: Int32,
         blocks_kv: Int32,
         blocks_jq: Int32,
@@ -142,11 +151,12 @@ class PreA2A(_RowCopy):
         bidx, _, _ = cute.arch.block_idx()
         # Regions of the grid: q | k | v | joint q | joint k | joint v.
         if bidx < blocks_q:
-            self._seq_rows(mQ, mDQ, mQMap, rank, seq_len, False, bidx, tidx)
+            self._seq_rows(mQ, mDQ, mQMap, rank, (valid_rows, key_base, pad_base), False, bidx, tidx)
         elif bidx < blocks_q + blocks_kv:
-            self._seq_rows(mK, mDK, mKVMap, rank, seq_len, True, bidx - blocks_q, tidx)
+            self._seq_rows(mK, mDK, mKVMap, rank, (valid_rows, key_base, pad_base), True, bidx - blocks_q, tidx)
         elif bidx < blocks_q + 2 * blocks_kv:
-            self._seq_rows(mV, mDV, mKVMap, rank, seq_len, True, bidx - blocks_q - blocks_kv, tidx)
+            self._seq_rows(mV, mDV, mKVMap, rank, (valid_rows, key_base, pad_base), True,
+                           bidx - blocks_q - blocks_kv, tidx)
         else:
             if const_expr(self.has_joint):
                 b0 = bidx - blocks_q - 2 * blocks_kv
@@ -158,7 +168,7 @@ class PreA2A(_RowCopy):
                     self._joint_rows(mJV, mDV, mKVMap, rank, seq_len, True, b0 - blocks_jq - blocks_jkv, tidx)
 
     @cute.jit
-    def _seq_rows(self, mX, mD, mMap, rank, seq_len, is_kv: cutlass.Constexpr, blk, tidx):
+    def _seq_rows(self, mX, mD, mMap, rank, key_rows, is_kv: cutlass.Constexpr, blk, tidx):
         """Rows of this rank's shard to every destination; index order (b, s, d, j, v)."""
         B, S_loc = mX.shape[0], mX.shape[1]
         P = const_expr(self.world_size)
@@ -166,12 +176,13 @@ class PreA2A(_RowCopy):
         N = mD.shape[2]
         in_range, (v, j, d, s, b) = self._thread_coord(blk, tidx, (self.nvec, H_loc, P, S_loc, B))
         if in_range:
-            g = rank * S_loc + s
-            row = g
+            row = rank * S_loc + s
             src_head = mMap[d * H_loc + j]
             if const_expr(is_kv):
-                if g >= seq_len:
-                    row = g + (N - P * S_loc)  # + J: padded key rows go after the joint rows
+                valid_rows, key_base, pad_base = key_rows
+                row = key_base + s
+                if s >= valid_rows:
+                    row = pad_base + (s - valid_rows)  # padded key rows go after the joint rows
                     src_head = Int32(-1)  # stored as zeros: masked keys, but 0 * NaN = NaN in P @ V
             gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
             gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
@@ -289,7 +300,7 @@ def compile_pre_a2a(torch_dtype, head_dim: int, world_size: int, has_joint: bool
     maps = [_fake(Int32, (sym(),), 1) for _ in range(2)]
     joint = [src() for _ in range(3)] if has_joint else [None] * 3
     return cute.compile(
-        kernel, src(), src(), src(), dst(), dst(), dst(), *maps, *joint, Int32(0), Int32(0),
+        kernel, src(), src(), src(), dst(), dst(), dst(), *maps, *joint, *[Int32(0)] * 5,
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=f"--enable-tvm-ffi {extra_options}".strip(),
     )
@@ -321,8 +332,11 @@ def _aligned(t, name: str):
                          f"{t.data_ptr():#x} and strides {tuple(t.stride())} ({es}-byte elements)")
 
 
-def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, joint=None) -> None:
-    """Launch PreA2A on the current stream (shapes are checked by the caller, fa_a2a.op)."""
+def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, key_rows, joint=None) -> None:
+    """Launch PreA2A on the current stream (shapes are checked by the caller, fa_a2a.op).
+
+    key_rows: (valid rows of this rank's shard, head-layout row of its first valid key, of its first
+    padded key): ulysses.layout.UlyssesLayout.key_rows(rank) with the valid-row count in front."""
     for name, t in (("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
         _aligned(t, name)
     jq, jk, jv = joint if joint is not None else (None, None, None)
@@ -330,7 +344,7 @@ def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, 
         for name, t in (("joint q", jq), ("joint k", jk), ("joint v", jv)):
             _aligned(t, name)
     compiled = compile_pre_a2a(q.dtype, q.shape[-1], dq.shape[0], joint is not None)
-    compiled(q, k, v, dq, dk, dv, q_map, kv_map, jq, jk, jv, rank, seq_len)
+    compiled(q, k, v, dq, dk, dv, q_map, kv_map, jq, jk, jv, rank, seq_len, *key_rows)
 
 
 def launch_post_a2a(o, out_windows, rank: int, broadcast: bool = False) -> None:

@@ -16,10 +16,11 @@ Routing of one call (every rank decides alike: the facts below are the same on a
   no parallel config (e.g. Wan's cross-attention)      -> local attention: FA4 (fa_a2a.fused.
                                                           fa4_forward) where it applies, else SDPA
   Ulysses only, no mask, K/V as long as Q, no lse,     -> fa_a2a.ulysses_attention on the Ulysses
-  equal shards, tensors the impl takes                    group (impl "fused" by default)
+  tensors the impl takes (uneven ulysses_anything         group (impl "fused" by default)
+  shards too: as shard_rows)
   anything else: attention mask, ring degree > 1,      -> diffusers' own templated path
-  return_lse, K/V of another length, uneven shards        (_templated_context_parallel_attention)
-  (ulysses_anything), tensors the kernels do not take     with the same local attention as its op;
+  return_lse, K/V of another length, causal over          (_templated_context_parallel_attention)
+  uneven shards, tensors the kernels do not take          with the same local attention as its op;
                                                           correct but not fused, logged once per
                                                           (backend, reason)
 Sharded text (Flux, Flux2, QwenImage and LTX shard their text tokens too) needs nothing special:
@@ -152,20 +153,19 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
     return None
 
 
-def _shard_kwargs(rows: list[tuple[int, int]]):
+def _shard_kwargs(rows: list[tuple[int, int]], causal: bool):
     """(extra op arguments, None) for these per-rank (q, k) row counts, or (None, why not).
 
-    The op takes equal shards (rows [r*S_loc, (r+1)*S_loc) of rank r; an uneven total only as
-    padding at the end, through seq_len). diffusers' ulysses_anything splits every input with
-    tensor_split, so the longer shards come first and, with several inputs (text and image),
-    every rank may hold a different count (e.g. 4+32 and 3+31). Once the op takes per-rank
-    valid row counts, the uneven case returns them here (e.g. ({"shard_rows": [q for q, _ in
-    rows]}, None)): that is the only change in this module.
+    diffusers' ulysses_anything splits every input with tensor_split, so the longer shards come
+    first and, with several inputs (text and image), every rank may hold a different count (e.g.
+    4+32 and 3+31): the op takes them as shard_rows (rank r's rows follow those of ranks < r).
     """
     if any(q != k for q, k in rows):
         return None, "K/V of another length than Q"
     if len({q for q, _ in rows}) > 1:
-        return None, "uneven shards (ulysses_anything)"
+        if causal:
+            return None, "causal attention over uneven shards"
+        return {"shard_rows": [q for q, _ in rows]}, None
     return {}, None
 
 
@@ -200,7 +200,7 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     if reason is None:
         group = cp._ulysses_mesh.get_group()
         if cp.ulysses_anything or key.shape[1] != query.shape[1]:
-            extra, reason = _shard_kwargs(_rows_per_rank(query.shape[1], key.shape[1], group))
+            extra, reason = _shard_kwargs(_rows_per_rank(query.shape[1], key.shape[1], group), bool(is_causal))
     if reason is None:
         _count(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
@@ -290,7 +290,7 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
     """Run a diffusers model under Ulysses with the fa-a2a backend: register, set, enable.
 
     ulysses_degree: P (default: the world size). ulysses_anything=True: any sequence length (uneven
-    shards; handed to diffusers' templated path until the op takes per-rank row counts). mesh: a
+    shards, passed to the op as shard_rows). mesh: a
     diffusers-style ("ring", "ulysses") DeviceMesh when the model's ranks are not the whole world.
     name: backend name (default "fa_a2a" for impl "fused", else "fa_a2a_<impl>"). Returns the model.
     Refused (ValueError) when the model already runs under context parallelism.

@@ -61,9 +61,10 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
 
 
 def _copy_out(layout, rank: int, res, out, joint_out) -> None:
-    """Write a rank's (out, joint_out) result into the preallocated outputs; padding rows zero."""
+    """Write a rank's (out, joint_out) result into the preallocated outputs (out has q's rows: S_loc, or
+    shard_rows[rank] with uneven shards); padding rows zero."""
     o, jo = res
-    out.copy_(o)
+    out.copy_(o[:, :out.shape[1]])
     valid = layout.valid_rows(rank)
     if valid < out.shape[1]:
         out[:, valid:].zero_()
@@ -92,6 +93,7 @@ class _WindowPlan:
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)
         self.q_map, self.kv_map = head_maps(layout, transport.device)
+        self.key_rows = [(layout.valid_rows(r), *layout.key_rows(r)) for r in range(layout.world_size)]
         n = layout.seqused_k(False)
         self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
         self._scratch: dict = {}
@@ -113,7 +115,7 @@ class _WindowPlan:
         q, k, v = (contiguous16(t) for t in (q, k, v))
         joint = tuple(contiguous16(t) for t in joint) if joint is not None else None
         launch_pre_a2a(q, k, v, self.dq, self.dk, self.dv, self.q_map, self.kv_map, rank,
-                       self.layout.seq_len, joint)
+                       self.layout.seq_len, self.key_rows[rank], joint)
 
     def attend(self, rank: int, impl: str, causal: bool, scale: float) -> None:
         from cute_kernels.a2a import launch_post_a2a
@@ -176,7 +178,7 @@ def _collective_pipeline(p: Problem, q, k, v, joint, group):
                                reference=p.impl == "reference")
 
     res = ulysses_reference_attention(q, k, v, group=group, joint=joint, causal=p.causal, softmax_scale=p.scale,
-                                      seq_len=p.layout.seq_len, attention=attention)
+                                      seq_len=p.layout.seq_len, shard_rows=p.shard_rows, attention=attention)
     return res if joint is not None else (res, None)
 
 
@@ -192,6 +194,8 @@ def forward(p: Problem, q, k, v, joint, out, joint_out, group, rank: int) -> Non
 
     transport = get_transport(group)
     plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    if p.shard_rows is not None:
+        q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
     plan.pre(rank, q, k, v, joint)
     transport.barrier()
     plan.attend(rank, p.impl, p.causal, p.scale)
@@ -219,13 +223,15 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs, joint_outs) -> None:
         from ulysses.reference import emulated_ulysses_attention
 
         res = emulated_ulysses_attention(list(qs), list(ks), list(vs), joint=joint, causal=p.causal,
-                                         softmax_scale=p.scale, seq_len=p.layout.seq_len)
+                                         softmax_scale=p.scale, seq_len=p.layout.seq_len, shard_rows=p.shard_rows)
         o, jo = res if joint is not None else (res, None)
         for r in range(P):
             _copy_out(p.layout, r, (o[r], jo), outs[r], joint_outs[r] if joint is not None else None)
         return
     transport = _emulated_transport(P, qs[0].device)
     plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    if p.shard_rows is not None:
+        qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
     for r in range(P):
         plan.pre(r, qs[r], ks[r], vs[r], joint)
     transport.barrier()

@@ -67,20 +67,21 @@ def _ulysses_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     joint_q: Optional[torch.Tensor], joint_k: Optional[torch.Tensor], joint_v: Optional[torch.Tensor],
     joint_out: Optional[torch.Tensor], group_name: str, impl: str, causal: bool,
-    softmax_scale: Optional[float], seq_len: Optional[int],
+    softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]],
 ) -> None:
     import torch.distributed as dist
 
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     group, group_name, P, rank = _group(group)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
-    problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size=P, group=group,
-                             group_name=group_name)
+    problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
+                             rank=rank, group=group, group_name=group_name)
     forward(problem, q, k, v, joint, out, joint_out, group, rank)
 
 
 @_ulysses_attention_op.register_fake
-def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, causal, softmax_scale, seq_len):
+def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, causal, softmax_scale, seq_len,
+      shard_rows):
     return None
 
 
@@ -88,15 +89,15 @@ def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, caus
 def _ulysses_attention_emulated_op(
     qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], outs: list[torch.Tensor],
     joint: list[torch.Tensor], joint_outs: list[torch.Tensor], impl: str, causal: bool,
-    softmax_scale: Optional[float], seq_len: Optional[int],
+    softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]],
 ) -> None:
     joint = tuple(joint) if joint else None
-    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len)
+    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows)
     forward_emulated(problem, qs, ks, vs, joint, outs, joint_outs)
 
 
 @_ulysses_attention_emulated_op.register_fake
-def _(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax_scale, seq_len):
+def _(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax_scale, seq_len, shard_rows):
     return None
 
 
@@ -124,6 +125,7 @@ def ulysses_attention(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     seq_len: Optional[int] = None,
+    shard_rows: Optional[Sequence[int]] = None,
 ):
     """Ulysses sequence-parallel attention, called by every rank of `group` with its shard.
 
@@ -132,6 +134,9 @@ def ulysses_attention(
     (default P*S_loc; the padding rows of the last shards are masked as keys and come back as
     zeros). joint: replicated (q, k, v) [B, J, H(_kv), D] text tokens (MMDiT), attended to and
     attending every row. Returns [B, S_loc, H, D], or (that, joint output [B, J, H, D]) with joint.
+    shard_rows: uneven shards instead (e.g. diffusers' ulysses_anything): the list of every rank's
+    row count, the same on every rank; rank r passes and gets back shard_rows[r] rows, the next
+    ones of the sequence after those of ranks < r (not with causal=True).
     group=None: the default group (a single process without torch.distributed is P = 1).
     Every argument except the tensors' data must be the same on every rank: the first call of a
     signature checks that across ranks (every rank raises the same ValueError otherwise).
@@ -141,16 +146,16 @@ def ulysses_attention(
     group, group_name, P, rank = _group(group)
     given_joint = joint is not None
     if torch.compiler.is_compiling():  # trace: local checks only; the op's body agrees across ranks at run time
-        problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P)
+        problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
     else:
-        problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size=P, group=group,
-                                 group_name=group_name)
+        problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
+                                 rank=rank, group=group, group_name=group_name)
     check_no_grad(q, k, v, *(joint or ()))
     out, joint_out = _outputs(q, joint)
     if torch.compiler.is_compiling():
         jq, jk, jv = joint if joint is not None else (None, None, None)
         _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,
-                              problem.softmax_scale, seq_len)
+                              problem.softmax_scale, seq_len, None if shard_rows is None else list(shard_rows))
     else:
         forward(problem, q, k, v, joint, out, joint_out, group, rank)
     return _result(out, joint_out, given_joint)
@@ -166,6 +171,7 @@ def ulysses_attention_emulated(
     causal: bool = False,
     softmax_scale: Optional[float] = None,
     seq_len: Optional[int] = None,
+    shard_rows: Optional[Sequence[int]] = None,
 ):
     """One process plays all P ranks: lists of P shards (as ulysses_attention takes) -> P outputs.
 
@@ -174,13 +180,14 @@ def ulysses_attention_emulated(
     outputs, or (list, list of P joint outputs) with joint.
     """
     given_joint = joint is not None
-    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len)
+    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows)
     check_no_grad(*qs, *ks, *vs, *(joint or ()))
     pairs = [_outputs(q, joint) for q in qs]
     outs, joint_outs = [o for o, _ in pairs], [j for _, j in pairs if j is not None]
     if torch.compiler.is_compiling():
         _ulysses_attention_emulated_op(list(qs), list(ks), list(vs), outs, list(joint or ()), joint_outs, impl,
-                                       causal, problem.softmax_scale, seq_len)
+                                       causal, problem.softmax_scale, seq_len,
+                                       None if shard_rows is None else list(shard_rows))
     else:
         forward_emulated(problem, qs, ks, vs, joint, outs, joint_outs)
     if not given_joint:
@@ -256,4 +263,5 @@ def pre_a2a(q, k, v, in_windows, rank: int, *, seq_len: Optional[int] = None, jo
 
     q, k, v = (contiguous16(t) for t in (q, k, v))
     joint = tuple(contiguous16(t) for t in joint) if joint is not None else None
-    launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank, layout.seq_len, joint)
+    launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank, layout.seq_len,
+                   (layout.valid_rows(rank), *layout.key_rows(rank)), joint)

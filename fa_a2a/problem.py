@@ -51,6 +51,7 @@ class Problem:
     causal: bool
     softmax_scale: Optional[float]
     seq_len: Optional[int]
+    shard_rows: Optional[tuple]
     world_size: int
     layout: UlyssesLayout = dataclasses.field(compare=False, repr=False)
 
@@ -65,7 +66,7 @@ class Problem:
 # Argument that carries each agreed field, for the cross-rank error message.
 _ARGUMENT = dict(impl="impl", batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)",
                  head_dim="q (D)", dtype="q (dtype)", joint_len="joint (J rows; 0 = no joint)", causal="causal",
-                 softmax_scale="softmax_scale", seq_len="seq_len", world_size="world size")
+                 softmax_scale="softmax_scale", seq_len="seq_len", shard_rows="shard_rows", world_size="world size")
 
 
 # ---- local checks ------------------------------------------------------------------------------------
@@ -115,11 +116,11 @@ def _check_scalar_args(impl, causal, softmax_scale, seq_len) -> None:
         raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
 
 
-def _check_qkv(q, k, v) -> None:
+def _check_qkv(q, k, v, empty_shard_ok: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name)
     B, S_loc, H, D = q.shape
-    if min(B, S_loc, H, D) < 1:
+    if min(B, S_loc if not empty_shard_ok else 1, H, D) < 1:
         raise ValueError(f"q: expected every dim of [B, S_loc, H, D] >= 1, got {tuple(q.shape)}")
     if not q.is_floating_point():
         raise ValueError(f"q: expected a floating-point dtype, got {q.dtype}")
@@ -165,10 +166,26 @@ def _check_kernel_limits(q, k, v, impl) -> None:
             raise ValueError(f"{name}: expected a contiguous head dim (stride 1), got stride {t.stride(-1)}")
 
 
-def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int):
+def _check_shard_rows(shard_rows, world_size: int, seq_len, rows_here: int, rank: int) -> tuple:
+    if isinstance(shard_rows, (str, bytes, torch.Tensor)) or not isinstance(shard_rows, (list, tuple)) \
+            or len(shard_rows) != world_size:
+        raise ValueError(f"shard_rows: expected {world_size} row counts (one per rank), got {shard_rows!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shard_rows) or sum(shard_rows) < 1:
+        raise ValueError(f"shard_rows: expected non-negative ints with a positive sum, got {shard_rows!r}")
+    if seq_len is not None and seq_len != sum(shard_rows):
+        raise ValueError(f"seq_len: expected None or sum(shard_rows) = {sum(shard_rows)}, got {seq_len}")
+    if rows_here != shard_rows[rank]:
+        raise ValueError(f"q: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows_here}")
+    return tuple(shard_rows)
+
+
+def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int, shard_rows=None,
+               rank: int = 0):
     """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError."""
     _check_scalar_args(impl, causal, softmax_scale, seq_len)
-    _check_qkv(q, k, v)
+    _check_qkv(q, k, v, empty_shard_ok=shard_rows is not None)
+    if shard_rows is not None:
+        shard_rows = _check_shard_rows(shard_rows, world_size, seq_len, q.shape[1], rank)
     joint = check_joint(joint)
     J = _check_joint_shapes(joint, q, k.shape[2], causal) if joint is not None else 0
     if J == 0:
@@ -176,9 +193,16 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
     if impl in KERNEL_IMPLS or (impl == "nccl" and q.is_cuda):
         _check_kernel_limits(q, k, v, impl)
     B, S_loc, H, D = q.shape
-    layout = UlyssesLayout.from_shard(S_loc, H, k.shape[2], world_size, seq_len=seq_len, joint_len=J)
+    if shard_rows is None:
+        layout = UlyssesLayout.from_shard(S_loc, H, k.shape[2], world_size, seq_len=seq_len, joint_len=J)
+    else:
+        layout = UlyssesLayout(sum(shard_rows), H, k.shape[2], world_size, J, shard_rows=shard_rows)
+        if causal and not layout.is_suffix_padded:
+            raise ValueError(f"causal: expected False with uneven shard_rows (keys are compacted), got True "
+                             f"with shard_rows={list(shard_rows)}")
     scale = None if softmax_scale is None else float(softmax_scale)
-    problem = Problem(impl, B, S_loc, H, k.shape[2], D, q.dtype, J, causal, scale, seq_len, world_size, layout)
+    problem = Problem(impl, B, layout.seq_loc, H, k.shape[2], D, q.dtype, J, causal, scale, seq_len, shard_rows,
+                      world_size, layout)
     return problem, joint
 
 
@@ -208,22 +232,25 @@ def agree(problem: Optional[Problem], error: Optional[str], group) -> None:
 _resolved: dict = {}
 
 
-def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size, group_name):
+def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name):
     """A hashable key of everything check_call looks at, or None when it cannot be built cheaply."""
     try:
         tensors = (q, k, v) if joint is None else (q, k, v, *joint)
         facts = tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in tensors)
-        return (facts, joint is None, impl, causal, softmax_scale, seq_len, world_size, group_name)
+        rows = tuple((type(n), n) for n in shard_rows) if isinstance(shard_rows, (list, tuple)) else shard_rows
+        # typed: 1 == True == 1.0 in a dict key, but check_call refuses some of them
+        scalars = tuple((type(x), x) for x in (impl, causal, softmax_scale, seq_len))
+        return (facts, joint is None, scalars, rows, world_size, rank, group_name)
     except (AttributeError, TypeError, ValueError):
         return None
 
 
-def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, *, world_size: int, group=None,
-            group_name: str = ""):
+def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
+            group=None, group_name: str = ""):
     """Validate (once per signature), agree across `group` when it has several ranks, cache.
 
     Returns (Problem, joint tuple or None)."""
-    key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size, group_name)
+    key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
     try:
         hit = _resolved.get(key) if key is not None else None
     except TypeError:  # an unhashable argument (e.g. a list as seq_len): check_call names it
@@ -232,7 +259,8 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, *, world_size:
         return hit[0], (tuple(joint) if hit[1] else None)
     problem = joint_out = error = None
     try:
-        problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size)
+        problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
+                                        shard_rows, rank)
     except ValueError as e:
         if world_size == 1 or group is None:
             raise
@@ -244,7 +272,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, *, world_size:
     return problem, joint_out
 
 
-def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len):
+def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None):
     """resolve for P emulated ranks in one process: lists of per-rank shards that must all match rank 0's."""
     for name, xs in (("qs", qs), ("ks", ks), ("vs", vs)):
         if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
@@ -254,8 +282,8 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len):
         raise ValueError(f"ks, vs: expected {P} tensors like qs, got {len(ks)} and {len(vs)}")
     if impl not in EMULATED_IMPLS:
         raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
-    keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, "emulated")
-            for r in range(P)]
+    keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
+                       "emulated") for r in range(P)]
     key = None if None in keys else tuple(keys)
     try:
         hit = _resolved.get(key) if key is not None else None
@@ -266,10 +294,11 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len):
     checked = []
     for r in range(P):
         check_tensor(qs[r], f"qs[{r}]")
-        checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P))
+        checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, shard_rows, r))
     problem, joint_out = checked[0]
     for r in range(1, P):
-        if checked[r][0] != problem or (qs[r].device, ks[r].shape) != (qs[0].device, ks[0].shape):
+        same_rows = shard_rows is not None or (qs[r].shape, ks[r].shape) == (qs[0].shape, ks[0].shape)
+        if checked[r][0] != problem or qs[r].device != qs[0].device or not same_rows:
             raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
                              f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
                              f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")

@@ -2,9 +2,12 @@
 
 The one place that says where every element goes; transports, kernels and the reference import it.
 
-Sequence layout (before the pre-A2A, after the post-A2A): rank r holds global rows
-[r*S_loc, (r+1)*S_loc) of every head, S_loc = ceil(S/P). Rows S <= s < S_pad = P*S_loc are
-padding; how many rows are valid is always explicit (`seq_len`), never inferred from shapes.
+Sequence layout (before the pre-A2A, after the post-A2A): rank r holds the slot of global rows
+[r*S_loc, (r+1)*S_loc) of every head, of which its first n_r = shard_rows[r] are valid and the
+rest padding. By default S_loc = ceil(S/P) and the padding is a suffix of the sequence (every rank
+full but the last ones); explicit shard_rows (uneven shards, e.g. diffusers' ulysses_anything:
+36 and 34 rows) give S_loc = max n_r, S = sum n_r, and padding at the end of each short slot. How
+many rows are valid is always explicit (`seq_len` or `shard_rows`), never inferred from shapes.
 
 Head layout (between the two A2As): rank r holds all S_pad rows of query heads
 [r*H_loc, (r+1)*H_loc), H_loc = ceil(H/P). Heads H <= h < H_pad = P*H_loc are zero padding: they
@@ -28,11 +31,13 @@ never split over the sequence. Rank r takes its heads of the joint q/k/v (the sa
 as for the sequence) and adds the J rows to its gathered sequence; the joint outputs of its heads
 return to all ranks by an all-gather over heads. Rows of the head layout, N = S_pad + J:
   q (and the attention output):  [0, S_pad) sequence (rows >= S padding), [S_pad, N) joint.
-  k, v:  [0, S) sequence, [S, S+J) joint, [S+J, N) the padded sequence rows.
+  k, v:  [0, S) the valid sequence rows (rank by rank, compacted), [S, S+J) joint, [S+J, N) the
+         padded sequence rows (rank by rank).
 The key order puts every padded key in a suffix, so one seqused_k = S + J masks them (FA4 masks
-keys only as a suffix); the query order keeps rows [0, S_pad) in sequence order for the fused
+keys only as a suffix); the query order keeps rows [0, S_pad) in slot order for the fused
 post-A2A epilogue. Without padding both orders are the same. Joint tokens with causal masking
-are rejected (MMDiT attention is not causal).
+are rejected (MMDiT attention is not causal), and so is causal masking over uneven shards (the
+compacted key order would no longer match the query order).
 """
 from __future__ import annotations
 
@@ -65,6 +70,15 @@ def _as_int(value, name: str, minimum: int) -> int:
     return value
 
 
+def _shard_rows(rows, world_size: int) -> tuple:
+    if isinstance(rows, (str, bytes, torch.Tensor)) or not hasattr(rows, "__len__") or len(rows) != world_size:
+        raise ValueError(f"shard_rows: expected {world_size} row counts (one per rank), got {rows!r}")
+    rows = tuple(_as_int(n, "shard_rows", 0) for n in rows)
+    if max(rows) < 1:
+        raise ValueError(f"shard_rows: expected at least one rank with rows, got {list(rows)}")
+    return rows
+
+
 def _gqa_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, heads_loc: int):
     """(qhead_per_kvhead, kv_head_index) for the local attention; see the module docstring."""
     group = num_heads // num_kv_heads
@@ -92,7 +106,8 @@ def _gqa_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, heads_loc:
 class UlyssesLayout:
     """Partition of a [B, S, H, D] attention (k, v: [B, S, H_kv, D]) over `world_size` ranks.
 
-    num_kv_heads=None means H_kv = H. Derived fields: seq_loc (S_loc), seq_pad (S_pad), heads_loc
+    num_kv_heads=None means H_kv = H. shard_rows: valid rows per rank (default: the ceil split of
+    seq_len; stored normalized). Derived fields: seq_loc (S_loc), seq_pad (S_pad), heads_loc
     (H_loc), heads_pad (H_pad), kv_heads_loc, qhead_per_kvhead (for the local attention),
     q_head_index / kv_head_index ([P][H_loc] / [P][H_kv_loc] global heads each rank holds;
     q entries >= H are zero padding heads).
@@ -103,6 +118,8 @@ class UlyssesLayout:
     num_kv_heads: int | None
     world_size: int
     joint_len: int = 0
+    shard_rows: tuple | None = None
+    is_suffix_padded: bool = field(init=False)
     seq_loc: int = field(init=False)
     seq_pad: int = field(init=False)
     heads_loc: int = field(init=False)
@@ -120,13 +137,19 @@ class UlyssesLayout:
         joint_len = _as_int(self.joint_len, "joint_len", 0)
         if num_heads % kv:
             raise ValueError(f"num_kv_heads ({kv}) must divide num_heads ({num_heads})")
-        seq_loc = -(-seq_len // world_size)
+        ceil_loc = -(-seq_len // world_size)
+        ceil_rows = tuple(max(0, min(ceil_loc, seq_len - r * ceil_loc)) for r in range(world_size))
+        rows = ceil_rows if self.shard_rows is None else _shard_rows(self.shard_rows, world_size)
+        if sum(rows) != seq_len:
+            raise ValueError(f"shard_rows: expected rows summing to seq_len ({seq_len}), got {list(rows)}")
+        seq_loc = max(rows)
         heads_loc = -(-num_heads // world_size)
         qpk, kv_index = _gqa_kv_heads(num_heads, kv, world_size, heads_loc)
         q_index = tuple(tuple(range(r * heads_loc, (r + 1) * heads_loc)) for r in range(world_size))
         values = dict(
             seq_len=seq_len, num_heads=num_heads, num_kv_heads=kv, world_size=world_size,
-            joint_len=joint_len, seq_loc=seq_loc, seq_pad=world_size * seq_loc,
+            joint_len=joint_len, shard_rows=rows, is_suffix_padded=rows == ceil_rows,
+            seq_loc=seq_loc, seq_pad=world_size * seq_loc,
             heads_loc=heads_loc, heads_pad=world_size * heads_loc,
             kv_heads_loc=heads_loc // qpk, qhead_per_kvhead=qpk,
             q_head_index=q_index, kv_head_index=kv_index,
@@ -168,8 +191,25 @@ class UlyssesLayout:
 
     def valid_rows(self, rank: int) -> int:
         """How many of rank's S_loc shard rows are real (the rest is padding)."""
+        return self.shard_rows[self._check_range(rank, "rank", self.world_size)]
+
+    def key_rows(self, rank: int) -> tuple[int, int]:
+        """(first head-layout key row of rank's valid rows, first of its padding rows)."""
         rank = self._check_range(rank, "rank", self.world_size)
-        return max(0, min(self.seq_loc, self.seq_len - rank * self.seq_loc))
+        valid_before = sum(self.shard_rows[:rank])
+        pad_before = rank * self.seq_loc - valid_before
+        return valid_before, self.seq_len + self.joint_len + pad_before
+
+    def pad_shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's shard of its n_r valid rows [B, n_r, ...] -> its slot [B, S_loc, ...] (zero rows
+        appended; x itself when the slot is full). For explicit shard_rows (uneven shards)."""
+        n = self.valid_rows(rank)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] != n:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected [B, {n}, ...] (shard_rows[{rank}] rows), got {shape}")
+        if n == self.seq_loc:
+            return x
+        return torch.cat([x, x.new_zeros(x.shape[0], self.seq_loc - n, *x.shape[2:])], dim=1)
 
     def zero_padding(self, x, rank: int):
         """x [B, S_loc, ...] of `rank` with its padding rows (>= valid_rows(rank)) zeroed: a copy
@@ -191,22 +231,24 @@ class UlyssesLayout:
         return self.seq_pad + self._check_range(j, "j", self.joint_len)
 
     def kv_row(self, s: int) -> int:
-        """Head-layout row of global key/value row s (< S_pad): s if s < S else s + J."""
-        s = self._check_range(s, "s", self.seq_pad)
-        return s if s < self.seq_len else s + self.joint_len
+        """Head-layout row of slot row s (< S_pad): valid rows compacted in [0, S), padding rows after
+        the joint rows (with the default split: s if s < S else s + J)."""
+        rank, i = self.seq_owner(s)
+        valid_base, pad_base = self.key_rows(rank)
+        n = self.shard_rows[rank]
+        return valid_base + i if i < n else pad_base + i - n
 
     def kv_joint_row(self, j: int) -> int:
         """Head-layout row of joint key/value row j: S + j."""
         return self.seq_len + self._check_range(j, "j", self.joint_len)
 
     def kv_row_source(self, device=None) -> torch.Tensor:
-        """int64 [N]: for each head-layout key row, its index in cat([seq rows (S_pad), joint (J)])."""
-        S, S_pad, J = self.seq_len, self.seq_pad, self.joint_len
-        return torch.cat([
-            torch.arange(0, S, device=device),
-            torch.arange(S_pad, S_pad + J, device=device),
-            torch.arange(S, S_pad, device=device),
-        ])
+        """int64 [N]: for each head-layout key row, its index in cat([seq slot rows (S_pad), joint (J)])."""
+        L, rows = self.seq_loc, self.shard_rows
+        valid = [r * L + i for r in range(self.world_size) for i in range(rows[r])]
+        padding = [r * L + i for r in range(self.world_size) for i in range(rows[r], L)]
+        joint = list(range(self.seq_pad, self.seq_pad + self.joint_len))
+        return torch.tensor(valid + joint + padding, dtype=torch.int64, device=device)
 
     def seqused_k(self, causal: bool = False) -> int | None:
         """Keys a local attention must read (a suffix mask), or None when none need masking.
@@ -217,6 +259,8 @@ class UlyssesLayout:
         if causal:
             if self.joint_len:
                 raise ValueError("causal masking with joint tokens (joint_len > 0) is not defined")
+            if not self.is_suffix_padded:
+                raise ValueError("causal masking over uneven shard_rows is not supported (keys are compacted)")
             return None
         return None if self.seq_pad == self.seq_len else self.seq_len + self.joint_len
 
@@ -283,7 +327,9 @@ class UlyssesLayout:
         if joint is None:
             if self.joint_len:
                 raise ValueError(f"joint is required: the layout has joint_len={self.joint_len}")
-            return seq
+            if row_source is None or self.is_suffix_padded:
+                return seq
+            return seq.index_select(1, row_source(seq.device))  # uneven shards: compact the keys
         expect = (seq.shape[0], self.joint_len, heads, seq.shape[3])
         if tuple(joint.shape) != expect or joint.dtype != seq.dtype or joint.device != seq.device:
             raise ValueError(f"joint must be {list(expect)} {seq.dtype} on {seq.device}, "

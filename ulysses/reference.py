@@ -127,6 +127,17 @@ def full_attention(q, k, v, *, joint=None, causal=False, softmax_scale=None, dty
 
 
 # ---- emulated ranks ---------------------------------------------------------------------------
+def _uneven_layout(shapes, H_kv, joint_len, seq_len, shard_rows) -> UlyssesLayout:
+    """Layout of explicit per-rank row counts; shapes: the q shape of each rank, in rank order."""
+    P = len(shapes)
+    layout = UlyssesLayout(sum(shard_rows) if seq_len is None else seq_len, shapes[0][2], H_kv, P,
+                           joint_len, shard_rows=shard_rows)
+    for r, shape in enumerate(shapes):
+        if shape[1] != layout.valid_rows(r):
+            raise ValueError(f"q: expected {layout.valid_rows(r)} rows on rank {r} (shard_rows), got {shape[1]}")
+    return layout
+
+
 def _shard_layout(qs, ks, vs, joint, seq_len):
     B, S_loc, H, D = _check_rank_list(qs, "qs")
     kshape = _check_rank_list(ks, "ks")
@@ -172,18 +183,27 @@ def emulated_post_a2a(layout: UlyssesLayout, outs):
 
 
 def emulated_ulysses_attention(qs, ks, vs, *, joint=None, causal=False, softmax_scale=None,
-                               seq_len=None):
+                               seq_len=None, shard_rows=None):
     """The reference on emulated ranks: lists of P shards [B, S_loc, H(_kv), D] -> P outputs.
 
     seq_len: valid rows of the full sequence (default P*S_loc); rows >= seq_len of the outputs
-    are padding with unspecified values. joint: replicated (q, k, v) [B, J, H(_kv), D]. Returns
-    the list of outputs, or (list, joint output [B, J, H, D]) when joint is given.
+    are padding with unspecified values. shard_rows: uneven shards instead, rank r's tensors have
+    shard_rows[r] rows (and so has its output). joint: replicated (q, k, v) [B, J, H(_kv), D].
+    Returns the list of outputs, or (list, joint output [B, J, H, D]) when joint is given.
     """
-    layout = _shard_layout(qs, ks, vs, joint, seq_len)
+    if shard_rows is None:
+        layout = _shard_layout(qs, ks, vs, joint, seq_len)
+    else:
+        J = 0 if joint is None else joint[0].shape[1]
+        layout = _uneven_layout([q.shape for q in qs], ks[0].shape[2], J, seq_len, shard_rows)
+        qs, ks, vs = ([layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
+        _shard_layout(qs, ks, vs, joint, None)  # shapes, dtypes and joint of the padded shards
     used = layout.seqused_k(causal)
     outs = [local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=used).to(q.dtype)
             for q, k, v in emulated_pre_a2a(layout, qs, ks, vs, joint)]
     seq, jout = emulated_post_a2a(layout, outs)
+    if shard_rows is not None:
+        seq = [o[:, :n] for o, n in zip(seq, layout.shard_rows)]
     return seq if joint is None else (seq, jout)
 
 
@@ -242,7 +262,7 @@ def dist_gather_heads(y: torch.Tensor, *, group=None, num_heads: int | None = No
 
 
 def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False, softmax_scale=None,
-                                seq_len=None, attention=None):
+                                seq_len=None, shard_rows=None, attention=None):
     """Serial Ulysses attention called by every rank of `group` with its shard.
 
     q [B, S_loc, H, D], k/v [B, S_loc, H_kv, D]: rows [rank*S_loc, (rank+1)*S_loc) of the full
@@ -251,13 +271,18 @@ def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False
     [B, J, H(_kv), D], the same on every rank. Returns [B, S_loc, H, D] in q's dtype, or
     (that, joint output [B, J, H, D]) when joint is given. attention: the local attention,
     attention(q, k, v, causal=, softmax_scale=, seqused_k=) (default: local_attention in fp32); the
-    NCCL baseline of fa_a2a.op passes FA4.
+    NCCL baseline of fa_a2a.op passes FA4. shard_rows: uneven shards instead of seq_len, the same
+    list on every rank; rank r passes (and gets back) shard_rows[r] rows.
     """
     B, S_loc, H, Hkv, D = _check_qkv(q, k, v)
     J = _check_joint(joint, B, D, H, Hkv, q.dtype, q.device)
     P = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    layout = UlyssesLayout.from_shard(S_loc, H, Hkv, P, seq_len=seq_len, joint_len=J)
+    if shard_rows is None:
+        layout = UlyssesLayout.from_shard(S_loc, H, Hkv, P, seq_len=seq_len, joint_len=J)
+    else:
+        layout = UlyssesLayout(sum(shard_rows) if seq_len is None else seq_len, H, Hkv, P, J, shard_rows=shard_rows)
+        q, k, v = (layout.pad_shard(x, rank) for x in (q, k, v))
     used = layout.seqused_k(causal)
     qh = dist_seq_to_head(q, layout.q_head_index, group=group)
     kh = dist_seq_to_head(layout.zero_padding(k, rank), layout.kv_head_index, group=group)
@@ -270,7 +295,7 @@ def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False
     out = attention(layout.assemble_q(qh, jq), layout.assemble_kv(kh, jk), layout.assemble_kv(vh, jv),
                     causal=causal, softmax_scale=softmax_scale, seqused_k=used).to(q.dtype)
     out_seq, out_joint = layout.split_out(out)
-    out = dist_head_to_seq(out_seq, group=group, num_heads=H)
+    out = dist_head_to_seq(out_seq, group=group, num_heads=H)[:, :S_loc]
     if joint is None:
         return out
     return out, dist_gather_heads(out_joint.contiguous(), group=group, num_heads=H)

@@ -168,7 +168,7 @@ def _check_models(P, group, rank):
             err = (native - ref).abs().max().item()
             assert err <= ATOL, f"{what}: diffusers' native Ulysses differs from one device by {err:.3g}"
             every = [_expect_rows(shape, J if model_name != "wan" else 0, P, r) for r in range(P)]
-            rows, uneven = every[rank], len(set(every)) > 1  # Wan's 63 tokens split evenly over 3 ranks
+            rows = every[rank]
             for impl, name in names.items():
                 model.set_attention_backend(name)
                 backend.route_counts(name, reset=True)
@@ -177,9 +177,9 @@ def _check_models(P, group, rank):
                 err = (out - ref).abs().max().item()
                 assert out.shape == ref.shape and err <= ATOL, f"{what} impl={impl}: max error {err:.3g}"
                 counts = backend.route_counts(name)
-                expect = {"templated" if uneven else "ulysses": n_cp, "local": n_local}
+                expect = {"ulysses": n_cp, "local": n_local}  # uneven shards too, as shard_rows
                 assert counts == {k: n for k, n in expect.items() if n}, f"{what} impl={impl}: routes {counts}"
-                assert record.rows == ([] if uneven else [rows] * n_cp), f"{what}: op saw q rows {record.rows}"
+                assert record.rows == [rows] * n_cp, f"{what}: op saw q rows {record.rows}"
             if model_name == "qwenimage" and not anything:  # a text mask: handed to the templated path
                 xm = _qwen_inputs(shape, J, torch.Generator().manual_seed(2), mask=True)
                 ref = single(**xm)[0]

@@ -182,6 +182,60 @@ def _check_group(P, group, rank):
     check_rank(case, rank, res, full, joint)
 
 
+# Uneven shards (diffusers' ulysses_anything): rank r holds the next shard_rows[r] rows.
+UNEVEN = {2: [((5, 3), 4, 2, 0), ((6, 6), 4, 4, 3)], 4: [((2, 5, 0, 4), 8, 2, 2)]}
+
+
+def _check_uneven(P, group, rank):
+    for rows, H, Hkv, J in UNEVEN.get(P, []):
+        g = torch.Generator().manual_seed(sum(rows))
+        full = [torch.randn(1, sum(rows), h, 8, generator=g) for h in (H, Hkv, Hkv)]
+        joint = tuple(torch.randn(1, J, h, 8, generator=g) for h in (H, Hkv, Hkv)) if J else None
+        mine = [x.split(rows, dim=1)[rank] for x in full]
+        results = [pair(ulysses_attention(*mine, group=group, impl=impl, joint=joint, shard_rows=list(rows)), joint)
+                   for impl in ("nccl", "reference")]
+        assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(*results))
+        (ref, jref), (base, jbase) = oracles(full, joint, False)
+        out, jout = results[0]
+        first, n = sum(rows[:rank]), rows[rank]
+        assert out.shape == (1, n, H, 8)
+        if n:
+            check_attention(out, ref[:, first:first + n], base[:, first:first + n], 1e-6, (rows, rank))
+        if joint is not None:
+            check_attention(jout, jref, jbase, 1e-6, (rows, rank))
+    if P == 2:  # the ranks must agree on shard_rows, and each rank's q must have its count
+        x = torch.randn(1, 4, 2, 8)
+        with pytest.raises(ValueError, match="^shard_rows: expected the same value on every rank"):
+            ulysses_attention(x, x, x, group=group, impl="reference", shard_rows=[4, 3 + rank])
+        with pytest.raises(ValueError, match="q: expected shard_rows"):
+            ulysses_attention(x, x, x, group=group, impl="reference", shard_rows=[4, 5])
+
+
+def test_gloo_ranks_uneven_shards():
+    run_on_gloo_groups(_check_uneven, (2, 4))
+
+
+def test_uneven_shards_emulated_and_bad_rows():
+    rows = (3, 5, 1)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(2, 9, 6, 16, generator=g) for _ in range(3)]
+    shards = [list(x.split(rows, dim=1)) for x in full]
+    outs = ulysses_attention_emulated(*shards, impl="reference", shard_rows=rows)
+    ref, base = full_attention(*full), full_attention(*full, dtype=torch.float32)
+    check_attention(torch.cat(outs, dim=1), ref, base, 1e-6)
+    q = shards[0][0]
+    for bad, match in (([3, 5], "shard_rows"), ([3, -1, 1], "shard_rows"), ("35", "shard_rows"),
+                       ([4, 5, 1], "q: expected shard_rows"), ([3, 5, True], "shard_rows")):
+        with pytest.raises(ValueError, match=match):
+            ulysses_attention_emulated(*shards, impl="reference", shard_rows=bad)
+    with pytest.raises(ValueError, match="seq_len"):
+        ulysses_attention_emulated(*shards, impl="reference", shard_rows=rows, seq_len=8)
+    with pytest.raises(ValueError, match="causal"):
+        ulysses_attention_emulated(*shards, impl="reference", shard_rows=rows, causal=True)
+    with pytest.raises(ValueError, match="shard_rows"):
+        ulysses_attention(q, q, q, impl="reference", shard_rows=[2])
+
+
 def test_gloo_ranks_nccl_and_reference_impls():
     run_on_gloo_groups(_check_group, (2, 4))
 

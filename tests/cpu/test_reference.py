@@ -170,9 +170,62 @@ def _check_attention(P, group, rank):
             check_attention(jout, jref, jbase)
 
 
+# Uneven shards (diffusers' ulysses_anything): rank r holds the next shard_rows[r] rows of the sequence.
+UNEVEN = [((5, 3), 4, 2, 0, False), ((4, 4, 2), 6, 3, 3, False), ((2, 5, 0, 4), 5, 5, 2, False),
+          ((1, 3, 3), 4, 4, 0, False)]
+
+
+def _uneven_inputs(rows, H, Hkv, J, seed):
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(2, sum(rows), h, 8, generator=g) for h in (H, Hkv, Hkv)]
+    joint = tuple(torch.randn(2, J, h, 8, generator=g) for h in (H, Hkv, Hkv)) if J else None
+    shards = [list(x.split(rows, dim=1)) for x in full]
+    return full, joint, shards
+
+
+def _check_uneven(outs, jout, rows, full, joint, causal):
+    (ref, jref), (base, jbase) = oracles(full, joint, causal)
+    for r, n in enumerate(rows):
+        first = sum(rows[:r])
+        assert outs[r].shape[1] == n
+        if n:
+            check_attention(outs[r], ref[:, first:first + n], base[:, first:first + n])
+    if joint is not None:
+        check_attention(jout, jref, jbase)
+
+
+@pytest.mark.parametrize("rows,H,Hkv,J,causal", UNEVEN)
+def test_uneven_shards_emulated_match_oracle(rows, H, Hkv, J, causal):
+    full, joint, (qs, ks, vs) = _uneven_inputs(rows, H, Hkv, J, seed=sum(rows))
+    outs, jout = pair(emulated_ulysses_attention(qs, ks, vs, joint=joint, causal=causal, shard_rows=rows), joint)
+    _check_uneven(outs, jout, rows, full, joint, causal)
+
+
+def test_uneven_shards_refuse_causal_and_wrong_rows():
+    full, joint, (qs, ks, vs) = _uneven_inputs((5, 3), 4, 4, 0, seed=1)
+    with pytest.raises(ValueError, match="causal"):
+        emulated_ulysses_attention(qs, ks, vs, causal=True, shard_rows=(5, 3))
+    with pytest.raises(ValueError, match="rows"):
+        emulated_ulysses_attention(qs, ks, vs, shard_rows=(4, 4))
+    with pytest.raises(ValueError, match="shard_rows"):
+        emulated_ulysses_attention(qs, ks, vs, shard_rows=(5, 3, 0))
+
+
+def _check_uneven_gloo(P, group, rank):
+    for i, (rows, H, Hkv, J, causal) in enumerate(c for c in UNEVEN if len(c[0]) == P):
+        full, joint, shards = _uneven_inputs(rows, H, Hkv, J, seed=sum(rows))
+        res = ulysses_reference_attention(*(s[rank] for s in shards), group=group, joint=joint, causal=causal,
+                                          shard_rows=rows)
+        out, jout = pair(res, joint)
+        want, want_joint = pair(emulated_ulysses_attention(*shards, joint=joint, causal=causal, shard_rows=rows),
+                                joint)
+        assert torch.equal(out, want[rank]) and (joint is None or torch.equal(jout, want_joint))
+
+
 def _check_moves_and_attention(P, group, rank):
     _check_moves(P, group, rank)
     _check_attention(P, group, rank)
+    _check_uneven_gloo(P, group, rank)
 
 
 def test_gloo_ranks_match_emulated_and_oracle():

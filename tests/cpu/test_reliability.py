@@ -96,3 +96,12 @@ def test_nan_in_a_query_row_reaches_its_output_row(dtype, causal, P, S):
     out = torch.cat(outs, dim=1)[:, :S]
     assert out[0, 1, 0].isnan().all(), "the NaN query row must come back NaN"
     assert not out[0, 1, 1].isnan().any() and not out[0, 0].isnan().any(), "other rows and heads stay finite"
+
+
+def test_cached_signature_does_not_admit_equal_values_of_another_type():
+    x = torch.randn(1, 4, 2, 8)
+    ulysses_attention(x, x, x, impl="reference", causal=False, seq_len=4)  # valid: cached
+    for kwargs, match in ((dict(causal=0, seq_len=4), "causal"), (dict(causal=False, seq_len=4.0), "seq_len"),
+                          (dict(causal=False, seq_len=4, softmax_scale=True), "softmax_scale")):
+        with pytest.raises(ValueError, match=match):
+            ulysses_attention(x, x, x, impl="reference", **kwargs)

@@ -131,6 +131,31 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows,H,Hkv,J", [((300, 212, 256, 0), 8, 8, 0), ((129, 128), 6, 2, 77), ((0, 200, 57), 6, 3, 0)])
+def test_uneven_shards_emulated(rows, H, Hkv, J):
+    """shard_rows (diffusers' ulysses_anything): fused == serial == the reference A2As around FA4, bit for bit."""
+    P = len(rows)
+    g = torch.Generator(device="cuda").manual_seed(sum(rows))
+    full = [torch.randn(1, sum(rows), h, 128, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv)]
+    joint = tuple(torch.randn(1, J, h, 128, device="cuda", generator=g).to(DTYPE) for h in (H, Hkv, Hkv)) if J else None
+    shards = [list(x.split(rows, dim=1)) for x in full]
+    L = UlyssesLayout(sum(rows), H, Hkv, P, J, shard_rows=rows)
+    padded = [[L.pad_shard(x, r) for r, x in enumerate(s)] for s in shards]
+    used = torch.full((1,), L.seqused_k(False) or L.num_rows, dtype=torch.int32, device="cuda")
+    heads = emulated_pre_a2a(L, *padded, joint)
+    want, want_joint = emulated_post_a2a(L, [fa4_forward(q, k, v, seqused_k=used) for q, k, v in heads])
+    (ref, jref), (base, jbase) = helpers.oracles(full, joint, False, base_dtype=DTYPE)
+    for impl in ("serial", "fused"):
+        outs, jouts = helpers.pair(ulysses_attention_emulated(*shards, impl=impl, joint=joint, shard_rows=rows), joint)
+        for r, n in enumerate(rows):
+            first = sum(rows[:r])
+            assert outs[r].shape[1] == n and torch.equal(outs[r], want[r][:, :n]), (impl, r)
+            if n:
+                helpers.check_attention(outs[r], ref[:, first:first + n], base[:, first:first + n], 1e-3, (impl, r))
+            if joint is not None:
+                assert torch.equal(jouts[r], want_joint)
+
+
 # ---- one rank (P = 1): no communication, FA4 on the whole input ----------------------------------
 @pytest.mark.parametrize("case", [(1, 2, 300, 6, 2, 128, 0, False), (1, 1, 257, 4, 4, 64, 33, False),
                                   (1, 1, 200, 4, 2, 128, 0, True)])
