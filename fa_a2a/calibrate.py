@@ -41,6 +41,10 @@ Measured (NVIDIA H200, 2026-12-02, vector stores, 256 threads per CTA):
   1.43 us per KV tile (4096 -> 8192), G* 0.53 us, M_ub* 47 tokens.
 - cuda-ipc (--quick): R 4406 GB/s, T_iss0 0.490 us, Q 2.03 MiB: the same HBM write path.
 - hbm --mode bulk (--quick): R 4337 GB/s, T_iss0 0.613 us, Q 0.35 MiB.
+- host (--quick --no-fa, 2026-12-03, two runs): R 64.8 / 66.4 GB/s, T_iss0 0.535 us, Q 3.11 / 3.01
+  MiB (knee at V = 3.14 MiB); G sweep with no refit: T_iss mean error 15.1% (max 93.5%), T_period
+  4.3% (max 14.7%); FA4's aligned 4.125 MiB wave burst fails the capacity bound (4.09 > 3.11 MiB).
+  The HBM control in the same run: R 4415 GB/s, Q 2.07 MiB.
 """
 from __future__ import annotations
 

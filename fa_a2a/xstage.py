@@ -501,15 +501,19 @@ class PlatformModel:
 def fused_residual(model: PlatformModel, tiles: FaTiles, t_fa: float) -> dict:
     """Burst–Gap prediction of E_res = T_fused - T_FA for FA whose epilogue stores each output
     tile (seconds). Every wave but the last is followed by the next wave's Q-loop, a gap
-    G = T_FA/waves (measured, fixed part included); its aligned burst V_w costs the issue overhead
-    [V_w/R - G - T_iss0]+ (eq. 4). No Q-loop follows the last wave: the timed region ends when the
-    kernel's stores have drained, max(T_iss0, V_last/R) later. Returns {"gap", "stalls" (per
-    covered wave), "tail", "e_res"}. Like eq. 15 it counts a burst's whole overhead as stall; the
-    paper found that one-window estimate 0.45-0.82 us per tile above its measurements."""
+    G = T_FA/waves (measured, fixed part included); its aligned burst V_w stalls the issuers by
+    the larger of the periodic issue overhead [V_w/R - G - T_iss0]+ (eq. 4: the X-Stage has not
+    drained the previous burst) and the capacity stall T_iss_iso(V_w) - T_iss0 (eq. 7: a burst
+    whose peak [V - R·T_iss0]+ exceeds Q issues at the drain rate). No Q-loop follows the last
+    wave: the timed region ends when the kernel's stores have drained, max(T_iss0, V_last/R)
+    later. Returns {"gap", "stalls" (per covered wave), "tail", "e_res"}. Like eq. 15 it counts a
+    burst's whole stall against compute; the paper found that one-window estimate 0.45-0.82 us
+    per tile above its measurements."""
     t = _check_positive("t_fa", t_fa)
     vols = tiles.wave_volumes()
     gap = t / tiles.waves
-    stalls = [float(model.issue_overhead(v, gap)) for v in vols[:-1]]
+    stalls = [max(float(model.issue_overhead(v, gap)), float(model.isolated_issue_time(v)) - model.t_iss0)
+              for v in vols[:-1]]
     tail = max(model.t_iss0, vols[-1] / model.drain_rate)
     return {"gap": gap, "stalls": stalls, "tail": tail, "e_res": sum(stalls) + tail}
 

@@ -434,13 +434,17 @@ def test_fa_tiles_and_wave_bound():
     with pytest.raises(ValueError, match="flops_per_s"):
         t.sigma_from_flops(math.inf)
 
-    host = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=1 * MiB)
-    r = fused_residual(host, t, 184.5 * US)
+    roomy = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=8 * MiB)
+    r = fused_residual(roomy, t, 184.5 * US)
     assert r["gap"] == pytest.approx(92.25 * US)
-    assert r["stalls"] == [0.0]  # 4.3 MB drains in 83 us < the 92 us Q-loop gap
+    assert r["stalls"] == [0.0]  # 4.3 MB drains in 83 us < the 92 us Q-loop gap, and fits in Q
     assert r["tail"] == pytest.approx(60 * 32 * KiB / (52 * GB)) and r["e_res"] == r["tail"]
-    r = fused_residual(host, t, 100 * US)  # a shorter gap than the drain: issue overhead
+    r = fused_residual(roomy, t, 100 * US)  # a shorter gap than the drain: issue overhead (eq. 4)
     assert r["stalls"][0] == pytest.approx(132 * 32 * KiB / (52 * GB) - 50 * US - 1 * US)
+    small_q = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=1 * MiB)
+    r = fused_residual(small_q, t, 184.5 * US)  # the burst overflows Q: it issues at R (eq. 7)
+    assert r["stalls"][0] == pytest.approx((132 * 32 * KiB - 1 * MiB) / (52 * GB) - 1 * US)
+    assert r["e_res"] == pytest.approx(r["stalls"][0] + r["tail"])
 
 
 def test_calibration_without_a_knee_reports_q_as_a_lower_bound(tmp_path):
