@@ -45,8 +45,12 @@ Per-tile %globaltimer stamps (the `timestamps` debug build) say why, at M=8K: fi
 wait 0.7-54 us (median 29) for the bulk store's smem read; the next CTA on an SM starts 0.6 us
 after the previous one ends; but the second wave's mainloops take 138-164 us (median 162) against
 89 us with windows in HBM. While the first wave's 4.3 MB drain (~83 us), those tiles compute at
-~11% speed: loads stall behind the pending PCIe writes, not the CTA behind its store. Two levers
-that take the store off the CTA's path were measured and dropped:
+~11% speed. The stall is global, not the CTA's: a one-wave attention kernel on 66 SMs that stores
+only to HBM has mainloops of 88.2 us alone, 88.4 us beside the post-A2A kernel writing to HBM
+from the other SMs, and 197.9 us (193.8-201.0) beside it writing to host memory (contention probe
+of the same script). Pending PCIe writes stall every SM's loads, so no ordering inside the CTA
+can hide them; only keeping the issue rate below the link's would. Two levers that take the
+store off the CTA's path were measured and dropped:
 - persistent CTAs (FA4's static persistent scheduler, grid = SM count), O in its own smem buffer,
   the store's read waited for only before the next tile's O is staged (commit 536c050): the CTA
   moves on at once (0.1 us) but its next mainloop takes 161 us (88 in HBM); T = 294.9 / 774.2 /
@@ -55,8 +59,9 @@ that take the store off the CTA's path were measured and dropped:
   link's per-SM share (commit 1dfa76e): next mainloop 163 us on host, and the per-iteration issue
   in the MMA warp slows the mainloop itself (115 vs 89 us in HBM): T = 304.9 / 848.8 / 2806.5 us
   on host, T / T_FA4 = 1.19 - 1.22 in HBM at 8K-64K.
-So the per-thread "st" path (which never waits on a bulk read) is no better than "tma" either:
-what stalls is compute sharing the memory system with stores that the link cannot take.
+The per-thread "st" path (no bulk read to wait for) is no better than "tma": 297.5 vs 296.2 us
+at 8K on host. With windows in HBM the default path is unchanged: T / T_FA4 = 0.995 at 8K and
+0.985 at 64K in the same run (FA4 9879 us; 1.017 in an earlier one, FA4 9506 us: clock noise).
 """
 
 import inspect
