@@ -228,3 +228,24 @@ def test_bad_input_names_the_argument():
         split_seq(x, 0)
     with pytest.raises(ValueError, match="seq_len"):
         gather_seq([x, x], seq_len=9)
+
+
+@pytest.mark.parametrize("rows,J", [((3, 3, 3, 1), 0), ((3, 3, 3, 1), 4), ((5, 3), 2), ((2, 5, 0, 4), 3),
+                                    ((0, 0, 7), 0), ((4, 4), 0)])
+def test_uneven_key_rows_are_one_permutation(rows, J):
+    """The pre-A2A kernel's per-rank key placement (key_rows) is kv_row, and kv_row_source inverts it:
+    valid keys compacted in [0, S), joint rows next, padded keys last; queries keep their slots."""
+    L = UlyssesLayout(sum(rows), 4, 2, len(rows), J, shard_rows=rows)
+    assert L.seq_loc == max(rows) and L.seq_len == sum(rows)
+    assert L.is_suffix_padded == (rows == UlyssesLayout(sum(rows), 4, 2, len(rows)).shard_rows)
+    source = L.kv_row_source().tolist()
+    assert sorted(source) == list(range(L.num_rows))
+    for r, n in enumerate(rows):
+        valid_base, pad_base = L.key_rows(r)
+        for s in range(L.seq_loc):
+            kernel_row = valid_base + s if s < n else pad_base + s - n  # cute_kernels/a2a.py PreA2A
+            assert kernel_row == L.kv_row(r * L.seq_loc + s)
+            assert source[kernel_row] == r * L.seq_loc + s
+            assert (kernel_row < L.seq_len) == (s < n)
+    if L.is_suffix_padded:  # the default split: kv_row(g) = g for g < S, g + J after
+        assert all(L.kv_row(g) == (g if g < L.seq_len else g + J) for g in range(L.seq_pad))
