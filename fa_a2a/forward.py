@@ -97,6 +97,21 @@ class _WindowPlan:
         n = layout.seqused_k(False)
         self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
         self._scratch: dict = {}
+        self._warm()
+
+    def _warm(self) -> None:
+        """Compile the A2A kernels and the barrier this plan launches, then line the ranks up on the
+        host: no rank's first in-stream barrier waits out another rank's JIT compiles (~2 s each).
+        FA4's compiles (fa_a2a.fused) still happen at the first call, between the two barriers."""
+        from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
+        from cute_kernels.signal import compile_barrier
+
+        lay = self.layout
+        compile_pre_a2a(self.dtype, self.D, lay.world_size, lay.joint_len > 0)
+        for broadcast in (False, True) if lay.joint_len else (False,):
+            compile_post_a2a(self.dtype, self.D, lay.world_size, broadcast)
+        compile_barrier(lay.world_size, len(self.transport.local_ranks))
+        self.transport.host_barrier()
 
     def scratch(self, kind: str, rank: int, rows: int) -> torch.Tensor:
         key = (kind, rank)

@@ -309,3 +309,24 @@ def test_nan_in_padding_rows_does_not_leak():
     dirty = ulysses_attention_emulated(*poisoned, impl="reference", seq_len=7)
     for a, b in zip(clean, dirty):
         assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+def test_window_plan_compiles_its_kernels_before_the_first_barrier():
+    """A plan compiles (sm_90a, fake tensors) every A2A kernel and the barrier it will launch when
+    it is built, so ranks do not meet their first in-stream barrier seconds apart."""
+    from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
+    from cute_kernels.signal import compile_barrier
+    from fa_a2a.forward import _WindowPlan
+    from ulysses.transport import EmulatedTransport
+
+    transport = EmulatedTransport(2, device="cpu")
+    layout = UlyssesLayout(10, 4, 2, 2, joint_len=3)
+    plan = _WindowPlan(transport, layout, 1, 64, torch.bfloat16)
+    assert plan.key_rows == [(5, 0, 13), (5, 5, 13)]
+    for compile_fn, args in ((compile_pre_a2a, (torch.bfloat16, 64, 2, True)),
+                             (compile_post_a2a, (torch.bfloat16, 64, 2, False)),
+                             (compile_post_a2a, (torch.bfloat16, 64, 2, True)), (compile_barrier, (2, 2))):
+        misses = compile_fn.cache_info().misses
+        compile_fn(*args)
+        assert compile_fn.cache_info().misses == misses, f"{compile_fn.__name__}{args} was not compiled by the plan"
+    transport.close()
