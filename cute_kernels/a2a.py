@@ -66,6 +66,14 @@ class _RowCopy:
         return i < cute.size(shape), cute.idx2crd(i, shape)
 
     @cute.jit
+    def _copy_vec(self, mSrc: cute.Tensor, src_crd, mDst: cute.Tensor, dst_crd, valid_src: cutlass.Boolean):
+        """One 16-byte vector: mSrc[src_crd] (4-D, the last coordinate counts vectors of the head
+        dim) -> mDst[dst_crd] (5-D, likewise); zeros when not valid_src."""
+        gSrc = cute.zipped_divide(mSrc, (1, 1, 1, self.vec))
+        gDst = cute.zipped_divide(mDst, (1, 1, 1, 1, self.vec))
+        self._move(gSrc[(0, 0, 0, None), src_crd], gDst[(0, 0, 0, 0, None), dst_crd], valid_src)
+
+    @cute.jit
     def _move(self, src_vec: cute.Tensor, dst_vec: cute.Tensor, valid_src: cutlass.Boolean):
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         frag = cute.make_rmem_tensor((self.vec,), self.dtype)
@@ -184,15 +192,9 @@ class PreA2A(_RowCopy):
                 if s >= valid_rows:
                     row = pad_base + (s - valid_rows)  # padded key rows go after the joint rows
                     src_head = Int32(-1)  # stored as zeros: masked keys, but 0 * NaN = NaN in P @ V
-            gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
-            gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
             valid = src_head >= 0
             h_read = src_head if valid else 0
-            self._move(
-                gX[(0, 0, 0, None), (b, s, h_read, v)],
-                gD[(0, 0, 0, 0, None), (d, b, row, j, v)],
-                valid,
-            )
+            self._copy_vec(mX, (b, s, h_read, v), mD, (d, b, row, j, v), valid)
 
     @cute.jit
     def _joint_rows(self, mX, mD, mMap, rank, seq_len, is_kv: cutlass.Constexpr, blk, tidx):
@@ -206,15 +208,9 @@ class PreA2A(_RowCopy):
             if const_expr(is_kv):
                 row = seq_len + tj  # k, v: S + t
             src_head = mMap[rank * H_loc + j]
-            gX = cute.zipped_divide(mX, (1, 1, 1, self.vec))
-            gD = cute.zipped_divide(mD, (1, 1, 1, 1, self.vec))
             valid = src_head >= 0
             h_read = src_head if valid else 0
-            self._move(
-                gX[(0, 0, 0, None), (b, tj, h_read, v)],
-                gD[(0, 0, 0, 0, None), (rank, b, row, j, v)],
-                valid,
-            )
+            self._copy_vec(mX, (b, tj, h_read, v), mD, (rank, b, row, j, v), valid)
 
 
 class PostA2A(_RowCopy):
@@ -247,26 +243,16 @@ class PostA2A(_RowCopy):
         B, R, H_loc = mO.shape[0], mO.shape[1], mO.shape[2]
         P = const_expr(self.world_size)
         rows_out = mOut.shape[2]
-        gO = cute.zipped_divide(mO, (1, 1, 1, self.vec))
-        gOut = cute.zipped_divide(mOut, (1, 1, 1, 1, self.vec))
         if const_expr(not self.broadcast):
             # index order (b, s, h, v): a warp reads/writes contiguous (h, v) runs.
             in_range, (v, h, s, b) = self._thread_coord(bidx, tidx, (self.nvec, H_loc, R, B))
             if in_range:
-                self._move(
-                    gO[(0, 0, 0, None), (b, s, h, v)],
-                    gOut[(0, 0, 0, 0, None), (s // rows_out, b, s % rows_out, rank * H_loc + h, v)],
-                    True,
-                )
+                self._copy_vec(mO, (b, s, h, v), mOut, (s // rows_out, b, s % rows_out, rank * H_loc + h, v), True)
         else:
             # index order (b, t, d, h, v)
             in_range, (v, h, d, s, b) = self._thread_coord(bidx, tidx, (self.nvec, H_loc, P, R, B))
             if in_range:
-                self._move(
-                    gO[(0, 0, 0, None), (b, s, h, v)],
-                    gOut[(0, 0, 0, 0, None), (d, b, s, rank * H_loc + h, v)],
-                    True,
-                )
+                self._copy_vec(mO, (b, s, h, v), mOut, (d, b, s, rank * H_loc + h, v), True)
 
 
 # ---- torch side: cached compile + launch -------------------------------------------------------

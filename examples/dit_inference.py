@@ -177,15 +177,6 @@ def denoise(model, latents, cond, t_scale, steps, dtype, *, sync=None):
     return x, times
 
 
-def _gather_through_host(cls, tensor, dim, mesh):
-    """diffusers' output gather for ranks sharing one GPU over gloo (CUDA tensors via host memory)."""
-    group = mesh.get_group()
-    host = tensor.contiguous().cpu()
-    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, host, group=group)
-    return torch.cat(parts, dim=dim).to(tensor.device)
-
-
 def run(rank, world_size, args, device, group_backend):
     from diffusers import ContextParallelConfig
 
@@ -198,9 +189,9 @@ def run(rank, world_size, args, device, group_backend):
     if device.type == "cpu" and torch.accelerator.device_count() == 0:
         torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only torch
     if device.type == "cuda" and group_backend == "gloo":
-        import diffusers.hooks.context_parallel as cp_hooks
+        from fa_a2a.diffusers_backend import gather_cuda_over_gloo
 
-        cp_hooks.EquipartitionSharder.unshard = classmethod(_gather_through_host)
+        gather_cuda_over_gloo()
 
     def host_barrier():
         dist.barrier()

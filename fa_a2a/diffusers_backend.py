@@ -324,3 +324,22 @@ def route_counts(name: str = "fa_a2a", reset: bool = False) -> dict:
     if reset:
         _counts.pop(name, None)
     return counts
+
+
+def _gather_through_host(cls, tensor, dim, mesh):
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    host = tensor.contiguous().cpu()
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, host, group=group)
+    return torch.cat(parts, dim=dim).to(tensor.device)
+
+
+def gather_cuda_over_gloo() -> None:
+    """Let diffusers' output gather (EquipartitionSharder.unshard) run on a gloo group with CUDA
+    tensors, through host memory: for ranks that share one GPU, where NCCL refuses to run. A testbed
+    switch (tests, examples/dit_inference.py), not for production runs."""
+    import diffusers.hooks.context_parallel as cp_hooks
+
+    cp_hooks.EquipartitionSharder.unshard = classmethod(_gather_through_host)

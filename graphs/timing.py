@@ -43,6 +43,18 @@ Calls = Union[Fn, Sequence[Fn]]
 DRIFT_TOL = 0.05  # relative SM-clock change within one method that triggers a warning
 
 
+def _check_methods(methods, n_calls, trials, barrier):
+    """The arguments time_graphs and time_eager share -> (method names, {name: list of callables})."""
+    if not methods:
+        raise ValueError("methods: empty")
+    calls = {name: _as_calls(fn, f"methods[{name!r}]") for name, fn in methods.items()}
+    _check_count(n_calls, "n_calls", 1)
+    _check_count(trials, "trials", 1)
+    if barrier is not None and not callable(barrier):
+        raise ValueError("barrier: expected a callable or None")
+    return list(methods), calls
+
+
 def _as_calls(fn: Calls, name: str = "fn") -> list:
     fns = list(fn) if isinstance(fn, (list, tuple)) else [fn]
     if not fns or not all(callable(f) for f in fns):
@@ -274,15 +286,8 @@ def time_graphs(methods: Mapping[str, Calls], n_calls: int, trials: int, warmup:
     given, runs once after all captures and before the first replay (capture runs each callable
     eagerly first, so e.g. poisoning outputs there shows what the replays wrote).
     """
-    if not methods:
-        raise ValueError("methods: empty")
-    names = list(methods)
-    calls = {name: _as_calls(fn, f"methods[{name!r}]") for name, fn in methods.items()}
-    _check_count(n_calls, "n_calls", 1)
-    _check_count(trials, "trials", 1)
+    names, calls = _check_methods(methods, n_calls, trials, barrier)
     _check_count(warmup, "warmup", 0)
-    if barrier is not None and not callable(barrier):
-        raise ValueError("barrier: expected a callable or None")
     if monitor is None:
         monitor = GpuClockMonitor(enabled=False)
 
@@ -332,14 +337,7 @@ def time_eager(methods: Mapping[str, Calls], n_calls: int, trials: int, barrier:
     maximum over the ranks of `group` as in `time_graphs`. Call every method once before (compiles)."""
     import time
 
-    if not methods:
-        raise ValueError("methods: empty")
-    names = list(methods)
-    calls = {name: _as_calls(fn, f"methods[{name!r}]") for name, fn in methods.items()}
-    _check_count(n_calls, "n_calls", 1)
-    _check_count(trials, "trials", 1)
-    if barrier is not None and not callable(barrier):
-        raise ValueError("barrier: expected a callable or None")
+    names, calls = _check_methods(methods, n_calls, trials, barrier)
     sync = barrier if barrier is not None else (lambda: None)
     raw = torch.zeros(trials, len(names), dtype=torch.float64)
     for t in range(trials):

@@ -72,16 +72,6 @@ def _on(x, dtype):
             if isinstance(v, torch.Tensor) else v for k, v in x.items()}
 
 
-def _unshard_through_host(cls, tensor, dim, mesh):
-    import torch.distributed as dist
-
-    group = mesh.get_group()
-    host = tensor.contiguous().cpu()
-    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, host, group=group)
-    return torch.cat(parts, dim=dim).to(tensor.device)
-
-
 def _errors(out, base, ref):
     ref = ref.float()
     atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
@@ -91,13 +81,12 @@ def _errors(out, base, ref):
 
 
 def _check(P, group, rank):
-    import diffusers.hooks.context_parallel as cp_hooks
     from diffusers import ContextParallelConfig
 
     from fa_a2a import diffusers_backend as backend
     from ulysses.transport import close_transports
 
-    cp_hooks.EquipartitionSharder.unshard = classmethod(_unshard_through_host)
+    backend.gather_cuda_over_gloo()
     if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP calls it; transformers adds it on import
         logging.Logger.warning_once = logging.Logger.warning
     names = {impl: backend.register_diffusers_backend(f"fa_a2a_{impl}", impl) for impl in IMPLS}
