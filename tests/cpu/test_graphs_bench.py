@@ -16,6 +16,8 @@ from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
 from ulysses.reference import dist_head_to_seq
 
+from tests.multiproc import run_on_gloo_groups
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -126,31 +128,20 @@ def _o(rank, world):  # rank's attention output [B, S, H_loc, D], distinct value
     return (torch.arange(n, dtype=torch.float32) + 1000 * rank).view(B, world * S_LOC, H_LOC, D)
 
 
-def _two_rank_worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        # rank 0 is slower in trial 0, rank 1 in trial 1
-        values = torch.tensor([[10.0 + 5 * (rank == 0), 1.0], [7.0, 2.0 + rank]], dtype=torch.float64)
-        got = timing.rank_max(values)
-        send = torch.empty(world, B, S_LOC, H_LOC, D)
-        out = torch.full((B, S_LOC, world * H_LOC, D), float("nan"))
-        dist_head_to_seq(_o(rank, world), buffers=(send, torch.empty_like(send), out))
-        torch.save({"max": got, "a2a": out}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _check_two_ranks(P, group, rank):
+    # rank 0 is slower in trial 0, rank 1 in trial 1
+    values = torch.tensor([[10.0 + 5 * (rank == 0), 1.0], [7.0, 2.0 + rank]], dtype=torch.float64)
+    assert torch.equal(timing.rank_max(values, group), torch.tensor([[15.0, 1.0], [7.0, 3.0]], dtype=torch.float64))
+    send = torch.empty(P, B, S_LOC, H_LOC, D)
+    out = torch.full((B, S_LOC, P * H_LOC, D), float("nan"))
+    dist_head_to_seq(_o(rank, P), group=group, buffers=(send, torch.empty_like(send), out))
+    # Ulysses post-A2A: rank r's rows of every source rank's heads, head = src * H_loc + h
+    expect = torch.cat([_o(src, P)[:, rank * S_LOC:(rank + 1) * S_LOC] for src in range(P)], dim=2)
+    assert torch.equal(out, expect), rank
 
 
-def test_rank_max_and_baseline_a2a_over_two_processes(tmp_path):
-    world = 2
-    torch.multiprocessing.spawn(_two_rank_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
-    for r in range(world):
-        got = torch.load(tmp_path / f"{r}.pt")
-        assert torch.equal(got["max"], torch.tensor([[15.0, 1.0], [7.0, 3.0]], dtype=torch.float64))
-        # Ulysses post-A2A: rank r's rows of every source rank's heads, head = src * H_loc + h
-        expect = torch.cat([_o(src, world)[:, r * S_LOC:(r + 1) * S_LOC] for src in range(world)], dim=2)
-        assert torch.equal(got["a2a"], expect), r
+def test_rank_max_and_baseline_a2a_over_two_processes():
+    run_on_gloo_groups(_check_two_ranks, (2,))
     x = torch.tensor([1.0, 2.0])
     assert timing.rank_max(x) is x  # no process group: identity
 
