@@ -912,17 +912,14 @@ def _setup_distributed(cfg: BenchConfig) -> dict:
     dev = torch.device("cuda", local)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
     group = dist.group.WORLD
-    try:  # the in-stream barrier kernel of the peer windows (what the fused path uses)
-        from ulysses.transport import get_transport
+    # The in-stream barrier kernel of the peer windows (what the fused path uses). Its set-up is
+    # agreed across ranks: a failure raises TransportSetupError on every rank (no rank falls back
+    # to another barrier while the others wait in this one).
+    from ulysses.transport import get_transport
 
-        barrier, kind = get_transport(group).barrier, "ulysses.transport barrier kernel"
-    except Exception as e:  # stream-ordered fallback: a 1-element NCCL all_reduce
-        token = torch.zeros(1, device=dev)
-        kind = f"NCCL all_reduce (transport unavailable: {_first_line(e)})"
-
-        def barrier():
-            dist.all_reduce(token, group=group)
-    return {"rank": dist.get_rank(), "group": group, "device": dev, "barrier": barrier, "barrier_kind": kind}
+    barrier = get_transport(group).barrier
+    return {"rank": dist.get_rank(), "group": group, "device": dev, "barrier": barrier,
+            "barrier_kind": "ulysses.transport barrier kernel"}
 
 
 def run_gpu(cfg: BenchConfig) -> int:
@@ -975,6 +972,10 @@ def run_gpu(cfg: BenchConfig) -> int:
         for dest in cfg.dests:
             result["points"].append(run_point(cfg, M, dest, ctx, log, bar))
             torch.cuda.empty_cache()
+        if cfg.real_ranks:  # a barrier that timed out makes this M's numbers wrong and the transport unusable
+            from ulysses.transport import get_transport
+
+            get_transport(ctx["group"]).check()
     if bar is not None:
         bar.close()
     log.bar = None
@@ -1020,10 +1021,6 @@ def run_gpu(cfg: BenchConfig) -> int:
     if cfg.real_ranks:
         import torch.distributed as dist
 
-        if ctx["barrier_kind"].startswith("ulysses"):
-            from ulysses.transport import get_transport
-
-            get_transport(ctx["group"]).check()  # raises if a barrier timed out
         dist.destroy_process_group()
     return 0
 
