@@ -71,13 +71,15 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
         keep = tri if keep is None else keep & tri
     # Written out (not torch SDPA, whose CPU flash kernel turns a NaN query row into zeros): a NaN
     # in q reaches its output row, a NaN in an unmasked key or value every row, on every path.
-    qt = q.to(dtype).transpose(1, 2).reshape(B * Hq, Nq, D)
-    kt, vt = (x.to(dtype).repeat_interleave(Hq // Hk, dim=2) if Hq != Hk else x.to(dtype) for x in (k, v))
-    kt, vt = (x.transpose(1, 2).reshape(B * Hq, Nk, D) for x in (kt, vt))
-    scores = torch.bmm(qt, kt.transpose(1, 2)).mul_(scale)
+    q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
+    if Hq != Hk:
+        k, v = (x.repeat_interleave(Hq // Hk, dim=2) for x in (k, v))
+    scores = torch.bmm(q.permute(0, 2, 1, 3).reshape(B * Hq, Nq, D), k.permute(0, 2, 3, 1).reshape(B * Hq, D, Nk))
+    scores.mul_(scale)
     if keep is not None:
         scores.masked_fill_(~keep, float("-inf"))
-    return torch.bmm(scores.softmax(dim=-1), vt).view(B, Hq, Nq, D).transpose(1, 2)
+    out = torch.bmm(scores.softmax(dim=-1), v.permute(0, 2, 1, 3).reshape(B * Hq, Nk, D))
+    return out.view(B, Hq, Nq, D).transpose(1, 2)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):
