@@ -53,14 +53,11 @@ from typing import Optional
 
 import torch
 
-from fa_a2a.op import IMPLS
+from fa_a2a.problem import IMPLS, KERNEL_DTYPES, KERNEL_HEAD_DIMS
 
 __all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts"]
 
 logger = logging.getLogger(__name__)
-
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what FA4 and the A2A kernels take (fa_a2a.op)
-_KERNEL_HEAD_DIMS = (64, 128)
 
 _registered: dict[str, str] = {}  # backend name -> impl
 _counts: dict[str, collections.Counter] = {}
@@ -69,7 +66,7 @@ _logged: set = set()
 
 # ---- local attention (no communication) --------------------------------------------------------
 def _fa4_applies(q, k, v, attn_mask) -> bool:
-    return (attn_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and q.shape[-1] in _KERNEL_HEAD_DIMS
+    return (attn_mask is None and q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] in KERNEL_HEAD_DIMS
             and k.dtype == v.dtype == q.dtype and k.shape[-1] == q.shape[-1])
 
 
@@ -144,9 +141,9 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
     kernels = impl in ("fused", "serial") or (impl == "nccl" and q.is_cuda)
     if kernels and not q.is_cuda:
         return f"CPU tensors (impl {impl!r} runs CUDA kernels)"
-    if kernels and q.dtype not in _KERNEL_DTYPES:
+    if kernels and q.dtype not in KERNEL_DTYPES:
         return f"{q.dtype} tensors (the kernels take bfloat16/float16)"
-    if kernels and q.shape[-1] not in _KERNEL_HEAD_DIMS:
+    if kernels and q.shape[-1] not in KERNEL_HEAD_DIMS:
         return f"head dim {q.shape[-1]} (the kernels take 64 or 128)"
     if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
         return f"{k.shape[2]} K/V heads for {q.shape[2]} query heads"
