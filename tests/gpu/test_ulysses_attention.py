@@ -143,7 +143,8 @@ def test_uneven_shards_emulated(rows, H, Hkv, J):
     padded = [[L.pad_shard(x, r) for r, x in enumerate(s)] for s in shards]
     used = torch.full((1,), L.seqused_k(False) or L.num_rows, dtype=torch.int32, device="cuda")
     heads = emulated_pre_a2a(L, *padded, joint)
-    want, want_joint = emulated_post_a2a(L, [fa4_forward(q, k, v, seqused_k=used) for q, k, v in heads])
+    outs = [fa4_forward(*(x.contiguous() for x in qkv), seqused_k=used) for qkv in heads]
+    want, want_joint = emulated_post_a2a(L, outs)
     (ref, jref), (base, jbase) = helpers.oracles(full, joint, False, base_dtype=DTYPE)
     for impl in ("serial", "fused"):
         outs, jouts = helpers.pair(ulysses_attention_emulated(*shards, impl=impl, joint=joint, shard_rows=rows), joint)
