@@ -1,15 +1,18 @@
 """Torch entry points of the attention kernels: plain FA4 and FA4 with the fused post-A2A.
 
-Both compile FA4's SM90 class (or its rank-window subclass) with FA4's own tile configuration
-for the head dim, once per compile key, and launch on the current stream through TVM-FFI
-(torch tensors are passed as they are; shapes and strides are dynamic). No host sync: both are
-CUDA-graph capturable.
+Both compile FA4's forward class for the device's architecture (or its rank-window subclass)
+with FA4's own tile configuration, once per compile key, and launch on the current stream
+through TVM-FFI (torch tensors are passed as they are; shapes and strides are dynamic). No host
+sync: both are CUDA-graph capturable. Architectures: SM90 (compute capability 9.0) and SM100 /
+SM103 (10.x), picked from q's device (for fake tensors: the CuTe DSL's target, CUTE_DSL_ARCH).
+SM90 compile keys are (kind, dtype, D, qhead_per_kvhead, causal, seqused_k, lse[, timestamps]);
+SM100 keys append ("sm100", its configuration), so the two never share a compiled kernel.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -33,7 +36,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v: must be on one device")
     if q.device.type != "cuda":
-        raise ValueError(f"q: must be a CUDA tensor (SM90), got device {q.device}")
+        raise ValueError(f"q: must be a CUDA tensor (SM90 or SM100), got device {q.device}")
     if q.shape[-1] not in _HEAD_DIMS:
         raise ValueError(f"q: head dim must be one of {_HEAD_DIMS}, got {q.shape[-1]}")
     if k.shape != v.shape:
@@ -83,9 +86,126 @@ def _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal, **extra)
     )
 
 
-def tile_m_for(head_dim: int, causal: bool = False) -> int:
-    """Rows per output tile that FA4 (and so the fused kernel) uses for this head dim."""
+def tile_m_for(head_dim: int, causal: bool = False, arch: int = 90) -> int:
+    """Rows per output tile (one TMA store) that FA4 and the fused kernel use on `arch`
+    (90 or 100): SM90's tile_m for the head dim; on SM100 each Q stage, 128 rows."""
+    if arch == 100:
+        return SM100_TILE_M
     return _config(head_dim, causal).m_block_size
+
+
+def device_arch(q: torch.Tensor) -> int:
+    """90 for SM90, 100 for SM100 / SM103: from q's device, or the CuTe DSL target for fake tensors."""
+    if _is_fake(q):
+        from cutlass.cutlass_dsl import BaseDSL
+
+        target = BaseDSL._get_dsl().get_arch_enum()
+        major, minor = target.major, target.minor
+    else:
+        major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) == (9, 0):
+        return 90
+    if major == 10:
+        return 100
+    raise ValueError(f"q: device of compute capability 9.0 (SM90) or 10.x (SM100/SM103) expected, "
+                     f"got {major}.{minor}")
+
+
+SM100_TILE_M = 128
+
+
+class Sm100Config(NamedTuple):
+    q_stage: int
+    use_2cta_instrs: bool
+    is_static_persistent: bool
+    use_clc_scheduler: bool
+    use_s_ping_pong: bool
+
+
+def _config_sm100(head_dim: int, causal: bool, seqlen_q: int, qhead_per_kvhead: int,
+                  varlen_k: bool) -> Sm100Config:
+    """FA4's SM100 forward choices (flash_attn.cute.interface, 4.0.0b36) for dense q without
+    pack_gqa, split-KV, windows or score/mask mods: 128x128 tiles, two Q stages when S > 128,
+    2-CTA MMA for D=128 non-causal beyond one work tile, the static persistent scheduler when
+    non-causal (or one work tile), CLC and S ping-pong as FA4 decides them; FA4's environment
+    knobs (FA_CLC, FA_DISABLE_2CTA, FA_DISABLE_S_PING_PONG) are read through FA4's own helpers."""
+    from flash_attn.cute import utils
+
+    q_stage = 2 if seqlen_q > SM100_TILE_M else 1
+    one_block = seqlen_q <= q_stage * SM100_TILE_M
+    use_2cta = (not utils._get_disable_2cta_default(is_fwd=True) and not one_block
+                and not causal and head_dim == 128)
+    use_clc = (utils._get_use_clc_scheduler_default() and not (varlen_k and qhead_per_kvhead == 1)
+               and not (not varlen_k and not causal))
+    use_s_ping_pong = not utils._get_disable_s_ping_pong_default() and q_stage == 1
+    return Sm100Config(q_stage, use_2cta, not causal or one_block, use_clc, use_s_ping_pong)
+
+
+def _make_kernel_sm100(kernel_cls, head_dim, qhead_per_kvhead, causal, cfg: Sm100Config, **extra):
+    return kernel_cls(
+        head_dim,
+        head_dim,
+        qhead_per_kvhead=qhead_per_kvhead,
+        is_causal=causal,
+        is_local=False,
+        pack_gqa=False,
+        m_block_size=SM100_TILE_M,
+        n_block_size=128,
+        q_stage=cfg.q_stage,
+        is_static_persistent=cfg.is_static_persistent,
+        use_2cta_instrs=cfg.use_2cta_instrs,
+        use_clc_scheduler=cfg.use_clc_scheduler,
+        use_s_ping_pong=cfg.use_s_ping_pong,
+        **extra,
+    )
+
+
+def _fa4_sm100_middle(seqused_k):
+    """FA4 SM100 __call__'s arguments between softmax_scale and stream (only seqused_k set)."""
+    from flash_attn.cute.utils import AuxData
+
+    return (None, None, None, seqused_k, None, None, None, None, None, None, AuxData(None, None),
+            None, None, None, None, None, None, None, None)
+
+
+def _compile_sm100(kind: str, q, k, v, out, lse, seqused_k, causal: bool, extra_options: str = ""):
+    """Compile (once per key) FA4's SM100 forward (kind="fa4") or its rank-window subclass
+    (kind="a2a-tma"/"a2a-st") for q's shape class. extra_options (e.g. "--keep-ptx
+    --dump-dir=DIR") go to the compiler; such a build is not cached."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+
+    from cute_kernels.fa4_a2a_sm100 import FlashAttentionA2AForwardSm100
+
+    qhead_per_kvhead = q.shape[2] // k.shape[2]
+    cfg = _config_sm100(q.shape[-1], causal, q.shape[1], qhead_per_kvhead, seqused_k is not None)
+    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None,
+           "sm100", cfg)
+    if key in _compile_cache and not extra_options:
+        return _compile_cache[key]
+    if kind == "fa4":
+        fa = _make_kernel_sm100(FlashAttentionForwardSm100, q.shape[-1], qhead_per_kvhead, causal, cfg)
+    else:
+        fa = _make_kernel_sm100(FlashAttentionA2AForwardSm100, q.shape[-1], qhead_per_kvhead, causal, cfg,
+                                o_store=kind.removeprefix("a2a-"))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
+    tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
+    tlse = to_cute_tensor(lse, assumed_align=4)
+    options = f"--enable-tvm-ffi {extra_options}".strip()
+    if kind == "fa4":
+        # FA4 SM100 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
+        #   window_l, window_r, sink, descale, blocksparse, aux, num_splits_dynamic, tile_count_sem,
+        #   virtual_batch_idx, num_nheads_in_l2, cu_total_m, cu_total_splits, blocks_to_batch,
+        #   max_seqlen_q, stream)
+        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk),
+                                stream=stream, options=options)
+    else:
+        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream=stream, options=options)
+    if not extra_options:
+        _compile_cache[key] = compiled
+    return compiled
 
 
 def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, times=None):
@@ -150,7 +270,7 @@ def fa4_forward(
     seqused_k: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Plain FA4 SM90 forward: q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D].
+    """Plain FA4 forward (SM90 or SM100): q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D].
 
     lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
     _check_qkv(q, k, v)
@@ -165,6 +285,11 @@ def fa4_forward(
           or out.device != q.device):
         raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if device_arch(q) == 100:
+        compiled = _compile_sm100("fa4", q, k, v, out, lse, seqused_k, causal)
+        if not _is_fake(q):
+            compiled(q, k, v, out, lse, scale, *_fa4_sm100_middle(seqused_k))
+        return out
     compiled = _compile("fa4", q, k, v, out, lse, seqused_k, causal)
     if not _is_fake(q):
         from flash_attn.cute.utils import AuxData
@@ -224,9 +349,11 @@ def fa4_a2a_forward(
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
     lse_windows: optional fp32 [P, B, H, S_loc] (each window contiguous): the rows' log-sum-exp
     routed like O, lse_windows[s // S_loc][b, rank * H_loc + h, s % S_loc].
-    o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows).
+    o_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the tile's rows,
+    tile_m_for(D, causal, arch)).
     timestamps: optional int64 [B, H_loc, ceil(S / tile_m), 7], contiguous: a debug variant that
-    stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns).
+    stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns); SM90 only.
+    On SM100 (cute_kernels.fa4_a2a_sm100) lse_windows needs S_loc % 128 == 0.
     """
     _check_qkv(q, k, v)
     _check_seqused_k(seqused_k, q)
@@ -241,13 +368,24 @@ def fa4_a2a_forward(
             raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
         lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    arch = device_arch(q)
     # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
     S_loc = out_windows.shape[2]
-    aligned = S_loc % tile_m_for(q.shape[-1], causal) == 0
+    aligned = S_loc % tile_m_for(q.shape[-1], causal, arch) == 0
     if o_store is None:
         o_store = "tma" if aligned else "st"
     elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
         raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
+    if arch == 100:
+        if lse_dst is not None and not aligned:
+            # FA4's SM100 LSE rows go out in 128-row tiles from the correction warps (see the kernel)
+            raise ValueError(f"lse_windows: on SM100 S_loc must be a multiple of {SM100_TILE_M}, got {S_loc}")
+        if timestamps is not None:
+            raise ValueError("timestamps: the stamped debug build is SM90 only")
+        compiled = _compile_sm100(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal)
+        if not _is_fake(q):
+            compiled(q, k, v, dst, lse_dst, scale, seqused_k)
+        return
     if timestamps is not None:
         B, S = q.shape[0], q.shape[1]
         shape = (B, H_loc, -(-S // tile_m_for(q.shape[-1], causal)), 7)

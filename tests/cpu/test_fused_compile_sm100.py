@@ -1,0 +1,163 @@
+"""CPU tier: FA4's SM100 forward and the rank-window subclass compile for sm_100a with fake tensors.
+
+The CuTe DSL reads CUTE_DSL_ARCH into its environment object once, but reads that object's `arch`
+on every kernel construction and compile, so the `sm100` fixture retargets it (and restores
+sm_90a after). FA4's persistent schedulers ask the driver for the SM count while tracing; the
+fixture answers for a B200 (148 SMs). The PTX is read back for what the design relies on.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fa_a2a import fused
+
+B200_SMS = 148
+
+
+class _B200Info:
+    """cutlass.utils.HardwareInfo without a driver: the SM count of a B200."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def get_device_multiprocessor_count(self):
+        return B200_SMS
+
+    def get_max_active_clusters(self, cluster_size):
+        return B200_SMS // cluster_size
+
+
+@pytest.fixture
+def sm100():
+    import cutlass.utils
+    import flash_attn.cute.tile_scheduler as tile_scheduler
+    from cutlass.cutlass_dsl import BaseDSL
+
+    env = BaseDSL._get_dsl().envar
+    saved = env.arch, cutlass.utils.HardwareInfo, tile_scheduler.HardwareInfo
+    env.arch = "sm_100a"
+    cutlass.utils.HardwareInfo = tile_scheduler.HardwareInfo = _B200Info
+    try:
+        yield
+    finally:
+        env.arch, cutlass.utils.HardwareInfo, tile_scheduler.HardwareInfo = saved
+
+
+@pytest.fixture
+def fa4_knobs(monkeypatch):
+    """Set FA4's forward knobs (FA_DISABLE_2CTA, FA_CLC) as its environment variables would."""
+    from flash_attn.cute import utils
+
+    def set_knobs(disable_2cta=False, clc=False):
+        monkeypatch.setattr(utils, "_fa_disable_2cta_enabled", disable_2cta)
+        monkeypatch.setattr(utils, "_fa_disable_2cta_cuda12", False)
+        monkeypatch.setattr(utils, "_fa_clc_enabled", clc)
+
+    set_knobs()
+    return set_knobs
+
+
+def _fake(P, B, S_loc, H_loc, D, dtype=torch.bfloat16, kv_heads=None):
+    q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
+    kv = torch.empty(B, P * S_loc, kv_heads or H_loc, D, dtype=dtype, device="cuda")
+    windows = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
+    return q, kv, windows
+
+
+def _ptx(tmp_path, kind, q, kv, windows, causal, rank=1, lse=None, seqused_k=None):
+    H_loc = q.shape[2]
+    out = windows.narrow(3, rank * H_loc, H_loc) if kind != "fa4" else torch.empty_like(q)
+    compiled = fused._compile_sm100(kind, q, kv, kv, out, lse, seqused_k, causal,
+                                    extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = compiled.__ptx__
+    if ptx and not ptx.lstrip().startswith("//"):  # a path to the dumped file
+        with open(ptx) as f:
+            ptx = f.read()
+    assert ".target sm_100a" in ptx
+    return ptx
+
+
+TMA_STORE = "cp.async.bulk.tensor.{}d.global.shared::cta"
+
+
+@pytest.mark.parametrize("D,causal,disable_2cta,two_cta", [
+    (128, False, False, True),  # 2-CTA MMA, static persistent scheduler
+    (128, False, True, False),  # the same with FA4's 2-CTA off (1-CTA)
+    (64, True, False, False),  # causal: LPT scheduler, not persistent
+])
+def test_tma_path_stores_o_through_one_5d_descriptor(sm100, fa4_knobs, tmp_path, D, causal, disable_2cta,
+                                                      two_cta):
+    fa4_knobs(disable_2cta=disable_2cta)
+    with FakeTensorMode():
+        q, kv, windows = _fake(4, 1, 384, 3, D)
+        cfg = fused._config_sm100(D, causal, q.shape[1], 1, False)
+        assert cfg.use_2cta_instrs == two_cta and cfg.q_stage == 2
+        ours = _ptx(tmp_path, "a2a-tma", q, kv, windows, causal)
+        fa4 = _ptx(tmp_path, "fa4", q, kv, windows, causal)
+    # FA4 stores O (s, d, h, b) with a 4-D TMA; the rank window adds the rank mode: 5-D, one
+    # bulk group per Q stage, waited for with .read only (never for the remote writes)
+    assert ours.count(TMA_STORE.format(5)) == fa4.count(TMA_STORE.format(4)) > 0
+    assert TMA_STORE.format(4) not in ours
+    assert ours.count("cp.async.bulk.commit_group") == fa4.count("cp.async.bulk.commit_group") == 2
+    assert "cp.async.bulk.wait_group.read" in ours and "cp.async.bulk.wait_group " not in ours
+    assert "st.global.v4" not in ours
+    assert ("cta_group::2" in ours) == two_cta
+    assert ".local" not in ours
+
+
+@pytest.mark.parametrize("D,causal,S_loc", [(128, False, 320), (64, True, 200), (128, False, 32)])
+def test_st_path_streams_16_byte_stores(sm100, fa4_knobs, tmp_path, D, causal, S_loc):
+    # S_loc % 128 != 0: stages straddle rank boundaries (S_loc = 32: a stage spans 4 ranks, and
+    # S = 128 gives FA4's one-stage S ping-pong configuration)
+    with FakeTensorMode():
+        q, kv, windows = _fake(4, 1, S_loc, 2, D)
+        ptx = _ptx(tmp_path, "a2a-st", q, kv, windows, causal)
+    assert "st.global.v4" in ptx and "ld.shared.v4" in ptx
+    assert TMA_STORE.format(5) not in ptx and TMA_STORE.format(4) not in ptx
+    # one chunk in registers at a time: no local memory (the whole-stage copy would spill)
+    assert ".local" not in ptx
+
+
+def test_public_entry_points_compile_for_sm100(sm100, fa4_knobs):
+    fa4_knobs(clc=True)  # FA4 uses CLC for causal when FA_CLC=1
+    with FakeTensorMode():
+        # LSE and seqused_k (2-CTA), GQA with CLC (causal), straddling fp16, plain FA4
+        q, kv, windows = _fake(4, 2, 256, 2, 128)
+        lse_windows = torch.empty(4, 2, 8, 256, dtype=torch.float32, device="cuda")
+        seqused = torch.empty(2, dtype=torch.int32, device="cuda")
+        fused.fa4_a2a_forward(q, kv, kv, windows, 3, lse_windows=lse_windows, seqused_k=seqused)
+        q, kv, windows = _fake(2, 1, 512, 4, 128, kv_heads=1)
+        fused.fa4_a2a_forward(q, kv, kv, windows, 0, causal=True)
+        q, kv, windows = _fake(8, 1, 100, 1, 64, dtype=torch.float16)
+        fused.fa4_a2a_forward(q, kv, kv, windows, 7)
+        fused.fa4_forward(q, kv, kv)
+    keys = [k for k in fused._compile_cache if k[-2:-1] == ("sm100",)]
+    cfgs = {k[:7]: k[-1] for k in keys}
+    lse_key = ("a2a-tma", torch.bfloat16, 128, 1, False, True, True)
+    assert cfgs[lse_key].use_2cta_instrs
+    gqa_key = ("a2a-tma", torch.bfloat16, 128, 4, True, False, False)
+    assert cfgs[gqa_key].use_clc_scheduler and not cfgs[gqa_key].use_2cta_instrs
+    assert ("a2a-st", torch.float16, 64, 1, False, False, False) in cfgs
+    assert ("fa4", torch.float16, 64, 1, False, False, False) in cfgs
+
+
+def test_sm100_dispatch_and_refusals(sm100):
+    with FakeTensorMode():
+        q, kv, windows = _fake(4, 1, 200, 2, 128)
+        assert fused.device_arch(q) == 100
+        assert fused.tile_m_for(64, arch=100) == 128
+        lse_windows = torch.empty(4, 1, 8, 200, dtype=torch.float32, device="cuda")
+        with pytest.raises(ValueError, match="lse_windows: on SM100 S_loc must be a multiple of 128, got 200"):
+            fused.fa4_a2a_forward(q, kv, kv, windows, 0, lse_windows=lse_windows)
+        with pytest.raises(ValueError, match="o_store: 'tma' is not"):
+            fused.fa4_a2a_forward(q, kv, kv, windows, 0, o_store="tma")
+        ts = torch.empty(1, 2, 7, 7, dtype=torch.int64, device="cuda")
+        with pytest.raises(ValueError, match="timestamps: the stamped debug build is SM90 only"):
+            fused.fa4_a2a_forward(q, kv, kv, windows, 0, timestamps=ts)
+
+
+def test_sm90_target_after_sm100():
+    with FakeTensorMode():
+        q, _, _ = _fake(2, 1, 128, 2, 128)
+        assert fused.device_arch(q) == 90
