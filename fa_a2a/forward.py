@@ -60,16 +60,23 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
                                seqused_k=seqused_k).to(q.dtype)
 
 
-def _copy_out(layout, rank: int, res, out, joint_out) -> None:
-    """Write a rank's (out, joint_out) result into the preallocated outputs (out has q's rows: S_loc, or
-    shard_rows[rank] with uneven shards); padding rows zero."""
+def _deliver(layout, rank: int, res, rows: int, out=None, joint_out=None):
+    """A rank's result (o [B, >= rows, H, D], jo or None) as its outputs: o's first `rows` rows (q's
+    rows: S_loc, or shard_rows[rank]) with the padding rows zeroed, and jo. Copied into `out` /
+    `joint_out` when given (the custom op's preallocated outputs); otherwise `o` must be fresh
+    (not a window) and is returned without a copy where its layout allows."""
     o, jo = res
-    out.copy_(o[:, :out.shape[1]])
+    o = o[:, :rows]
+    if out is None:
+        out, joint_out = o.contiguous(), (None if jo is None else jo.contiguous())
+    else:
+        out.copy_(o)
+        if joint_out is not None:
+            joint_out.copy_(jo)
     valid = layout.valid_rows(rank)
-    if valid < out.shape[1]:
+    if valid < rows:
         out[:, valid:].zero_()
-    if joint_out is not None:
-        joint_out.copy_(jo)
+    return out, joint_out
 
 
 # ---- rank windows: plan of one problem on one transport ------------------------------------------
@@ -153,10 +160,16 @@ class _WindowPlan:
             if lay.joint_len:
                 launch_post_a2a(o[:, lay.seq_pad:], self.jout_w, rank, broadcast=True)
 
-    def finish(self, rank: int, out: torch.Tensor, joint_out: Optional[torch.Tensor]) -> None:
+    def finish(self, rank: int, rows: int, out=None, joint_out=None):
+        """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
         H = self.layout.num_heads
-        jo = self.jout_w[rank][:, :, :H] if joint_out is not None else None
-        _copy_out(self.layout, rank, (self.out_w[rank][:, :, :H], jo), out, joint_out)
+        if out is None:  # the windows are reused by the next call: copy out of them
+            out = torch.empty(self.B, rows, H, self.D, dtype=self.dtype, device=self.transport.device)
+            if self.layout.joint_len:
+                joint_out = torch.empty(self.B, self.layout.joint_len, H, self.D, dtype=self.dtype,
+                                        device=self.transport.device)
+        jo = self.jout_w[rank][:, :, :H] if self.layout.joint_len else None
+        return _deliver(self.layout, rank, (self.out_w[rank][:, :, :H], jo), rows, out, joint_out)
 
 
 _plans: dict = {}
@@ -197,14 +210,14 @@ def _collective_pipeline(p: Problem, q, k, v, joint, group):
     return res if joint is not None else (res, None)
 
 
-def forward(p: Problem, q, k, v, joint, out, joint_out, group, rank: int) -> None:
-    """One rank's call: writes out [B, S_loc, H, D] (and joint_out [B, J, H, D])."""
+def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=None):
+    """One rank's call -> (out [B, rows of q, H, D], joint_out [B, J, H, D] or None); written into
+    out / joint_out when they are given (the custom op's preallocated outputs)."""
+    rows = q.shape[1]
     if p.world_size == 1:
-        _copy_out(p.layout, 0, _single_rank(p, q, k, v, joint), out, joint_out)
-        return
+        return _deliver(p.layout, 0, _single_rank(p, q, k, v, joint), rows, out, joint_out)
     if p.impl in ("nccl", "reference"):
-        _copy_out(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), out, joint_out)
-        return
+        return _deliver(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), rows, out, joint_out)
     from ulysses.transport import get_transport
 
     transport = get_transport(group)
@@ -215,7 +228,7 @@ def forward(p: Problem, q, k, v, joint, out, joint_out, group, rank: int) -> Non
     transport.barrier()
     plan.attend(rank, p.impl, p.causal, p.scale)
     transport.barrier()
-    plan.finish(rank, out, joint_out)
+    return plan.finish(rank, rows, out, joint_out)
 
 
 # ---- P emulated ranks in one process --------------------------------------------------------------
@@ -231,27 +244,31 @@ def _emulated_transport(world_size: int, device: torch.device):
     return _emulated[key]
 
 
-def forward_emulated(p: Problem, qs, ks, vs, joint, outs, joint_outs) -> None:
-    """All P ranks' calls in one process (the real kernels and barriers over one local buffer)."""
+def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
+    """All P ranks' calls in one process (the real kernels and barriers over one local buffer) ->
+    (list of P outputs, list of P joint outputs or None); into outs / joint_outs when given."""
     P = p.world_size
+    rows = [q.shape[1] for q in qs]
+    outs = outs or [None] * P
+    joint_outs = joint_outs or [None] * P
     if p.impl == "reference":
         from ulysses.reference import emulated_ulysses_attention
 
         res = emulated_ulysses_attention(list(qs), list(ks), list(vs), joint=joint, causal=p.causal,
                                          softmax_scale=p.scale, seq_len=p.layout.seq_len, shard_rows=p.shard_rows)
         o, jo = res if joint is not None else (res, None)
+        done = [_deliver(p.layout, r, (o[r], None if jo is None else jo.clone()), rows[r], outs[r], joint_outs[r])
+                for r in range(P)]
+    else:
+        transport = _emulated_transport(P, qs[0].device)
+        plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+        if p.shard_rows is not None:
+            qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
         for r in range(P):
-            _copy_out(p.layout, r, (o[r], jo), outs[r], joint_outs[r] if joint is not None else None)
-        return
-    transport = _emulated_transport(P, qs[0].device)
-    plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
-    if p.shard_rows is not None:
-        qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
-    for r in range(P):
-        plan.pre(r, qs[r], ks[r], vs[r], joint)
-    transport.barrier()
-    for r in range(P):
-        plan.attend(r, p.impl, p.causal, p.scale)
-    transport.barrier()
-    for r in range(P):
-        plan.finish(r, outs[r], joint_outs[r] if joint is not None else None)
+            plan.pre(r, qs[r], ks[r], vs[r], joint)
+        transport.barrier()
+        for r in range(P):
+            plan.attend(r, p.impl, p.causal, p.scale)
+        transport.barrier()
+        done = [plan.finish(r, rows[r], outs[r], joint_outs[r]) for r in range(P)]
+    return [o for o, _ in done], (None if joint is None else [j for _, j in done])

@@ -76,7 +76,7 @@ def _ulysses_attention_op(
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                              rank=rank, group=group, group_name=group_name)
-    forward(problem, q, k, v, joint, out, joint_out, group, rank)
+    forward(problem, q, k, v, joint, group, rank, out, joint_out)
 
 
 @_ulysses_attention_op.register_fake
@@ -151,13 +151,13 @@ def ulysses_attention(
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                                  rank=rank, group=group, group_name=group_name)
     check_no_grad(q, k, v, *(joint or ()))
-    out, joint_out = _outputs(q, joint)
     if torch.compiler.is_compiling():
+        out, joint_out = _outputs(q, joint)
         jq, jk, jv = joint if joint is not None else (None, None, None)
         _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,
                               problem.softmax_scale, seq_len, None if shard_rows is None else list(shard_rows))
     else:
-        forward(problem, q, k, v, joint, out, joint_out, group, rank)
+        out, joint_out = forward(problem, q, k, v, joint, group, rank)
     return _result(out, joint_out, given_joint)
 
 
@@ -182,14 +182,14 @@ def ulysses_attention_emulated(
     given_joint = joint is not None
     problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows)
     check_no_grad(*qs, *ks, *vs, *(joint or ()))
-    pairs = [_outputs(q, joint) for q in qs]
-    outs, joint_outs = [o for o, _ in pairs], [j for _, j in pairs if j is not None]
     if torch.compiler.is_compiling():
+        pairs = [_outputs(q, joint) for q in qs]
+        outs, joint_outs = [o for o, _ in pairs], [j for _, j in pairs if j is not None]
         _ulysses_attention_emulated_op(list(qs), list(ks), list(vs), outs, list(joint or ()), joint_outs, impl,
                                        causal, problem.softmax_scale, seq_len,
                                        None if shard_rows is None else list(shard_rows))
     else:
-        forward_emulated(problem, qs, ks, vs, joint, outs, joint_outs)
+        outs, joint_outs = forward_emulated(problem, qs, ks, vs, joint)
     if not given_joint:
         return outs
     if not joint_outs:  # joint with J = 0 rows
