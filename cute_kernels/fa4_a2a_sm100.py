@@ -16,7 +16,9 @@ Two O paths (compile-time `o_store`), both issued by warp 13:
   Needs S_loc % 128 == 0 (every stage inside one rank, as on SM90).
 - "st": per-thread predicated 16-byte stores from sO, once per rank the stage touches, each row
   stored where 0 <= local row < S_loc. FA4's own non-TMA store loads the whole stage into
-  registers first (64 x 16 B per lane with one warp); this path streams one 16-byte chunk at a time.
+  registers first (64 x 16 B per lane with one warp); this path streams one row's share at a time
+  (2 x 16 B at D=128). ptxas 13.4 for sm_100a (CPU, 2026-12-03, D=128, 2-CTA): 128 registers,
+  0 bytes spilled, for both paths and for FA4's own forward.
 Tiles past the sequence (row >= S) store nothing. The warp waits only for the bulk store's smem
 read before releasing the stage (as FA4 does); visibility to other ranks comes from the barrier
 kernel launched after this one (cute_kernels/signal.py).
@@ -56,6 +58,20 @@ def _nested_stride_alignment():
         yield
     finally:
         _fa4_sm100.assume_tensor_aligned = saved
+
+
+def lse_rows(mLSEWindows: cute.Tensor) -> cute.Tensor:
+    """(p, b, h, s_loc) LSE windows -> FA4's (b, h, s) with s = (s_loc, p): a flat row index s
+    addresses rank s // s_loc. FA4 tiles that row mode by 128; the tiles are exact only when 128
+    divides s_loc (tests/cpu/test_fused_compile_sm100.py evaluates the tiling)."""
+    l = mLSEWindows.layout
+    return cute.make_tensor(
+        mLSEWindows.iterator,
+        cute.make_layout(
+            (l.shape[1], l.shape[2], (l.shape[3], l.shape[0])),
+            stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
+        ),
+    )
 
 
 class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
@@ -101,18 +117,7 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
                 stride=((w.stride[1], w.stride[0]), w.stride[2], w.stride[3], w.stride[4]),
             ),
         )
-        mLSE = None
-        if const_expr(mLSEWindows is not None):
-            l = mLSEWindows.layout
-            # (p, b, h, s_loc) -> (b, h, (s_loc, p)): a flat row index s addresses rank s // s_loc
-            # (FA4's 128-row LSE tiles of this mode are exact only when 128 divides s_loc)
-            mLSE = cute.make_tensor(
-                mLSEWindows.iterator,
-                cute.make_layout(
-                    (l.shape[1], l.shape[2], (l.shape[3], l.shape[0])),
-                    stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
-                ),
-            )
+        mLSE = lse_rows(mLSEWindows) if const_expr(mLSEWindows is not None) else None
         with _nested_stride_alignment():
             super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream)
 

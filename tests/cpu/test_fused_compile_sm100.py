@@ -161,3 +161,42 @@ def test_sm90_target_after_sm100():
     with FakeTensorMode():
         q, _, _ = _fake(2, 1, 128, 2, 128)
         assert fused.device_arch(q) == 90
+
+
+
+def _lse_tile_offsets(capfd, s_loc, window_stride, P, B, H, b, h):
+    """{row: element offset} that FA4's correction warps write through the kernel's LSE row
+    tensor: FA4's (b, h, s) -> (s, h, b) transpose, then 128-row tiles (flash_fwd_sm100), with the
+    layout algebra (dynamic s_loc and window stride, as in the kernel) run by the CuTe DSL on the host."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from cute_kernels.fa4_a2a_sm100 import lse_rows
+
+    @cute.jit
+    def probe(s_loc: Int32, w: Int32):
+        ptr = cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.gmem, assumed_align=4)
+        windows = cute.make_tensor(ptr, cute.make_layout((P, B, H, s_loc), stride=(w, H * s_loc, s_loc, 1)))
+        m = lse_rows(windows)
+        m = cute.make_tensor(m.iterator, cute.select(m.layout, mode=[2, 1, 0]))[None, h, b]
+        for t in cutlass.range((s_loc * P + 127) // 128, unroll=1):
+            g = cute.local_tile(m, (128,), (t,))
+            for i in cutlass.range(128, unroll=1):
+                if t * 128 + i < s_loc * P:
+                    cute.printf("lse-row %d %d\n", t * 128 + i, (g.iterator + cute.crd2idx((i,), g.layout)).toint() // 4)
+
+    capfd.readouterr()
+    probe(s_loc, window_stride)
+    out = capfd.readouterr().out
+    return {int(r): int(o) for _, r, o in (line.split() for line in out.splitlines() if line.startswith("lse-row "))}
+
+
+@pytest.mark.parametrize("s_loc,exact", [(256, True), (384, True), (320, False), (200, False)])
+def test_lse_row_tiles_are_exact_only_for_whole_stages(capfd, s_loc, exact):
+    # why fa4_a2a_forward refuses lse_windows on SM100 unless 128 divides S_loc
+    P, B, H, b, h, W = 4, 2, 3, 1, 2, 1 << 20
+    got = _lse_tile_offsets(capfd, s_loc, W, P, B, H, b, h)
+    assert sorted(got) == list(range(P * s_loc))
+    expected = {s: (s // s_loc) * W + b * H * s_loc + h * s_loc + s % s_loc for s in got}
+    assert (got == expected) == exact
