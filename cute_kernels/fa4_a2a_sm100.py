@@ -46,7 +46,7 @@ from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from quack import copy_utils
 
-from cute_kernels.fa4_a2a_sm90 import O_STORES, _assume_nested_aligned
+from cute_kernels.fa4_a2a_sm90 import O_STORES, _assume_nested_aligned, rank_window_o
 
 
 @contextmanager
@@ -108,15 +108,7 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
         stream: cuda.CUstream = None,
     ):
-        w = mOWindows.layout
-        # (p, b, s_loc, h, dv) -> ((b, p), s_loc, h, dv): FA4's (b, s, h, dv) with a nested batch mode
-        mO = cute.make_tensor(
-            mOWindows.iterator,
-            cute.make_layout(
-                ((w.shape[1], w.shape[0]), w.shape[2], w.shape[3], w.shape[4]),
-                stride=((w.stride[1], w.stride[0]), w.stride[2], w.stride[3], w.stride[4]),
-            ),
-        )
+        mO = rank_window_o(mOWindows)
         mLSE = lse_rows(mLSEWindows) if const_expr(mLSEWindows is not None) else None
         with _nested_stride_alignment():
             super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream)

@@ -82,6 +82,20 @@ from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
 
+def rank_window_o(mOWindows: cute.Tensor) -> cute.Tensor:
+    """The P output windows (p, b, s_loc, h, dv) as FA4's O (b, s, h, dv) with a nested batch mode:
+    ((b, p), s_loc, h, dv), so that O row s_loc of batch (b, p) is row p * S_loc + s_loc of FA4's
+    sequence (shared by the SM90 and SM100 kernels)."""
+    w = mOWindows.layout
+    return cute.make_tensor(
+        mOWindows.iterator,
+        cute.make_layout(
+            ((w.shape[1], w.shape[0]), w.shape[2], w.shape[3], w.shape[4]),
+            stride=((w.stride[1], w.stride[0]), w.stride[2], w.stride[3], w.stride[4]),
+        ),
+    )
+
+
 def _assume_nested_aligned(t, *, canonicalize_singletons=False, align_bits=128):
     """FA4's alignment assumption, extended to hierarchical (nested) strides.
 
@@ -160,15 +174,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         mTimes: Optional[cute.Tensor] = None,  # (b, h_loc, m_blocks, 7) int64 when timestamps
         stream: cuda.CUstream = None,
     ):
-        w = mOWindows.layout
-        # (p, b, s_loc, h, dv) -> ((b, p), s_loc, h, dv): FA4's (b, s, h, dv) with a nested batch mode
-        mO = cute.make_tensor(
-            mOWindows.iterator,
-            cute.make_layout(
-                ((w.shape[1], w.shape[0]), w.shape[2], w.shape[3], w.shape[4]),
-                stride=((w.stride[1], w.stride[0]), w.stride[2], w.stride[3], w.stride[4]),
-            ),
-        )
+        mO = rank_window_o(mOWindows)
         mLSE = None
         if const_expr(mLSEWindows is not None):
             l = mLSEWindows.layout
