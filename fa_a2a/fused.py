@@ -16,8 +16,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-_DTYPES = (torch.bfloat16, torch.float16)
-_HEAD_DIMS = (64, 128)
+# What the kernels take (fa_a2a.problem and the diffusers backend check calls against these).
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
 _compile_cache: dict = {}
 
 
@@ -27,7 +28,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected [B, S, H, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise ValueError(f"{name}: dtype must be bfloat16 or float16, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous (stride 1)")
@@ -37,8 +38,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError("q, k, v: must be on one device")
     if q.device.type != "cuda":
         raise ValueError(f"q: must be a CUDA tensor (SM90 or SM100), got device {q.device}")
-    if q.shape[-1] not in _HEAD_DIMS:
-        raise ValueError(f"q: head dim must be one of {_HEAD_DIMS}, got {q.shape[-1]}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"q: head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from fa_a2a.fused import DTYPES, HEAD_DIMS
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
@@ -31,8 +32,7 @@ __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", 
 IMPLS = ("fused", "serial", "nccl", "reference")
 EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
 KERNEL_IMPLS = ("fused", "serial")
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_DTYPES, KERNEL_HEAD_DIMS = DTYPES, HEAD_DIMS  # the kernels' limits live beside them (fa_a2a.fused)
 
 
 @dataclasses.dataclass(frozen=True)
