@@ -41,6 +41,7 @@ compacted key order would no longer match the query order).
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -100,6 +101,15 @@ def _gqa_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, heads_loc:
         if heads_loc % qpk == 0 and (index := index_for(qpk)) is not None:
             return qpk, index
     raise AssertionError("unreachable: qhead_per_kvhead = 1 always fits")
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_row_source(layout: "UlyssesLayout", device: torch.device) -> torch.Tensor:
+    """UlyssesLayout.kv_row_source: valid slot rows (rank by rank), joint rows, padded slot rows."""
+    slots = torch.arange(layout.seq_pad).view(layout.world_size, layout.seq_loc)
+    valid = torch.arange(layout.seq_loc) < torch.tensor(layout.shard_rows)[:, None]
+    joint = torch.arange(layout.seq_pad, layout.seq_pad + layout.joint_len)
+    return torch.cat([slots[valid], joint, slots[~valid]]).to(device)
 
 
 @dataclass(frozen=True)
@@ -243,12 +253,9 @@ class UlyssesLayout:
         return self.seq_len + self._check_range(j, "j", self.joint_len)
 
     def kv_row_source(self, device=None) -> torch.Tensor:
-        """int64 [N]: for each head-layout key row, its index in cat([seq slot rows (S_pad), joint (J)])."""
-        L, rows = self.seq_loc, self.shard_rows
-        valid = [r * L + i for r in range(self.world_size) for i in range(rows[r])]
-        padding = [r * L + i for r in range(self.world_size) for i in range(rows[r], L)]
-        joint = list(range(self.seq_pad, self.seq_pad + self.joint_len))
-        return torch.tensor(valid + joint + padding, dtype=torch.int64, device=device)
+        """int64 [N]: for each head-layout key row, its index in cat([seq slot rows (S_pad), joint (J)]).
+        Built once per (layout, device) and cached: treat it as read-only."""
+        return _kv_row_source(self, torch.device("cpu" if device is None else device))
 
     def seqused_k(self, causal: bool = False) -> int | None:
         """Keys a local attention must read (a suffix mask), or None when none need masking.
