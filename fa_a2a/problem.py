@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from fa_a2a.fused import DTYPES, HEAD_DIMS
+from fa_a2a.fused import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS  # limits live beside the kernels
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
@@ -32,7 +32,6 @@ __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", 
 IMPLS = ("fused", "serial", "nccl", "reference")
 EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
 KERNEL_IMPLS = ("fused", "serial")
-KERNEL_DTYPES, KERNEL_HEAD_DIMS = DTYPES, HEAD_DIMS  # the kernels' limits live beside them (fa_a2a.fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,18 +244,33 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
         return None
 
 
+def _lookup(key, joint):
+    """(key, (Problem, joint tuple or None)) for a cached signature, (key, None) for a new one, and
+    (None, None) for an unhashable argument (e.g. a list as seq_len: check_call names it)."""
+    if key is None:
+        return None, None
+    try:
+        hit = _resolved.get(key)
+    except TypeError:
+        return None, None
+    return key, None if hit is None else (hit[0], tuple(joint) if hit[1] else None)
+
+
+def _remember(key, problem: Problem, joint):
+    if key is not None:
+        _resolved[key] = (problem, joint is not None)
+    return problem, joint
+
+
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
             group=None, group_name: str = ""):
     """Validate (once per signature), agree across `group` when it has several ranks, cache.
 
     Returns (Problem, joint tuple or None)."""
     key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
-    try:
-        hit = _resolved.get(key) if key is not None else None
-    except TypeError:  # an unhashable argument (e.g. a list as seq_len): check_call names it
-        key = hit = None
+    key, hit = _lookup(key, joint)
     if hit is not None:
-        return hit[0], (tuple(joint) if hit[1] else None)
+        return hit
     problem = joint_out = error = None
     try:
         problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
@@ -267,9 +281,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
         error = str(e)
     if world_size > 1 and group is not None:
         agree(problem, error, group)
-    if key is not None:
-        _resolved[key] = (problem, joint_out is not None)
-    return problem, joint_out
+    return _remember(key, problem, joint_out)
 
 
 def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None):
@@ -284,13 +296,9 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
         raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
                        "emulated") for r in range(P)]
-    key = None if None in keys else tuple(keys)
-    try:
-        hit = _resolved.get(key) if key is not None else None
-    except TypeError:
-        key = hit = None
+    key, hit = _lookup(None if None in keys else tuple(keys), joint)
     if hit is not None:
-        return hit[0], (tuple(joint) if hit[1] else None)
+        return hit
     checked = []
     for r in range(P):
         check_tensor(qs[r], f"qs[{r}]")
@@ -302,6 +310,4 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
             raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
                              f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
                              f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")
-    if key is not None:
-        _resolved[key] = (problem, joint_out is not None)
-    return problem, joint_out
+    return _remember(key, problem, joint_out)
