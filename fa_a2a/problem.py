@@ -195,7 +195,7 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
     if shard_rows is None:
         layout = UlyssesLayout.from_shard(S_loc, H, k.shape[2], world_size, seq_len=seq_len, joint_len=J)
     else:
-        layout = UlyssesLayout(sum(shard_rows), H, k.shape[2], world_size, J, shard_rows=shard_rows)
+        layout = UlyssesLayout.from_shard_rows(shard_rows, H, k.shape[2], world_size, joint_len=J)
         if causal and not layout.is_suffix_padded:
             raise ValueError(f"causal: expected False with uneven shard_rows (keys are compacted), got True "
                              f"with shard_rows={list(shard_rows)}")

@@ -182,6 +182,14 @@ class UlyssesLayout:
                 f"need {world_size * (seq_loc - 1)} < seq_len <= {world_size * seq_loc}")
         return cls(seq_len, num_heads, num_kv_heads, world_size, joint_len)
 
+    @classmethod
+    def from_shard_rows(cls, shard_rows, num_heads: int, num_kv_heads: int | None, world_size: int,
+                        *, seq_len: int | None = None, joint_len: int = 0) -> "UlyssesLayout":
+        """Layout of uneven shards: rank r holds shard_rows[r] valid rows; seq_len defaults to their sum."""
+        rows = _shard_rows(shard_rows, _as_int(world_size, "world_size", 1))
+        return cls(sum(rows) if seq_len is None else seq_len, num_heads, num_kv_heads, world_size, joint_len,
+                   shard_rows=rows)
+
     # ---- sequence rows ----------------------------------------------------------------------
     @property
     def num_rows(self) -> int:

@@ -129,17 +129,6 @@ def full_attention(q, k, v, *, joint=None, causal=False, softmax_scale=None, dty
 
 
 # ---- emulated ranks ---------------------------------------------------------------------------
-def _uneven_layout(shapes, H_kv, joint_len, seq_len, shard_rows) -> UlyssesLayout:
-    """Layout of explicit per-rank row counts; shapes: the q shape of each rank, in rank order."""
-    P = len(shapes)
-    layout = UlyssesLayout(sum(shard_rows) if seq_len is None else seq_len, shapes[0][2], H_kv, P,
-                           joint_len, shard_rows=shard_rows)
-    for r, shape in enumerate(shapes):
-        if shape[1] != layout.valid_rows(r):
-            raise ValueError(f"q: expected {layout.valid_rows(r)} rows on rank {r} (shard_rows), got {shape[1]}")
-    return layout
-
-
 def _shard_layout(qs, ks, vs, joint, seq_len):
     B, S_loc, H, D = _check_rank_list(qs, "qs")
     kshape = _check_rank_list(ks, "ks")
@@ -197,7 +186,8 @@ def emulated_ulysses_attention(qs, ks, vs, *, joint=None, causal=False, softmax_
         layout = _shard_layout(qs, ks, vs, joint, seq_len)
     else:
         J = 0 if joint is None else joint[0].shape[1]
-        layout = _uneven_layout([q.shape for q in qs], ks[0].shape[2], J, seq_len, shard_rows)
+        layout = UlyssesLayout.from_shard_rows(shard_rows, qs[0].shape[2], ks[0].shape[2], len(qs), seq_len=seq_len,
+                                               joint_len=J)
         qs, ks, vs = ([layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
         _shard_layout(qs, ks, vs, joint, None)  # shapes, dtypes and joint of the padded shards
     used = layout.seqused_k(causal)
@@ -283,7 +273,7 @@ def ulysses_reference_attention(q, k, v, *, group=None, joint=None, causal=False
     if shard_rows is None:
         layout = UlyssesLayout.from_shard(S_loc, H, Hkv, P, seq_len=seq_len, joint_len=J)
     else:
-        layout = UlyssesLayout(sum(shard_rows) if seq_len is None else seq_len, H, Hkv, P, J, shard_rows=shard_rows)
+        layout = UlyssesLayout.from_shard_rows(shard_rows, H, Hkv, P, seq_len=seq_len, joint_len=J)
         q, k, v = (layout.pad_shard(x, rank) for x in (q, k, v))
     used = layout.seqused_k(causal)
     qh = dist_seq_to_head(q, layout.q_head_index, group=group)
