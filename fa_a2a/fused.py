@@ -92,7 +92,9 @@ def tile_m_for(head_dim: int, causal: bool = False, arch: int = 90) -> int:
     (90 or 100): SM90's tile_m for the head dim; on SM100 each Q stage, 128 rows."""
     if arch == 100:
         return SM100_TILE_M
-    return _config(head_dim, causal).m_block_size
+    from fa_a2a.xstage import fa4_tile_shape  # FA4's tile geometry has one home
+
+    return fa4_tile_shape(head_dim, causal)[0]
 
 
 def device_arch(q: torch.Tensor) -> int:
