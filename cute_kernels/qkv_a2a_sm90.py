@@ -7,7 +7,7 @@ projection y = x W^T (+ bias) (+ per-head RMSNorm with weight on q and k) (+ int
 q and k) as quack's SM90 GEMM whose output tensor D *is* those P destination windows, so the
 epilogue's TMA store of each output tile is the pre-A2A (a peer store when window d is remote).
 
-Window layout written (the op layer's in-windows, fa_a2a.forward._WindowPlan): per destination rank
+Window layout written (the op layer's in-windows, fa_a2a.forward.WindowPlan): per destination rank
 d a window holding q [B, N, H_loc, D], then k [B, N, H_kv_loc, D], then v (same), each
 contiguous; the P windows sit at one uniform stride W in this process's address space (VMM peer
 mapping, or P local buffers when ranks are emulated). Element (b, m, column n) of the GEMM goes to

@@ -25,7 +25,7 @@ import torch
 
 from .problem import Problem
 
-__all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16"]
+__all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan"]
 
 
 def contiguous16(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _deliver(layout, rank: int, res, rows: int, out=None, joint_out=None):
 
 
 # ---- rank windows: plan of one problem on one transport ------------------------------------------
-class _WindowPlan:
+class WindowPlan:
     """Windows, head maps and scratch of one (layout, B, D, dtype) on one transport, built once.
 
     in-windows (one allocation per rank): q [B, N, H_loc, D] | k [B, N, H_kv_loc, D] | v (same),
@@ -175,12 +175,13 @@ class _WindowPlan:
 _plans: dict = {}
 
 
-def _plan(transport, layout, B: int, D: int, dtype) -> _WindowPlan:
+def window_plan(transport, layout, B: int, D: int, dtype) -> WindowPlan:
+    """The plan of (layout, B, D, dtype) on `transport`, built once (plans of closed transports dropped)."""
     for stale in [k for k, p in _plans.items() if p.transport.closed]:
         del _plans[stale]
     key = (id(transport), layout, B, D, dtype)
     if key not in _plans:
-        _plans[key] = _WindowPlan(transport, layout, B, D, dtype)
+        _plans[key] = WindowPlan(transport, layout, B, D, dtype)
     return _plans[key]
 
 
@@ -221,7 +222,7 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
     from ulysses.transport import get_transport
 
     transport = get_transport(group)
-    plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
     if p.shard_rows is not None:
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
     plan.pre(rank, q, k, v, joint)
@@ -261,7 +262,7 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
                 for r in range(P)]
     else:
         transport = _emulated_transport(P, qs[0].device)
-        plan = _plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+        plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
         for r in range(P):

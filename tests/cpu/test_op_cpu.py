@@ -316,12 +316,12 @@ def test_window_plan_compiles_its_kernels_before_the_first_barrier():
     it is built, so ranks do not meet their first in-stream barrier seconds apart."""
     from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
     from cute_kernels.signal import compile_barrier
-    from fa_a2a.forward import _WindowPlan
+    from fa_a2a.forward import WindowPlan
     from ulysses.transport import EmulatedTransport
 
     transport = EmulatedTransport(2, device="cpu")
     layout = UlyssesLayout(10, 4, 2, 2, joint_len=3)
-    plan = _WindowPlan(transport, layout, 1, 64, torch.bfloat16)
+    plan = WindowPlan(transport, layout, 1, 64, torch.bfloat16)
     assert plan.key_rows == [(5, 0, 13), (5, 5, 13)]
     for compile_fn, args in ((compile_pre_a2a, (torch.bfloat16, 64, 2, True)),
                              (compile_post_a2a, (torch.bfloat16, 64, 2, False)),
