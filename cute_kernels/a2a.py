@@ -318,23 +318,43 @@ def _aligned(t, name: str):
                          f"{t.data_ptr():#x} and strides {tuple(t.stride())} ({es}-byte elements)")
 
 
+def pre_a2a_launcher(dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, key_rows, has_joint: bool):
+    """PreA2A into these windows, checked and compiled once -> launch(q, k, v, joint=None) on the
+    current stream. The sources q, k, v (and joint) change per call and are not checked there:
+    the caller passes 16-byte-aligned tensors (fa_a2a.forward.contiguous16 makes them so)."""
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        _aligned(t, name)
+    compiled = compile_pre_a2a(dq.dtype, dq.shape[-1], dq.shape[0], has_joint)
+    key_rows = tuple(int(r) for r in key_rows)
+
+    def launch(q, k, v, joint=None) -> None:
+        jq, jk, jv = joint if joint is not None else (None, None, None)
+        compiled(q, k, v, dq, dk, dv, q_map, kv_map, jq, jk, jv, rank, seq_len, *key_rows)
+
+    return launch
+
+
 def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, key_rows, joint=None) -> None:
     """Launch PreA2A on the current stream (shapes are checked by the caller, fa_a2a.op).
 
     key_rows: (valid rows of this rank's shard, head-layout row of its first valid key, of its first
     padded key): ulysses.layout.UlyssesLayout.key_rows(rank) with the valid-row count in front."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         _aligned(t, name)
-    jq, jk, jv = joint if joint is not None else (None, None, None)
     if joint is not None:
-        for name, t in (("joint q", jq), ("joint k", jk), ("joint v", jv)):
+        for name, t in zip(("joint q", "joint k", "joint v"), joint):
             _aligned(t, name)
-    compiled = compile_pre_a2a(q.dtype, q.shape[-1], dq.shape[0], joint is not None)
-    compiled(q, k, v, dq, dk, dv, q_map, kv_map, jq, jk, jv, rank, seq_len, *key_rows)
+    pre_a2a_launcher(dq, dk, dv, q_map, kv_map, rank, seq_len, key_rows, joint is not None)(q, k, v, joint)
+
+
+def post_a2a_launcher(o, out_windows, rank: int, broadcast: bool = False):
+    """PostA2A from o into these windows, checked and compiled once -> launch() on the current stream."""
+    _aligned(o, "o")
+    _aligned(out_windows, "out_windows")
+    return functools.partial(compile_post_a2a(o.dtype, o.shape[-1], out_windows.shape[0], broadcast),
+                             o, out_windows, rank)
 
 
 def launch_post_a2a(o, out_windows, rank: int, broadcast: bool = False) -> None:
     """Launch PostA2A on the current stream (shapes are checked by the caller, fa_a2a.op)."""
-    _aligned(o, "o")
-    _aligned(out_windows, "out_windows")
-    compile_post_a2a(o.dtype, o.shape[-1], out_windows.shape[0], broadcast)(o, out_windows, rank)
+    post_a2a_launcher(o, out_windows, rank, broadcast)()

@@ -136,8 +136,8 @@ def compile_barrier(world_size: int, num_local: int = 1, extra_options: str = ""
     )
 
 
-def barrier(signal, epoch, error, rank_base: int, timeout_ns: int, error_host=None) -> None:
-    """Launch the barrier on the current stream; see the module docstring.
+def barrier_launcher(signal, epoch, error, rank_base: int, timeout_ns: int, error_host=None):
+    """The barrier on these buffers, checked and compiled once -> launch() on the current stream.
 
     signal: int32 [P, P] (row d in rank d's window); epoch: int32 [num_local] and error: int32
     [num_local, P], both on the launching device, zero-initialised once and then only touched
@@ -168,7 +168,12 @@ def barrier(signal, epoch, error, rank_base: int, timeout_ns: int, error_host=No
                              f"got {error_host.dtype} {tuple(error_host.shape)} "
                              f"(pinned: {error_host.is_pinned()})")
         host_addr = _device_address(error_host.data_ptr())
-    compile_barrier(P, num_local)(signal, epoch, error, host_addr, rank_base, timeout_ns)
+    return functools.partial(compile_barrier(P, num_local), signal, epoch, error, host_addr, rank_base, timeout_ns)
+
+
+def barrier(signal, epoch, error, rank_base: int, timeout_ns: int, error_host=None) -> None:
+    """Launch the barrier on the current stream; see the module docstring and barrier_launcher."""
+    barrier_launcher(signal, epoch, error, rank_base, timeout_ns, error_host)()
 
 
 @functools.cache

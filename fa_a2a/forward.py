@@ -104,12 +104,13 @@ class WindowPlan:
         n = layout.seqused_k(False)
         self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
         self._scratch: dict = {}
+        self._launches: dict = {}
         self._warm()
 
     def _warm(self) -> None:
         """Compile the A2A kernels and the barrier this plan launches, then line the ranks up on the
         host: no rank's first in-stream barrier waits out another rank's JIT compiles (~2 s each).
-        FA4's compiles (fa_a2a.fused) still happen at the first call, between the two barriers."""
+        The attention kernels compile in attend_launch, which lines the ranks up again."""
         from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
         from cute_kernels.signal import compile_barrier
 
@@ -130,35 +131,70 @@ class WindowPlan:
                                              dtype=self.dtype, device=self.transport.device)
         return self._scratch[key]
 
-    # one rank's steps; barriers between them are the caller's
-    def pre(self, rank: int, q, k, v, joint) -> None:
-        from cute_kernels.a2a import launch_pre_a2a
+    # one rank's two steps, each checked, compiled and bound once (the eager call's host cost,
+    # issue 18); barriers between them are the caller's
+    def pre_launch(self, rank: int):
+        """-> pre(q, k, v, joint): launches rank's pre-A2A from these sources into the in-windows."""
+        if ("pre", rank) not in self._launches:
+            self._launches["pre", rank] = self._pre_launch(rank)
+        return self._launches["pre", rank]
 
-        q, k, v = (contiguous16(t) for t in (q, k, v))
-        joint = tuple(contiguous16(t) for t in joint) if joint is not None else None
-        launch_pre_a2a(q, k, v, self.dq, self.dk, self.dv, self.q_map, self.kv_map, rank,
-                       self.layout.seq_len, self.key_rows[rank], joint)
+    def attend_launch(self, rank: int, impl: str, causal: bool, scale: float):
+        """-> attend(): launches rank's attention and post-A2A ("fused" or "serial") from the
+        in-windows. The attention kernels compile at the first request: a rank that asks before its
+        first barrier keeps its JIT compiles out of the other ranks' barrier waits."""
+        key = ("attend", rank, impl, causal, scale)
+        if key not in self._launches:
+            self._launches[key] = self._attend_launch(rank, impl, causal, scale)
+            self.transport.host_barrier()  # every rank asks for the same key at the same call
+        return self._launches[key]
 
-    def attend(self, rank: int, impl: str, causal: bool, scale: float) -> None:
-        from cute_kernels.a2a import launch_post_a2a
-        from fa_a2a.fused import fa4_a2a_forward, fa4_forward
+    def _pre_launch(self, rank: int):
+        from cute_kernels.a2a import pre_a2a_launcher
+
+        launch = pre_a2a_launcher(self.dq, self.dk, self.dv, self.q_map, self.kv_map, rank, self.layout.seq_len,
+                                  self.key_rows[rank], self.layout.joint_len > 0)
+
+        def pre(q, k, v, joint) -> None:
+            joint = tuple(contiguous16(t) for t in joint) if joint is not None else None
+            launch(contiguous16(q), contiguous16(k), contiguous16(v), joint)
+
+        return pre
+
+    def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float):
+        from cute_kernels.a2a import post_a2a_launcher
+        from fa_a2a.fused import fa4_a2a_launcher, fa4_launcher
 
         lay = self.layout
         q, k, v = self.dq[rank], self.dk[rank], self.dv[rank]
         seqused = None if causal else self.seqused
+        steps = []
         if impl == "fused":
-            fa4_a2a_forward(q[:, :lay.seq_pad], k, v, self.out_w, rank, causal=causal,
-                            softmax_scale=scale, seqused_k=seqused)
+            steps.append(fa4_a2a_launcher(q[:, :lay.seq_pad], k, v, self.out_w, rank, causal=causal,
+                                          softmax_scale=scale, seqused_k=seqused))
             if lay.joint_len:
                 jo = self.scratch("joint", rank, lay.joint_len)
-                fa4_forward(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale, seqused_k=seqused)
-                launch_post_a2a(jo, self.jout_w, rank, broadcast=True)
+                steps.append(fa4_launcher(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale,
+                                          seqused_k=seqused))
+                steps.append(post_a2a_launcher(jo, self.jout_w, rank, broadcast=True))
         else:  # serial
             o = self.scratch("out", rank, lay.num_rows)
-            fa4_forward(q, k, v, o, causal=causal, softmax_scale=scale, seqused_k=seqused)
-            launch_post_a2a(o[:, :lay.seq_pad], self.out_w, rank)
+            steps.append(fa4_launcher(q, k, v, o, causal=causal, softmax_scale=scale, seqused_k=seqused))
+            steps.append(post_a2a_launcher(o[:, :lay.seq_pad], self.out_w, rank))
             if lay.joint_len:
-                launch_post_a2a(o[:, lay.seq_pad:], self.jout_w, rank, broadcast=True)
+                steps.append(post_a2a_launcher(o[:, lay.seq_pad:], self.jout_w, rank, broadcast=True))
+
+        def attend() -> None:
+            for step in steps:
+                step()
+
+        return attend
+
+    def pre(self, rank: int, q, k, v, joint) -> None:
+        self.pre_launch(rank)(q, k, v, joint)
+
+    def attend(self, rank: int, impl: str, causal: bool, scale: float) -> None:
+        self.attend_launch(rank, impl, causal, scale)()
 
     def finish(self, rank: int, rows: int, out=None, joint_out=None):
         """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
@@ -223,11 +259,12 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
 
     transport = get_transport(group)
     plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+    pre, attend = plan.pre_launch(rank), plan.attend_launch(rank, p.impl, p.causal, p.scale)
     if p.shard_rows is not None:
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
-    plan.pre(rank, q, k, v, joint)
+    pre(q, k, v, joint)
     transport.barrier()
-    plan.attend(rank, p.impl, p.causal, p.scale)
+    attend()
     transport.barrier()
     return plan.finish(rank, rows, out, joint_out)
 
@@ -265,11 +302,12 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
+        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale) for r in range(P)]
         for r in range(P):
             plan.pre(r, qs[r], ks[r], vs[r], joint)
         transport.barrier()
-        for r in range(P):
-            plan.attend(r, p.impl, p.causal, p.scale)
+        for attend in attends:
+            attend()
         transport.barrier()
         done = [plan.finish(r, rows[r], outs[r], joint_outs[r]) for r in range(P)]
     return [o for o, _ in done], (None if joint is None else [j for _, j in done])

@@ -1,25 +1,27 @@
 """Torch entry points of the attention kernels: plain FA4 and FA4 with the fused post-A2A.
 
 Both compile FA4's forward class for the device's architecture (or its rank-window subclass)
-with FA4's own tile configuration, once per compile key, and launch on the current stream
-through TVM-FFI (torch tensors are passed as they are; shapes and strides are dynamic). No host
-sync: both are CUDA-graph capturable. Architectures: SM90 (compute capability 9.0) and SM100 /
-SM103 (10.x), picked from q's device (for fake tensors: the CuTe DSL's target, CUTE_DSL_ARCH).
-SM90 compile keys are (kind, dtype, D, qhead_per_kvhead, causal, seqused_k, lse[, timestamps]);
-SM100 keys append ("sm100", its configuration), so the two never share a compiled kernel.
+with FA4's own tile configuration, once per compile key (compile_fa4: its arguments are the key;
+SM100 keys carry FA4's SM100 configuration, so the two never share a kernel), and launch on the
+current stream through TVM-FFI (torch tensors are passed as they are; shapes and strides are
+dynamic). No host sync: both are CUDA-graph capturable. Architectures: SM90 (compute capability
+9.0) and SM100 / SM103 (10.x), picked from q's device (for fake tensors: the CuTe DSL's target,
+CUTE_DSL_ARCH). fa4_launcher / fa4_a2a_launcher check and compile once and return the launch
+itself, for callers that rerun the same buffers (the op's window plan).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 # What the kernels take (fa_a2a.problem and the diffusers backend check calls against these).
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
-_compile_cache: dict = {}
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -171,83 +173,84 @@ def _fa4_sm100_middle(seqused_k):
             None, None, None, None, None, None, None, None)
 
 
-def _compile_sm100(kind: str, q, k, v, out, lse, seqused_k, causal: bool, extra_options: str = ""):
-    """Compile (once per key) FA4's SM100 forward (kind="fa4") or its rank-window subclass
-    (kind="a2a-tma"/"a2a-st") for q's shape class. extra_options (e.g. "--keep-ptx
-    --dump-dir=DIR") go to the compiler; such a build is not cached."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-    from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
-
-    from cute_kernels.fa4_a2a_sm100 import FlashAttentionA2AForwardSm100
-
-    qhead_per_kvhead = q.shape[2] // k.shape[2]
-    cfg = _config_sm100(q.shape[-1], causal, q.shape[1], qhead_per_kvhead, seqused_k is not None)
-    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None,
-           "sm100", cfg)
-    if key in _compile_cache and not extra_options:
-        return _compile_cache[key]
-    if kind == "fa4":
-        fa = _make_kernel_sm100(FlashAttentionForwardSm100, q.shape[-1], qhead_per_kvhead, causal, cfg)
-    else:
-        fa = _make_kernel_sm100(FlashAttentionA2AForwardSm100, q.shape[-1], qhead_per_kvhead, causal, cfg,
-                                o_store=kind.removeprefix("a2a-"))
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
-    tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
-    tlse = to_cute_tensor(lse, assumed_align=4)
-    options = f"--enable-tvm-ffi {extra_options}".strip()
-    if kind == "fa4":
-        # FA4 SM100 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
-        #   window_l, window_r, sink, descale, blocksparse, aux, num_splits_dynamic, tile_count_sem,
-        #   virtual_batch_idx, num_nheads_in_l2, cu_total_m, cu_total_splits, blocks_to_batch,
-        #   max_seqlen_q, stream)
-        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk),
-                                stream=stream, options=options)
-    else:
-        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream=stream, options=options)
-    if not extra_options:
-        _compile_cache[key] = compiled
-    return compiled
-
-
-def _compile(kind: str, q, k, v, out, lse, seqused_k, causal: bool, times=None):
-    """Compile (once per key) FA4 (kind="fa4") or the rank-window kernel (kind="a2a-tma"/"a2a-st",
-    optionally the debug build with per-tile timestamps)."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+def _fa4_sm90_middle(seqused_k):
+    """FA4 SM90 __call__'s arguments between softmax_scale and stream (only seqused_k set):
+    (cu_q, cu_k, seqused_q, seqused_k, page_table, window_l, window_r, sink, blocksparse, aux,
+    cu_total_m, cu_total_splits)."""
     from flash_attn.cute.utils import AuxData
+
+    return (None, None, None, seqused_k, None, None, None, None, None, AuxData(None, None), None, None)
+
+
+def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has_seqused_k: bool,
+                     has_lse: bool, timestamps: bool):
+    """Fake tensors of one compile key's shape class (shapes and strides are dynamic in the kernel):
+    q, k, v, the output (O, or the source rank's slice of the rank windows), lse, seqused_k, times."""
+    P, B, S_loc, H_kv, D = 2, 1, 256, 1, head_dim
+    H_loc = H_kv * qhead_per_kvhead
+    dev = "cuda"
+    q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device=dev)
+    k = torch.empty(B, P * S_loc, H_kv, D, dtype=dtype, device=dev)
+    seqused = torch.empty(B, dtype=torch.int32, device=dev) if has_seqused_k else None
+    if kind == "fa4":
+        out = torch.empty_like(q)
+        lse = torch.empty(B, H_loc, P * S_loc, dtype=torch.float32, device=dev) if has_lse else None
+    else:
+        out = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device=dev).narrow(3, 0, H_loc)
+        lse = (torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device=dev).narrow(2, 0, H_loc)
+               if has_lse else None)
+    times = torch.empty(B, H_loc, 4, 7, dtype=torch.int64, device=dev) if timestamps else None
+    return q, k, torch.empty_like(k), out, lse, seqused, times
+
+
+@functools.cache
+def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
+                has_seqused_k: bool, has_lse: bool, timestamps: bool = False,
+                sm100: Optional[Sm100Config] = None, extra_options: str = ""):
+    """The compiled attention kernel of one key (the arguments are the key): kind "fa4" (FA4's own
+    forward) or "a2a-tma" / "a2a-st" (the rank-window subclass and its O path); for SM90, or for
+    SM100 when `sm100` (FA4's SM100 configuration of the call) is given. timestamps: SM90's stamped
+    debug build. Compiled as FA4 compiles ahead of time, from fake tensors of the key's shape class
+    (shapes and strides dynamic, 16-byte aligned), so no GPU is needed; the result launches on the
+    current stream through TVM-FFI. extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the
+    compiler."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.testing import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
+        example = _example_tensors(kind, dtype, head_dim, qhead_per_kvhead, has_seqused_k, has_lse, timestamps)
+        tq, tk, tv, to = [to_cute_tensor(t) for t in example[:4]]
+        tlse = to_cute_tensor(example[4], assumed_align=4)
+        tsk = to_cute_tensor(example[5], assumed_align=4, leading_dim=0)
+        ttimes = to_cute_tensor(example[6], assumed_align=8)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi {extra_options}".strip()
+    if sm100 is not None:
+        from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+
+        from cute_kernels.fa4_a2a_sm100 import FlashAttentionA2AForwardSm100
+
+        if kind == "fa4":
+            fa = _make_kernel_sm100(FlashAttentionForwardSm100, head_dim, qhead_per_kvhead, causal, sm100)
+            # FA4 SM100 __call__: (q, k, v, o, lse, scale, <_fa4_sm100_middle>, stream)
+            return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk), stream=stream,
+                                options=options)
+        fa = _make_kernel_sm100(FlashAttentionA2AForwardSm100, head_dim, qhead_per_kvhead, causal, sm100,
+                                o_store=kind.removeprefix("a2a-"))
+        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream=stream, options=options)
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
 
-    qhead_per_kvhead = q.shape[2] // k.shape[2]
-    key = (kind, q.dtype, q.shape[-1], qhead_per_kvhead, causal, seqused_k is not None, lse is not None)
-    if kind != "fa4":
-        key += (times is not None,)
-    if key in _compile_cache:
-        return _compile_cache[key]
     if kind == "fa4":
-        fa = _make_kernel(FlashAttentionForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead, causal)
-    else:
-        fa = _make_kernel(FlashAttentionA2AForwardSm90, q.dtype, q.shape[-1], qhead_per_kvhead,
-                          causal, o_store=kind.removeprefix("a2a-"), timestamps=times is not None)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
-    tsk = to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0)
-    tlse = to_cute_tensor(lse, assumed_align=4)
-    if kind != "fa4":
-        ttimes = to_cute_tensor(times, assumed_align=8)
-        compiled = cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, stream, options="--enable-tvm-ffi")
-    else:
-        # FA4 SM90 __call__: (q, k, v, o, lse, scale, cu_q, cu_k, seqused_q, seqused_k, page_table,
-        #                     window_l, window_r, sink, blocksparse, aux, cu_total_m, cu_total_splits, stream)
-        compiled = cute.compile(
-            fa, tq, tk, tv, to, tlse, 1.0, None, None, None, tsk, None, None, None, None,
-            None, AuxData(None, None), None, None, stream, options="--enable-tvm-ffi",
-        )
-    _compile_cache[key] = compiled
-    return compiled
+        fa = _make_kernel(FlashAttentionForwardSm90, dtype, head_dim, qhead_per_kvhead, causal)
+        # FA4 SM90 __call__: (q, k, v, o, lse, scale, <_fa4_sm90_middle>, stream)
+        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm90_middle(tsk), stream, options=options)
+    fa = _make_kernel(FlashAttentionA2AForwardSm90, dtype, head_dim, qhead_per_kvhead, causal,
+                      o_store=kind.removeprefix("a2a-"), timestamps=timestamps)
+    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, stream, options=options)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -260,6 +263,47 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def fa4_launcher(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> Callable[[], None]:
+    """Plain FA4 forward (SM90 or SM100) on these tensors, checked and compiled once: the returned
+    function launches it on the current stream (for a caller that reruns the same buffers, e.g.
+    the op's window plan: no per-call checks). q [B, S_q, H, D], k/v [B, S_k, H_kv, D], out like q;
+    lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
+    _check_qkv(q, k, v)
+    _check_seqused_k(seqused_k, q)
+    B, S, H, D = q.shape
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
+                            or lse.stride(-1) != 1 or lse.device != q.device):
+        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+            or out.stride(-1) != 1 or out.device != q.device):
+        raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
+    scale = _scale(softmax_scale, D)
+    key = ("fa4", q.dtype, D, H // k.shape[2], causal, seqused_k is not None, lse is not None)
+    if device_arch(q) == 100:
+        cfg = _config_sm100(D, causal, S, H // k.shape[2], seqused_k is not None)
+        compiled = compile_fa4(*key, sm100=cfg)
+        args = (q, k, v, out, lse, scale, *_fa4_sm100_middle(seqused_k))
+    else:
+        compiled = compile_fa4(*key)
+        args = (q, k, v, out, lse, scale, *_fa4_sm90_middle(seqused_k))
+    return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
 
 
 def fa4_forward(
@@ -276,33 +320,13 @@ def fa4_forward(
     """Plain FA4 forward (SM90 or SM100): q [B, S_q, H, D], k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D].
 
     lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
-    _check_qkv(q, k, v)
-    _check_seqused_k(seqused_k, q)
-    B, S, H, _ = q.shape
-    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
-                            or lse.stride(-1) != 1 or lse.device != q.device):
-        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim")
-    if out is None:
+    if out is None and isinstance(q, torch.Tensor):
         out = torch.empty_like(q)
-    elif (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1
-          or out.device != q.device):
-        raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if device_arch(q) == 100:
-        compiled = _compile_sm100("fa4", q, k, v, out, lse, seqused_k, causal)
-        if not _is_fake(q):
-            compiled(q, k, v, out, lse, scale, *_fa4_sm100_middle(seqused_k))
-        return out
-    compiled = _compile("fa4", q, k, v, out, lse, seqused_k, causal)
-    if not _is_fake(q):
-        from flash_attn.cute.utils import AuxData
-
-        compiled(q, k, v, out, lse, scale, None, None, None, seqused_k, None, None, None, None,
-                 None, AuxData(None, None), None, None)
+    fa4_launcher(q, k, v, out, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k, lse=lse)()
     return out
 
 
-def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int, num_heads_total: Optional[int] = None):
+def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int) -> None:
     """Validate a rank-window output [P, B, S_loc, H, D] against q [B, S, H_loc, D]."""
     if not isinstance(out_windows, torch.Tensor) or out_windows.dim() != 5:
         raise ValueError("out_windows: expected a tensor [P, B, S_loc, H, D]")
@@ -318,8 +342,9 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int, num_hea
         raise ValueError(f"out_windows: P * S_loc = {P}*{S_loc} must equal q's sequence length {q.shape[1]}")
     if H != P * H_loc:
         raise ValueError(f"out_windows: H = {H} must equal P * H_loc = {P}*{H_loc}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < P:
-        raise ValueError(f"rank: expected an int in [0, {P}), got {rank!r}")
+    from fa_a2a.problem import check_rank
+
+    check_rank(rank, P)
     es = out_windows.element_size()
     if out_windows.stride()[1:] != (S_loc * H * D, H * D, D, 1):
         raise ValueError("out_windows: each window out_windows[d] must be a contiguous [B, S_loc, H, D]")
@@ -327,6 +352,66 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int, num_hea
         raise ValueError("out_windows: the window stride (dim 0) must be a multiple of 16 bytes")
     if _address(out_windows) % 16 != 0:
         raise ValueError("out_windows: the base address must be 16-byte aligned")
+
+
+def fa4_a2a_launcher(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_windows: torch.Tensor,
+    rank: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    lse_windows: Optional[torch.Tensor] = None,
+    o_store: Optional[str] = None,
+    timestamps: Optional[torch.Tensor] = None,
+) -> Callable[[], None]:
+    """fa4_a2a_forward on these tensors, checked and compiled once: the returned function launches
+    it on the current stream (no per-call checks; the op's window plan keeps one per rank)."""
+    _check_qkv(q, k, v)
+    _check_seqused_k(seqused_k, q)
+    check_windows(out_windows, q, rank)
+    H_loc, D = q.shape[2], q.shape[3]
+    dst = out_windows.narrow(3, rank * H_loc, H_loc)
+    lse_dst = None
+    if lse_windows is not None:
+        P, B, S_loc, H, _ = out_windows.shape
+        if (lse_windows.dtype != torch.float32 or tuple(lse_windows.shape) != (P, B, H, S_loc)
+                or lse_windows.stride()[1:] != (H * S_loc, S_loc, 1) or lse_windows.device != q.device):
+            raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
+        lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)
+    scale = _scale(softmax_scale, D)
+    arch = device_arch(q)
+    # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
+    S_loc = out_windows.shape[2]
+    aligned = S_loc % tile_m_for(D, causal, arch) == 0
+    if o_store is None:
+        o_store = "tma" if aligned else "st"
+    elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
+        raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
+    key = (f"a2a-{o_store}", q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
+    if arch == 100:
+        if lse_dst is not None and not aligned:
+            # FA4's SM100 LSE rows go out in 128-row tiles from the correction warps (see the kernel)
+            raise ValueError(f"lse_windows: on SM100 S_loc must be a multiple of {SM100_TILE_M}, got {S_loc}")
+        if timestamps is not None:
+            raise ValueError("timestamps: the stamped debug build is SM90 only")
+        cfg = _config_sm100(D, causal, q.shape[1], H_loc // k.shape[2], seqused_k is not None)
+        compiled = compile_fa4(*key, sm100=cfg)
+        args = (q, k, v, dst, lse_dst, scale, seqused_k)
+    else:
+        if timestamps is not None:
+            B, S = q.shape[0], q.shape[1]
+            shape = (B, H_loc, -(-S // tile_m_for(D, causal)), 7)
+            if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
+                    or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
+                    or timestamps.device != q.device):
+                raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
+        compiled = compile_fa4(*key, timestamps=timestamps is not None)
+        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps)
+    return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
 
 
 def fa4_a2a_forward(
@@ -346,7 +431,8 @@ def fa4_a2a_forward(
     """FA4 with the post-attention All-to-All fused into the output epilogue.
 
     q: [B, S, H_loc, D] on source rank `rank`, S = P * S_loc; k, v: [B, S_k, H_kv, D] (fewer
-    heads: GQA; more keys than queries: e.g. joint text tokens appended after the sequence). out_windows: [P, B, S_loc, H, D], H = P * H_loc, out_windows[d] is rank d's
+    heads: GQA; more keys than queries: e.g. joint text tokens appended after the sequence).
+    out_windows: [P, B, S_loc, H, D], H = P * H_loc, out_windows[d] is rank d's
     output buffer (contiguous; any window stride that is a multiple of 16 bytes). Writes
     out_windows[s // S_loc][b, s % S_loc, rank * H_loc + h] = attention(q, k, v)[b, s, h].
     Stores are issued and left to drain: visibility to other ranks needs a barrier after it.
@@ -358,44 +444,5 @@ def fa4_a2a_forward(
     stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns); SM90 only.
     On SM100 (cute_kernels.fa4_a2a_sm100) lse_windows needs S_loc % 128 == 0.
     """
-    _check_qkv(q, k, v)
-    _check_seqused_k(seqused_k, q)
-    check_windows(out_windows, q, rank)
-    H_loc = q.shape[2]
-    dst = out_windows.narrow(3, rank * H_loc, H_loc)
-    lse_dst = None
-    if lse_windows is not None:
-        P, B, S_loc, H, _ = out_windows.shape
-        if (lse_windows.dtype != torch.float32 or tuple(lse_windows.shape) != (P, B, H, S_loc)
-                or lse_windows.stride()[1:] != (H * S_loc, S_loc, 1) or lse_windows.device != q.device):
-            raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
-        lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    arch = device_arch(q)
-    # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
-    S_loc = out_windows.shape[2]
-    aligned = S_loc % tile_m_for(q.shape[-1], causal, arch) == 0
-    if o_store is None:
-        o_store = "tma" if aligned else "st"
-    elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
-        raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
-    if arch == 100:
-        if lse_dst is not None and not aligned:
-            # FA4's SM100 LSE rows go out in 128-row tiles from the correction warps (see the kernel)
-            raise ValueError(f"lse_windows: on SM100 S_loc must be a multiple of {SM100_TILE_M}, got {S_loc}")
-        if timestamps is not None:
-            raise ValueError("timestamps: the stamped debug build is SM90 only")
-        compiled = _compile_sm100(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal)
-        if not _is_fake(q):
-            compiled(q, k, v, dst, lse_dst, scale, seqused_k)
-        return
-    if timestamps is not None:
-        B, S = q.shape[0], q.shape[1]
-        shape = (B, H_loc, -(-S // tile_m_for(q.shape[-1], causal)), 7)
-        if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
-                or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
-                or timestamps.device != q.device):
-            raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
-    compiled = _compile(f"a2a-{o_store}", q, k, v, dst, lse_dst, seqused_k, causal, timestamps)
-    if not _is_fake(q):
-        compiled(q, k, v, dst, lse_dst, scale, seqused_k, timestamps)
+    fa4_a2a_launcher(q, k, v, out_windows, rank, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
+                     lse_windows=lse_windows, o_store=o_store, timestamps=timestamps)()

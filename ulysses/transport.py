@@ -173,6 +173,7 @@ class Transport:
         self.error = torch.zeros(n, world_size, dtype=torch.int32, device=device)
         # host-visible mirror of `error` (pinned, mapped): the host sees a timeout without a sync
         self.error_host = (torch.zeros(n, world_size, dtype=torch.int32, pin_memory=True)
+        self._barrier_launch = None  # the barrier kernel's launch, prepared at the first barrier()
                            if device.type == "cuda" else None)
         self._error_host_np = self.error_host.numpy() if self.error_host is not None else None
         self.signal = self.windows("__signal__", (world_size,), torch.int32)
@@ -244,11 +245,14 @@ class Transport:
 
         Raises BarrierTimeoutError, without synchronizing, once an earlier barrier of this
         transport is seen to have timed out."""
-        from cute_kernels.signal import barrier
-
         self._usable("barrier")
-        barrier(self.signal[:, : self.world_size], self.epoch, self.error,
-                self.local_ranks[0], int(self.timeout_s * 1e9), error_host=self.error_host)
+        if self._barrier_launch is None:  # checked and compiled once; the buffers never change
+            from cute_kernels.signal import barrier_launcher
+
+            self._barrier_launch = barrier_launcher(self.signal[:, : self.world_size], self.epoch, self.error,
+                                                    self.local_ranks[0], int(self.timeout_s * 1e9),
+                                                    error_host=self.error_host)
+        self._barrier_launch()
 
     def _timeout_error(self, error: torch.Tensor) -> Optional[BarrierTimeoutError]:
         missing = [(self.local_ranks[j], int(q), int(error[j, q]))

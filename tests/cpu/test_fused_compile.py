@@ -7,8 +7,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fa_a2a import fused
 
 
+@pytest.fixture
+def compile_keys(monkeypatch):
+    """The keys fused.compile_fa4 is asked for (positional key + timestamps), in call order."""
+    keys, compile_fa4 = [], fused.compile_fa4
+
+    def spy(*key, timestamps=False, **kw):
+        keys.append((*key, timestamps))
+        return compile_fa4(*key, timestamps=timestamps, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy)
+    return keys
+
+
 @pytest.mark.parametrize("D,causal,dtype", [(128, False, torch.bfloat16), (64, True, torch.float16)])
-def test_compiles_without_gpu(D, causal, dtype):
+def test_compiles_without_gpu(D, causal, dtype, compile_keys):
     with FakeTensorMode():
         P, B, S_loc, H_loc = 4, 1, 320, 3
         q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
@@ -22,13 +35,13 @@ def test_compiles_without_gpu(D, causal, dtype):
         fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal)
         lse_windows = torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device="cuda")
         fused.fa4_a2a_forward(q2, q2, q2, windows2, 0, causal=causal, lse_windows=lse_windows)
-    assert ("a2a-tma", dtype, D, 1, causal, False, False, False) in fused._compile_cache
-    assert ("a2a-tma", dtype, D, 1, causal, False, True, False) in fused._compile_cache
-    assert ("a2a-st", dtype, D, 1, causal, False, False, False) in fused._compile_cache  # 320 % tile_m != 0
+    assert ("a2a-tma", dtype, D, 1, causal, False, False, False) in compile_keys
+    assert ("a2a-tma", dtype, D, 1, causal, False, True, False) in compile_keys
+    assert ("a2a-st", dtype, D, 1, causal, False, False, False) in compile_keys  # 320 % tile_m != 0
 
 
 @pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)])
-def test_timestamp_variants_compile(D, dtype):
+def test_timestamp_variants_compile(D, dtype, compile_keys):
     # the stamped debug builds of both O paths (straddling and aligned S_loc)
     with FakeTensorMode():
         P, B, H_loc = 4, 1, 3
@@ -39,7 +52,7 @@ def test_timestamp_variants_compile(D, dtype):
             ts = torch.empty(B, H_loc, n_m, 7, dtype=torch.int64, device="cuda")
             fused.fa4_a2a_forward(q, q, q, windows, 1, timestamps=ts)
     for kind in ("a2a-st", "a2a-tma"):
-        assert (kind, dtype, D, 1, False, False, False, True) in fused._compile_cache
+        assert (kind, dtype, D, 1, False, False, False, True) in compile_keys
 
 
 def _fake_inputs(**over):

@@ -67,9 +67,9 @@ def _fake(P, B, S_loc, H_loc, D, dtype=torch.bfloat16, kv_heads=None):
 
 def _ptx(tmp_path, kind, q, kv, windows, causal, rank=1, lse=None, seqused_k=None):
     H_loc = q.shape[2]
-    out = windows.narrow(3, rank * H_loc, H_loc) if kind != "fa4" else torch.empty_like(q)
-    compiled = fused._compile_sm100(kind, q, kv, kv, out, lse, seqused_k, causal,
-                                    extra_options=f"--keep-ptx --dump-dir={tmp_path}")
+    cfg = fused._config_sm100(q.shape[-1], causal, q.shape[1], H_loc // kv.shape[2], seqused_k is not None)
+    compiled = fused.compile_fa4(kind, q.dtype, q.shape[-1], H_loc // kv.shape[2], causal, seqused_k is not None,
+                                 lse is not None, sm100=cfg, extra_options=f"--keep-ptx --dump-dir={tmp_path}")
     ptx = compiled.__ptx__
     assert ptx and ".target sm_100a" in ptx
     return ptx
@@ -116,7 +116,14 @@ def test_st_path_streams_16_byte_stores(sm100, fa4_knobs, tmp_path, D, causal, S
     assert ".local" not in ptx
 
 
-def test_public_entry_points_compile_for_sm100(sm100, fa4_knobs):
+def test_public_entry_points_compile_for_sm100(sm100, fa4_knobs, monkeypatch):
+    cfgs, compile_fa4 = {}, fused.compile_fa4
+
+    def spy(*key, sm100=None, **kw):
+        cfgs[key] = sm100
+        return compile_fa4(*key, sm100=sm100, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy)
     fa4_knobs(clc=True)  # FA4 uses CLC for causal when FA_CLC=1
     with FakeTensorMode():
         # LSE and seqused_k (2-CTA), GQA with CLC (causal), straddling fp16, plain FA4
@@ -129,8 +136,6 @@ def test_public_entry_points_compile_for_sm100(sm100, fa4_knobs):
         q, kv, windows = _fake(8, 1, 100, 1, 64, dtype=torch.float16)
         fused.fa4_a2a_forward(q, kv, kv, windows, 7)
         fused.fa4_forward(q, kv, kv)
-    keys = [k for k in fused._compile_cache if k[-2:-1] == ("sm100",)]
-    cfgs = {k[:7]: k[-1] for k in keys}
     lse_key = ("a2a-tma", torch.bfloat16, 128, 1, False, True, True)
     assert cfgs[lse_key].use_2cta_instrs
     gqa_key = ("a2a-tma", torch.bfloat16, 128, 4, True, False, False)
