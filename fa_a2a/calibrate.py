@@ -28,8 +28,32 @@ Destinations (--dest):
             ulysses.transport.tensor_from_address) that the GPU's stores reach over PCIe under UVA:
             a one-GPU proxy for a slow peer (bursts, finite capacity, backpressure), NOT NVLink.
             The host re-reads the buffer to confirm the bytes arrived.
-With cuda-ipc and host an HBM control (same K, store width, addresses and loop, local buffer)
-runs alongside.
+- peer:     the HBM of another GPU of this host, mapped into the issuing GPU's address space with
+            CUDA VMM in this one process (ulysses.transport.PeerMemory: the VMM steps of the
+            transport's VmmTransport, cuMemCreate on the owner GPU, one reserved range, cuMemMap,
+            cuMemSetAccess for the issuer and the owner; no handle exchange, as one process drives
+            both GPUs). The stores cross the link that joins the two GPUs (NVLink on an HGX H200
+            board). `--peer N` names the owner (default: the next GPU after the issuing one, the
+            current device). `--spread` maps the buffer's allocation-granularity pages (2 MiB on
+            an H200) round-robin over every GPU, the issuer's own included, so the producers of
+            one burst write into several GPUs at once, as the fused epilogue stores each wave's
+            tiles into every rank's window, 1/P of them local. The interleave is coarser than the
+            epilogue's: with B = 32 KiB per CTA, 64 consecutive producers share a page (one GPU),
+            where the epilogue's runs are S_loc/tile_m consecutive tiles.
+            Refused, before anything is allocated, unless the issuing GPU has peer access
+            (torch.cuda.can_device_access_peer) to the owner (every GPU with --spread): on one GPU
+            or none it exits with "--dest peer: needs >= 2 GPUs with peer access, found 1".
+            Only the destination is remote: the timestamps, SM ids and the grid-barrier counter
+            stay in the issuing GPU's memory (Bench allocates them there), so the issue/period
+            measurements and the isolated mode's barrier carry no peer traffic.
+With cuda-ipc, host and peer an HBM control (same K, store width, addresses and loop, local
+buffer) runs alongside.
+
+Verification: before the sweeps one burst with its own seed goes to a region poisoned (-1)
+beforehand, and the destination's owner reads it back (cuda-ipc: the owner process; host: the
+CPU; peer: each owner GPU copies the pages it backs to the host, from its own HBM). The burst is
+large enough to touch every owner's pages with --spread; dest_data_check in the JSON records the
+outcome, and a mismatch prints a warning under the table.
 
 Outputs in --out: platform_model.json (PlatformModel.from_json loads it; raw sweeps included),
 fig3a_issue_vs_gap.png, fig3b_period_vs_gap.png, fig3c_isolated_knee.png,
@@ -77,12 +101,14 @@ from fa_a2a.xstage import (
 
 FA_HEAD_DIM = 128  # the design point: FA4 SM90 forward, d = 128, bf16 output
 FA_OUT_BYTES = 2
-DESTS = ("hbm", "cuda-ipc", "host")
+DESTS = ("hbm", "cuda-ipc", "host", "peer")
 EXERCISED = {
     "hbm": "stores into this process's own GPU buffer (HBM)",
     "cuda-ipc": "stores through a legacy CUDA-IPC mapping of a buffer another process allocated on the same "
                 "GPU (bytes land in this GPU's HBM; no NVLink/peer traffic)",
     "host": "stores into pinned host memory over PCIe (UVA): a one-GPU proxy for a slow peer, not NVLink",
+    "peer": "stores into another GPU's HBM through a CUDA VMM peer mapping (the link between the GPUs: NVLink "
+            "on an HGX board)",
 }
 
 
@@ -195,6 +221,94 @@ class HostBuffer:
         self.tensor = None
 
 
+def peer_owners(issuer: int, n_devices: int, can_access, peer: Optional[int] = None,
+                spread: bool = False) -> list[int]:
+    """The GPUs whose memory `--dest peer` maps for a burst issued on GPU `issuer`: [peer] (default
+    the first GPU after the issuer that it can access), or every GPU in order with `spread`.
+    can_access(a, b): torch.cuda.can_device_access_peer. Raises ValueError naming the argument."""
+    others = [(issuer + i) % n_devices for i in range(1, n_devices)] if n_devices else []
+    reachable = [d for d in others if can_access(issuer, d)]
+    if not reachable:
+        found = min(n_devices, 1)
+        why = ("no CUDA GPU" if not n_devices else "one GPU" if n_devices == 1 else
+               f"GPU {issuer} cannot access the memory of GPUs {sorted(others)} (torch.cuda.can_device_access_peer)")
+        raise ValueError(f"--dest peer: needs >= 2 GPUs with peer access, found {found} ({why})")
+    if spread:
+        refused = sorted(set(others) - set(reachable))
+        if refused:
+            raise ValueError(f"--spread: GPU {issuer} cannot access the memory of GPUs {refused} "
+                             "(torch.cuda.can_device_access_peer); drop --spread or hide them (CUDA_VISIBLE_DEVICES)")
+        return list(range(n_devices))
+    if peer is None:
+        return [reachable[0]]
+    if peer not in others:
+        raise ValueError(f"--peer: expected a GPU index in [0, {n_devices}) other than the issuing GPU {issuer}, "
+                         f"got {peer}")
+    if peer not in reachable:
+        raise ValueError(f"--peer: GPU {issuer} cannot access the memory of GPU {peer} "
+                         f"(torch.cuda.can_device_access_peer); GPUs it can access: {reachable}")
+    return [peer]
+
+
+class VmmPeerBuffer:
+    """An int32 buffer in the HBM of `owners`, mapped for GPU `issuer` with CUDA VMM in this
+    process (ulysses.transport.PeerMemory). One owner: one allocation. Several owners (--spread):
+    the allocation-granularity pages round-robin over them. peer.tensor is the issuer's view;
+    peer.check(expected, start) has every owner read back, from its own HBM, the words of
+    [start, start + len) that its pages hold; checked_bytes[owner] counts what each owner read.
+    Owners may include the issuer (the same VMM path on one GPU)."""
+
+    def __init__(self, nwords: int, issuer: int, owners: list[int]):
+        if nwords <= 0:
+            raise ValueError(f"nwords: must be positive, got {nwords}")
+        if not owners:
+            raise ValueError("owners: expected at least one GPU index, got []")
+        self.nwords, self.issuer, self.owners = nwords, issuer, list(owners)
+        self.tensor = None
+        self.mem = None
+        self._owner_views: dict = {}
+        self.checked_bytes: dict[int, int] = {}
+
+    def __enter__(self) -> "VmmPeerBuffer":
+        import torch
+        from ulysses.transport import PeerMemory, _vmm_allocation_prop
+
+        chunk = None
+        if len(self.owners) > 1:
+            chunk = max(_vmm_allocation_prop(o, posix_fd=False)[1] for o in self.owners)
+        self.mem = PeerMemory(self.owners, [self.issuer], self.nwords * 4, chunk_bytes=chunk)
+        self.tensor = self.mem.tensor(self.issuer).view(torch.int32)[: self.nwords]
+        self._owner_views = {o: self.mem.tensor(o).view(torch.int32) for o in dict.fromkeys(self.owners)}
+        return self
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the start that reach every owner's pages (0 with one owner: any byte does)."""
+        return len(self.owners) * self.mem.chunk_bytes if len(self.owners) > 1 else 0
+
+    def check(self, expected, start: int = 0) -> bool:
+        import torch
+
+        torch.cuda.synchronize(self.issuer)
+        end, cw = start + expected.numel(), self.mem.chunk_bytes // 4
+        ok = True
+        self.checked_bytes = {}
+        for i in range(start // cw, -(-end // cw)):
+            o, a, b = self.mem.owner_of(i), max(start, i * cw), min(end, (i + 1) * cw)
+            with torch.cuda.device(o):
+                got = self._owner_views[o][a:b].cpu()
+            ok &= bool(torch.equal(got, expected[a - start:b - start]))
+            self.checked_bytes[o] = self.checked_bytes.get(o, 0) + 4 * (b - a)
+        return ok and set(self.checked_bytes) == set(self.owners)
+
+    def __exit__(self, *exc) -> None:
+        self.tensor = None
+        self._owner_views = {}
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+
+
 # --------------------------------------------------------------------------------------------
 # one measurement
 # --------------------------------------------------------------------------------------------
@@ -233,9 +347,11 @@ class Bench:
         import torch
         from cute_kernels.remote_store import burst_times_ns, clock_rate_ghz, run_bursts
 
+        # timestamps, SM ids and the grid-barrier counter in the issuing GPU's memory, whatever dst is
         times, smid = run_bursts(dst, num_ctas=K, bytes_per_cta=B, n_bursts=n_bursts, gap_iters=gap_iters,
                                  align=align, seed=seed, mode=self.mode, num_threads=self.num_threads,
-                                 sync=self.sync)
+                                 times=torch.empty(K, n_bursts, 4, dtype=torch.int64, device=self.device),
+                                 smid=torch.empty(K, dtype=torch.int32, device=self.device), sync=self.sync)
         torch.cuda.synchronize()
         t, s = times.cpu(), smid.cpu()
         if s.unique().numel() != K or bool((s < 0).any()):
@@ -610,7 +726,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dest", choices=DESTS, default="hbm",
                    help="hbm: this process's GPU buffer (default); cuda-ipc: a child process's buffer on the "
                         "same GPU mapped via legacy CUDA IPC (same HBM, no NVLink traffic); host: pinned host "
-                        "memory over PCIe, a one-GPU proxy for a slow peer, NOT NVLink")
+                        "memory over PCIe, a one-GPU proxy for a slow peer, NOT NVLink; peer: another GPU's HBM "
+                        "mapped with CUDA VMM (NVLink between GPUs of an HGX board; needs >= 2 GPUs with peer "
+                        "access)")
+    p.add_argument("--peer", type=int, default=None,
+                   help="with --dest peer: the GPU whose memory is written (default: the next GPU after the "
+                        "current one)")
+    p.add_argument("--spread", action="store_true",
+                   help="with --dest peer: the destination's pages round-robin over every GPU (this one "
+                        "included), as the fused epilogue spreads a wave's tiles over all ranks")
     p.add_argument("--out", default="results/xstage", help="output directory (default: results/xstage)")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (under a minute on an H200)")
     p.add_argument("--mode", choices=("vector", "bulk"), default="vector",
@@ -627,6 +751,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first bad argument (before anything looks for a GPU)."""
+    if args.dest != "peer" and (args.peer is not None or args.spread):
+        flag = "--peer" if args.peer is not None else "--spread"
+        raise ValueError(f"{flag}: only with --dest peer, got --dest {args.dest}")
+    if args.peer is not None and args.spread:
+        raise ValueError(f"--peer: not with --spread (which writes into every GPU), got --peer {args.peer}")
+    if args.peer is not None and args.peer < 0:
+        raise ValueError(f"--peer: expected a GPU index >= 0, got {args.peer}")
     if args.threads % 32 or not 32 <= args.threads <= 1024:
         raise ValueError(f"--threads: expected a multiple of 32 in [32, 1024], got {args.threads}")
     if args.sigma_us is not None and not (args.sigma_us > 0 and math.isfinite(args.sigma_us)):
@@ -644,6 +775,14 @@ def main(argv=None) -> int:
         parser.error(str(e))
     import torch
 
+    owners = None
+    if args.dest == "peer":  # refused before anything is allocated: one GPU (or none) cannot do it
+        n_dev = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        issuer = torch.cuda.current_device() if n_dev else 0
+        try:
+            owners = peer_owners(issuer, n_dev, torch.cuda.can_device_access_peer, args.peer, args.spread)
+        except ValueError as e:
+            parser.error(str(e))
     if not torch.cuda.is_available():
         print(f"fa_a2a.calibrate: no CUDA GPU found; the X-Stage microbenchmarks (--dest {args.dest}) need one. "
               "Nothing measured.", file=sys.stderr)
@@ -657,6 +796,9 @@ def main(argv=None) -> int:
     plan = SweepPlan.make(n_sm, args.quick, args.min_fit_volume_mib)
     dst_words = max(256 * MiB, 3 * n_sm * plan.max_bytes_per_cta()) // 4
     exercised = EXERCISED[args.dest]
+    if owners is not None:
+        exercised += (f": GPU {device.index} -> GPU {owners[0]}" if not args.spread else
+                      f": GPU {device.index} -> pages round-robin over GPUs {owners} (its own included)")
 
     data_check = None
     with ExitStack() as stack:
@@ -668,6 +810,10 @@ def main(argv=None) -> int:
         elif args.dest == "host":
             log(f"pinning {dst_words * 4 / MiB:.0f} MiB of host memory")
             peer = stack.enter_context(HostBuffer(dst_words, device.index))
+        elif args.dest == "peer":
+            log(f"mapping {dst_words * 4 / MiB:.0f} MiB of GPU {owners if args.spread else owners[0]} for GPU "
+                f"{device.index} (CUDA VMM)")
+            peer = stack.enter_context(VmmPeerBuffer(dst_words, device.index, owners))
         dst = peer.tensor if peer is not None else hbm
         dests = [("dest", dst)] + ([("control", hbm)] if peer is not None else [])
 
@@ -679,9 +825,17 @@ def main(argv=None) -> int:
         if peer is not None:
             from cute_kernels.remote_store import expected_words
 
-            bench.run(dst, n_sm, 32 * KiB, n_bursts=1, seed=0x0C0FFEE)
-            data_check = peer.check(expected_words(args.mode, n_sm, 32 * KiB, 0x0C0FFEE))
-            log(f"{args.dest} destination check (its owner re-reads one slot): {'ok' if data_check else 'MISMATCH'}")
+            # one slot, poisoned first (the pattern words are positive), large enough to reach every
+            # owner's pages with --spread
+            b_check = max(32 * KiB, -(-getattr(peer, "span_bytes", 0) // (16 * n_sm)) * 16)
+            expected = expected_words(args.mode, n_sm, b_check, 0x0C0FFEE)
+            dst[: expected.numel()].fill_(-1)
+            bench.run(dst, n_sm, b_check, n_bursts=1, seed=0x0C0FFEE)
+            data_check = peer.check(expected)
+            by_owner = getattr(peer, "checked_bytes", None)
+            log(f"{args.dest} destination check (its owner re-reads one slot"
+                + (f"; bytes read back by GPU: {by_owner}" if by_owner else "")
+                + f"): {'ok' if data_check else 'MISMATCH'}")
         model, res = run_sweeps(bench, dests, plan, log)
         del dst, dests, hbm  # drop the mappings before their owner goes
 
@@ -703,6 +857,8 @@ def main(argv=None) -> int:
         "t_iss0_at": {"num_ctas": gs["num_ctas"], "bytes_per_cta": gs["bytes_per_cta"], "volume": gs["volume"]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "quick": args.quick,
+        **({"issuer_gpu": device.index, "owner_gpus": owners, "spread": args.spread,
+            "gpus": [torch.cuda.get_device_name(o) for o in owners]} if owners is not None else {}),
     })
     fa = fa4_design(model, n_sm, sigma_info)
     json_path, pngs = write_outputs(args.out, model, res, fa, {

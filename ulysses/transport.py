@@ -48,6 +48,10 @@ Backends:
                      they are not. It refuses ranks that share a device (seen on an H200). Not run
                      on a GPU yet (needs >= 2 GPUs); its waits are the process group's.
 
+One process, several GPUs: `PeerMemory` maps memory created on other GPUs (or this one) into
+this process with the VMM steps VmmTransport uses, without the handle exchange (the X-Stage
+calibration's peer destination, fa_a2a.calibrate --dest peer).
+
 Collective calls: `windows()` with a new (name, shape, dtype) allocates, and every rank must
 make the same calls in the same order (checked: name and size). Allocation is host-synchronous:
 do it before CUDA-graph capture (a first, eager call).
@@ -78,6 +82,7 @@ __all__ = [
     "EmulatedTransport",
     "VmmTransport",
     "SymmetricMemoryTransport",
+    "PeerMemory",
     "uniform_window_stride",
     "get_transport",
     "close_transports",
@@ -168,12 +173,12 @@ class Transport:
         self._ptr_tables: dict = {}
         self.closed = False
         self._failure: Optional[Exception] = None  # set once; every later call raises it
+        self._barrier_launch = None  # the barrier kernel's launch, prepared at the first barrier()
         n = len(self.local_ranks)
         self.epoch = torch.zeros(n, dtype=torch.int32, device=device)
         self.error = torch.zeros(n, world_size, dtype=torch.int32, device=device)
         # host-visible mirror of `error` (pinned, mapped): the host sees a timeout without a sync
         self.error_host = (torch.zeros(n, world_size, dtype=torch.int32, pin_memory=True)
-        self._barrier_launch = None  # the barrier kernel's launch, prepared at the first barrier()
                            if device.type == "cuda" else None)
         self._error_host_np = self.error_host.numpy() if self.error_host is not None else None
         self.signal = self.windows("__signal__", (world_size,), torch.int32)
@@ -603,6 +608,152 @@ def _can_access_peer(ordinal: int, peer_ordinal: int) -> bool:
     return bool(_check(cu.cuDeviceCanAccessPeer(dev, peer), "cuDeviceCanAccessPeer"))
 
 
+def _vmm_allocation_prop(ordinal: int, posix_fd: bool):
+    """(CUmemAllocationProp, granularity in bytes) of PINNED memory on GPU `ordinal`, exportable as
+    a POSIX fd when `posix_fd`; RuntimeError when the GPU lacks VMM (or that handle type)."""
+    cu = _cu()
+    cu_dev = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    attr = cu.CUdevice_attribute
+    if not _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev),
+                  "cuDeviceGetAttribute"):
+        raise RuntimeError(f"GPU {ordinal} does not support CUDA virtual memory management")
+    if posix_fd and not _check(cu.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu_dev), "cuDeviceGetAttribute"):
+        raise RuntimeError(f"GPU {ordinal} cannot export POSIX file-descriptor memory handles")
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = (cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR if posix_fd
+                                 else cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE)
+    granularity = int(_check(cu.cuMemGetAllocationGranularity(
+        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity"))
+    return prop, granularity
+
+
+def _vmm_map(handles: Sequence, chunk: int, alignment: int, access: Sequence[Sequence[int]],
+             names: Optional[Sequence[str]] = None) -> int:
+    """Reserve len(handles)·chunk bytes of address space, map handles[i] (chunk bytes each) at
+    base + i·chunk and give the GPUs access[i] read/write access to it; returns base. All or
+    nothing: on an error what was mapped is unmapped and the range freed before it raises."""
+    cu = _cu()
+    n = len(handles)
+    names = names or [f"chunk {i}" for i in range(n)]
+    base = int(_check(cu.cuMemAddressReserve(n * chunk, alignment, 0, 0), "cuMemAddressReserve"))
+    mapped = []
+    try:
+        for i, h in enumerate(handles):
+            _check(cu.cuMemMap(base + i * chunk, chunk, 0, h, 0), f"cuMemMap({names[i]})")
+            mapped.append(i)
+        for i in range(n):
+            descs = []
+            for ordinal in access[i]:
+                desc = cu.CUmemAccessDesc()
+                desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = int(ordinal)
+                desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                descs.append(desc)
+            _check(cu.cuMemSetAccess(base + i * chunk, chunk, descs, len(descs)), f"cuMemSetAccess({names[i]})")
+    except BaseException:
+        for i in mapped:
+            cu.cuMemUnmap(base + i * chunk, chunk)
+        cu.cuMemAddressFree(base, n * chunk)
+        raise
+    return base
+
+
+class PeerMemory:
+    """GPU memory mapped into this process at one virtual range with VmmTransport's VMM steps
+    (_vmm_allocation_prop, cuMemCreate on the owner, _vmm_map), without a handle exchange: one
+    process drives every GPU involved (the X-Stage calibration's peer destination).
+
+    Chunk i (`chunk_bytes`, a multiple of the allocation granularity; default the whole size) is
+    created on owners[i % len(owners)] and mapped at address + i·chunk_bytes, readable and writable
+    from every GPU in `access` and from its owner. owners == access == [d] maps a GPU's own memory
+    (the same path on one GPU). Every GPU in `access` must be able to access every owner
+    (cuDeviceCanAccessPeer): ValueError before anything is created otherwise. A failed set-up
+    frees what it made; close() (or leaving the `with`) synchronizes the GPUs and frees the rest.
+    """
+
+    def __init__(self, owners: Sequence[int], access: Sequence[int], nbytes: int,
+                 chunk_bytes: Optional[int] = None):
+        torch.cuda.init()
+        cu = _cu()
+        count = int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+        for arg, devs in (("owners", owners), ("access", access)):
+            if not devs or any(not isinstance(d, int) or not 0 <= d < count for d in devs):
+                raise ValueError(f"{arg}: expected a non-empty list of GPU indices in [0, {count}), got {list(devs)}")
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
+        refused = [f"GPU {a} cannot access the memory of GPU {o}"
+                   for a in dict.fromkeys(access) for o in dict.fromkeys(owners) if not _can_access_peer(a, o)]
+        if refused:
+            raise ValueError(f"access: {'; '.join(refused)} (cuDeviceCanAccessPeer)")
+        props = {o: _vmm_allocation_prop(o, posix_fd=False) for o in dict.fromkeys(owners)}
+        granularity = max(g for _, g in props.values())
+        if chunk_bytes is None:
+            chunk_bytes = _round_up(nbytes, granularity)
+        if not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % granularity:
+            raise ValueError(f"chunk_bytes: expected a positive multiple of the allocation granularity "
+                             f"({granularity} bytes), got {chunk_bytes!r}")
+        self.owners, self.access = list(owners), list(dict.fromkeys(access))
+        self.chunk_bytes = chunk_bytes
+        self.n_chunks = -(-nbytes // chunk_bytes)
+        self.nbytes = self.n_chunks * chunk_bytes
+        self.address = None
+        self._handles: list = []
+        try:
+            for i in range(self.n_chunks):
+                o = self.owner_of(i)
+                self._handles.append(_check(cu.cuMemCreate(chunk_bytes, props[o][0], 0),
+                                            f"cuMemCreate({chunk_bytes} bytes on GPU {o})"))
+            self.address = _vmm_map(self._handles, chunk_bytes, granularity,
+                                    [tuple(dict.fromkeys([*self.access, self.owner_of(i)])) for i in range(self.n_chunks)],
+                                    names=[f"chunk {i} of GPU {self.owner_of(i)}" for i in range(self.n_chunks)])
+        except BaseException:
+            for h in self._handles:
+                cu.cuMemRelease(h)
+            self._handles.clear()
+            raise
+
+    def owner_of(self, chunk: int) -> int:
+        """The GPU whose memory backs chunk `chunk`."""
+        return self.owners[chunk % len(self.owners)]
+
+    def tensor(self, device) -> torch.Tensor:
+        """uint8 [nbytes] over the whole range, labelled with `device` (one of `access`, or an owner
+        reading only its own chunks); kernels on that GPU store through it."""
+        if self.address is None:
+            raise RuntimeError("tensor: this PeerMemory is closed")
+        return tensor_from_address(self.address, self.nbytes, torch.device(device))
+
+    def close(self) -> None:
+        if self.address is None:
+            return
+        cu = _cu()
+        for d in dict.fromkeys([*self.access, *self.owners]):
+            torch.cuda.synchronize(d)
+        first = None
+        calls = [(cu.cuMemUnmap, (self.address + i * self.chunk_bytes, self.chunk_bytes)) for i in range(self.n_chunks)]
+        calls += [(cu.cuMemAddressFree, (self.address, self.nbytes))] + [(cu.cuMemRelease, (h,)) for h in self._handles]
+        for fn, args in calls:
+            try:
+                _check(fn(*args), fn.__name__)
+            except RuntimeError as exc:
+                first = first or exc
+        self.address = None
+        self._handles.clear()
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "PeerMemory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -662,27 +813,10 @@ class VmmTransport(Transport):
             raise
 
     def _probe(self, device: torch.device) -> str:
-        cu = _cu()
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # create and bind the primary context
         self._dev = device.index
-        cu_dev = _check(cu.cuDeviceGet(self._dev), "cuDeviceGet")
-        attr = cu.CUdevice_attribute
-        if not _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu_dev),
-                      "cuDeviceGetAttribute"):
-            raise RuntimeError(f"GPU {self._dev} does not support CUDA virtual memory management")
-        if not _check(cu.cuDeviceGetAttribute(
-                attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu_dev), "cuDeviceGetAttribute"):
-            raise RuntimeError(f"GPU {self._dev} cannot export POSIX file-descriptor memory handles")
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = self._dev
-        prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self._prop = prop
-        self._granularity = int(_check(cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity"))
+        self._prop, self._granularity = _vmm_allocation_prop(self._dev, posix_fd=True)
         return _pci_bus_id(self._dev)
 
     def _peer_problem(self, bus_ids: list[str]) -> Optional[str]:
@@ -780,15 +914,8 @@ class VmmTransport(Transport):
                         f"cuMemImportFromShareableHandle(rank {q})")
                     imported.append(h)
                     by_rank[q] = h
-                base = int(_check(cu.cuMemAddressReserve(P * W, self._granularity, 0, 0), "cuMemAddressReserve"))
-                for q in range(P):
-                    _check(cu.cuMemMap(base + q * W, W, 0, by_rank[q], 0), f"cuMemMap(rank {q})")
-                    mapped.append(q * W)
-                desc = cu.CUmemAccessDesc()
-                desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                desc.location.id = self._dev
-                desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                _check(cu.cuMemSetAccess(base, P * W, [desc], 1), "cuMemSetAccess")
+                base = _vmm_map(by_rank, W, self._granularity, [(self._dev,)] * P, names=[f"rank {q}" for q in range(P)])
+                mapped.extend(q * W for q in range(P))
                 flat = tensor_from_address(base, P * W, self.device)
                 flat[me * W:(me + 1) * W].zero_()
                 torch.cuda.synchronize(self.device)

@@ -1,6 +1,7 @@
 """Burst–Gap model: the paper's arithmetic, the model's identities, and fits of synthetic data."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -473,6 +474,10 @@ def test_calibration_without_a_knee_reports_q_as_a_lower_bound(tmp_path):
     (["--min-fit-volume-mib", "-1"], "--min-fit-volume-mib"),
     (["--min-fit-volume-mib", "nan"], "--min-fit-volume-mib"),
     (["--dest", "ipc"], "--dest"),
+    (["--peer", "1"], "--peer"),                                   # --peer / --spread need --dest peer
+    (["--dest", "host", "--spread"], "--spread"),
+    (["--dest", "peer", "--peer", "1", "--spread"], "--peer"),
+    (["--dest", "peer", "--peer", "-1"], "--peer"),
 ])
 def test_calibrate_checks_arguments_before_looking_for_a_gpu(monkeypatch, capsys, argv, name):
     import torch
@@ -498,4 +503,50 @@ def test_calibrate_refuses_clearly_without_a_gpu(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         calibrate.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{hbm,cuda-ipc,host}" in text and "NOT NVLink" in text and "legacy CUDA IPC" in text
+    assert "{hbm,cuda-ipc,host,peer}" in text and "NOT NVLink" in text and "legacy CUDA IPC" in text
+    assert "CUDA VMM" in text and "--spread" in text
+
+
+def test_peer_owners_picks_the_owner_gpus_or_names_what_is_missing():
+    from fa_a2a.calibrate import peer_owners
+
+    every = lambda a, b: True  # noqa: E731
+    for n, access, found in ((0, every, "found 0 (no CUDA GPU)"), (1, every, "found 1 (one GPU)"),
+                             (2, lambda a, b: False, "found 1 (GPU 0 cannot access the memory of GPUs [1]")):
+        with pytest.raises(ValueError, match=r"^--dest peer: needs >= 2 GPUs with peer access, " + re.escape(found)):
+            peer_owners(0, n, access)
+    assert peer_owners(1, 4, every) == [2]                          # the next GPU after the issuer
+    assert peer_owners(3, 4, every) == [0]                          # ... wrapping around
+    assert peer_owners(1, 4, every, peer=0) == [0]
+    assert peer_owners(1, 4, every, spread=True) == [0, 1, 2, 3]   # every GPU, the issuer's own included
+    for bad in (1, 4, 9):
+        with pytest.raises(ValueError, match=rf"^--peer: expected a GPU index in \[0, 4\) other than the issuing GPU 1, got {bad}"):
+            peer_owners(1, 4, every, peer=bad)
+    no_3 = lambda a, b: b != 3  # noqa: E731
+    assert peer_owners(1, 4, no_3) == [2]
+    assert peer_owners(2, 4, no_3) == [0]                           # skips the GPU it cannot reach
+    with pytest.raises(ValueError, match=r"^--peer: GPU 1 cannot access the memory of GPU 3 .*\[2, 0\]"):
+        peer_owners(1, 4, no_3, peer=3)
+    with pytest.raises(ValueError, match=r"^--spread: GPU 1 cannot access the memory of GPUs \[3\]"):
+        peer_owners(1, 4, no_3, spread=True)
+
+
+@pytest.mark.parametrize("n_gpus", [0, 1])
+def test_calibrate_dest_peer_refuses_one_gpu_before_touching_it(monkeypatch, capsys, n_gpus):
+    import torch
+
+    from fa_a2a import calibrate
+
+    def untouched(*a, **k):
+        raise AssertionError("calibrate used the GPU after it should have refused")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n_gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", untouched)
+    monkeypatch.setattr(torch, "empty", untouched)
+    with pytest.raises(SystemExit) as e:
+        calibrate.main(["--dest", "peer", "--quick"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--dest peer: needs >= 2 GPUs with peer access, found {n_gpus}" in err
