@@ -352,7 +352,9 @@ class QKVWeights:
 
     weight [P*(H_loc + 2*H_kv_loc)*D, C]; bias of the same length (or None); norm_weight fp32
     [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's weight repeated), or
-    None for no norm. Build with from_linear, once per layer.
+    None for no norm. head_map: (H, H_kv, q_head_index, kv_head_index) as from_linear gathered
+    them (fa_a2a.block checks it against its layout), None when built directly. Build with
+    from_linear, once per layer.
     """
 
     weight: torch.Tensor
@@ -362,6 +364,7 @@ class QKVWeights:
     heads_loc: int
     kv_heads_loc: int
     head_dim: int
+    head_map: Optional[tuple] = None
 
     @property
     def widths(self) -> tuple:
@@ -477,7 +480,9 @@ class QKVWeights:
         if q_norm_weight is not None:
             norm_weight = torch.cat([q_norm_weight.float().repeat(len(q_idx)),
                                      k_norm_weight.float().repeat(len(kv_idx))]).contiguous()
-        return cls(weight.contiguous(), bias, norm_weight, P, len(q_idx) // P, len(kv_idx) // P, D)
+        head_map = (H, H_kv, tuple(tuple(int(h) for h in r) for r in q_head_index),
+                    tuple(tuple(int(h) for h in r) for r in kv_head_index))
+        return cls(weight.contiguous(), bias, norm_weight, P, len(q_idx) // P, len(kv_idx) // P, D, head_map)
 
 
 def _check_int(value, name: str, minimum: int) -> int:

@@ -1,0 +1,557 @@
+"""Ulysses attention from the hidden states: both All-to-Alls inside the two compute kernels.
+
+One rank r of P holds x [B, S_loc, C] (its rows of the sequence, every channel). The block runs
+
+    QKV projection (+ bias, per-head RMSNorm of q and k, interleaved RoPE of q and k), whose GEMM
+    epilogue stores each output tile into the destination rank's in-window (the pre-A2A;
+    cute_kernels/qkv_a2a_sm90.py)  ->  barrier  ->  FA4 whose epilogue stores each O tile into
+    the destination rank's out-window (the post-A2A; plan.attend, impl "fused")  ->  barrier
+    ->  out [B, S_loc, H, D] (this rank's rows, every head)
+
+on the window plan of fa_a2a.forward (the op's own windows, head maps and barriers), so the
+attention half is exactly the op's. The projection weights are QKVWeights gathered for the
+layout's head map (head padding, GQA replication; `block_weights`).
+
+Rows (ulysses/layout.py): q rows of rank r go to [r*S_loc, (r+1)*S_loc) of every q window; k/v
+rows to the key order: the valid rows compacted at key_rows(r)[0], the padding rows of an uneven S
+at key_rows(r)[1] (after the joint rows). Where the two differ the projection runs as separate
+launches for q and for k|v (and for the padding rows); padding rows of x are zeroed first
+(their k/v are masked keys, but 0 * NaN = NaN would still reach P @ V).
+Joint (text) rows, replicated on every rank, with their own weights (Flux's double-stream
+add_q/k/v_proj; the same weights for its single-stream blocks): rank r projects them with its own
+heads' weights (QKVWeights.rank_slice) into its own window only, q at S_pad and k/v at S;
+FA4 and the broadcast post-A2A of the op then return the joint outputs of every head to every rank.
+
+Fallback (not fused): a q/k RMSNorm over all heads of a row (Wan's rms_norm_across_heads) needs the
+whole row, which one output tile (one head) does not see. UlyssesQKVAttention then runs the torch
+chain (Linear -> RMSNorm -> RoPE, `TorchQKV`) and the attention-only fused op (fa_a2a.op).
+
+Argument checks: the attention facts through fa_a2a.problem (check_call on stand-in q/k/v of the
+block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
+a bad argument on one rank makes every rank raise the same ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .problem import KERNEL_IMPLS, agree, check_call, check_no_grad, check_tensor
+
+__all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
+           "UlyssesQKVAttention", "rope_table"]
+
+EPS = 1e-6  # RMSNorm eps of the fused epilogue (quack's HeadRstd), Flux's and Wan's
+
+
+# ---- the torch chain: the unfused projection (fallback, baseline, reference) ----------------------
+@dataclasses.dataclass(frozen=True)
+class TorchQKV:
+    """Projection weights in nn.Linear form: weight [(H + 2*H_kv)*D, C] = [W_q; W_k; W_v] (global
+    head order), bias or None; q_norm / k_norm: RMSNorm weights [D] (per head) or [H*D] / [H_kv*D]
+    (across_heads, Wan), or None."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    across_heads: bool = False
+    eps: float = EPS
+
+    def __call__(self, x: torch.Tensor, rope_cs: Optional[torch.Tensor] = None, dtype=None):
+        """Linear -> RMSNorm (q, k) -> interleaved RoPE (q, k) -> q [B, S, H, D], k, v [B, S, H_kv, D].
+        Computed in `dtype` (default x's; each step rounded to it, norm and RoPE in fp32 inside as
+        diffusers does); float32 gives the reference."""
+        dtype = dtype or x.dtype
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        y = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype),
+                                       None if self.bias is None else self.bias.to(dtype))
+        q, k, v = y.split([H * D, Hk * D, Hk * D], dim=-1)
+        if self.q_norm is not None:
+            if self.across_heads:
+                q, k = (torch.nn.functional.rms_norm(t.float(), (t.shape[-1],), w.float(), self.eps).to(dtype)
+                        for t, w in ((q, self.q_norm), (k, self.k_norm)))
+        q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (Hk, D)), v.unflatten(-1, (Hk, D))
+        if self.q_norm is not None and not self.across_heads:
+            q, k = (torch.nn.functional.rms_norm(t.float(), (D,), w.float(), self.eps).to(dtype)
+                    for t, w in ((q, self.q_norm), (k, self.k_norm)))
+        if rope_cs is not None:
+            q, k = apply_rope(q, rope_cs), apply_rope(k, rope_cs)
+        return q, k, v
+
+
+def apply_rope(x: torch.Tensor, rope_cs: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE of x [B, S, h, D] with the table rope_cs [S, D] (cos, sin pairs), in fp32."""
+    c, s = rope_cs[:, None, 0::2], rope_cs[:, None, 1::2]
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+def rope_table(rotary, rows: int, head_dim: int, device, name: str = "rotary") -> Optional[torch.Tensor]:
+    """rotary -> the kernel's fp32 [rows, D] table: None, the table itself, or diffusers' (cos, sin)
+    pair [rows, D] (each frequency repeated for the adjacent pair)."""
+    from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+
+    if rotary is None:
+        return None
+    if isinstance(rotary, (tuple, list)):
+        if len(rotary) != 2 or not all(isinstance(t, torch.Tensor) for t in rotary):
+            raise ValueError(f"{name}: expected a (cos, sin) pair of tensors or a table, got {len(rotary)} items")
+        cos, sin = rotary
+        if cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
+            raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
+                             f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+        table = interleaved_cos_sin(cos, sin)
+    elif isinstance(rotary, torch.Tensor):
+        table = rotary
+    else:
+        raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
+    if (table.dtype != torch.float32 or tuple(table.shape) != (rows, head_dim)
+            or table.device != torch.device(device) or not table.is_contiguous()):
+        raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
+                         f"{table.dtype} {tuple(table.shape)} on {table.device}")
+    return table
+
+
+# ---- weights -------------------------------------------------------------------------------------
+def _layout_heads(num_heads: int, num_kv_heads: int, world_size: int):
+    from ulysses.layout import UlyssesLayout
+
+    lay = UlyssesLayout(world_size, num_heads, num_kv_heads, world_size)  # head maps do not depend on S
+    return lay.q_head_index, lay.kv_head_index
+
+
+def block_weights(chain: TorchQKV, world_size: int):
+    """chain's weights gathered in destination order for P = world_size ranks (the layout's head
+    map: padding heads, GQA replication), as the fused projection takes them."""
+    from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+    if chain.across_heads:
+        raise ValueError("chain: per-head q/k norms expected (an RMSNorm across heads cannot be fused), "
+                         "got across_heads=True")
+    H, Hk, D = chain.num_heads, chain.num_kv_heads, chain.head_dim
+    wq, wk, wv = chain.weight.split([H * D, Hk * D, Hk * D])
+    b = (None,) * 3 if chain.bias is None else chain.bias.split([H * D, Hk * D, Hk * D])
+    qi, ki = _layout_heads(H, Hk, world_size)
+    return QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=world_size, bq=b[0], bk=b[1], bv=b[2],
+                                  q_norm_weight=chain.q_norm, k_norm_weight=chain.k_norm,
+                                  q_head_index=qi, kv_head_index=ki)
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def _check_x(x, name: str, proj, rows: Optional[int] = None) -> None:
+    from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+    check_tensor(x, name, 3)
+    if not isinstance(proj, QKVWeights):
+        raise ValueError(f"proj: expected a QKVWeights (fa_a2a.block.block_weights), got {type(proj).__name__}")
+    w = proj.weight
+    if x.device.type != "cuda":
+        raise ValueError(f"{name}: expected a CUDA tensor (SM90), got device {x.device}")
+    if x.device != w.device or x.dtype != w.dtype:
+        raise ValueError(f"{name}: expected the weights' {w.dtype} on {w.device}, got {x.dtype} on {x.device}")
+    if x.shape[2] != w.shape[1]:
+        raise ValueError(f"{name}: expected C = {w.shape[1]} channels (the weights'), got {x.shape[2]}")
+    if x.shape[0] < 1 or (rows is not None and x.shape[1] != rows):
+        raise ValueError(f"{name}: expected [B >= 1, {rows if rows is not None else 'rows'}, C], got "
+                         f"{tuple(x.shape)}")
+
+
+def _check_proj(proj, name: str, layout, world_size: int) -> None:
+    want = (layout.num_heads, layout.num_kv_heads, layout.q_head_index, layout.kv_head_index)
+    if proj.world_size != world_size or proj.head_map != want:
+        got = "no head map" if proj.head_map is None else f"H = {proj.head_map[0]}, H_kv = {proj.head_map[1]}"
+        raise ValueError(f"{name}: expected weights gathered for P = {world_size} ranks, H = {want[0]}, H_kv = "
+                         f"{want[1]} (block_weights(chain, {world_size})), got world_size={proj.world_size}, {got}")
+
+
+def _stand_in(x: torch.Tensor, rows: int, heads: int, D: int) -> torch.Tensor:
+    """A [B, rows, heads, D] tensor of x's dtype and device for problem.check_call (D elements)."""
+    return x.new_empty(1, 1, 1, D).expand(x.shape[0], rows, heads, D)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    problem: object
+    rope: Optional[torch.Tensor]
+    joint_x: Optional[torch.Tensor]
+    joint_rope: Optional[torch.Tensor]
+
+
+def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
+                     shard_rows, P: int, rank: int, name: str = "x") -> _Call:
+    """Every local check of rank `rank`'s block call -> _Call (its Problem and rotary tables)."""
+    _check_x(x, name, proj)
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"impl: expected one of {KERNEL_IMPLS} for the block, got {impl!r}")
+    if proj.head_map is None:
+        raise ValueError("proj: expected weights with a head map (block_weights or QKVWeights.from_linear), "
+                         "got a QKVWeights built directly")
+    D, (H, Hk) = proj.head_dim, proj.head_map[:2]
+    jq = None
+    if joint is not None:
+        if joint_proj is None:
+            joint_proj = proj
+        _check_x(joint, "joint", joint_proj)
+        if joint.shape[0] != x.shape[0] or joint.dtype != x.dtype:
+            raise ValueError(f"joint: expected [{x.shape[0]}, J, C] {x.dtype} like x, got {tuple(joint.shape)} "
+                             f"{joint.dtype}")
+        J = joint.shape[1]
+        jq = (_stand_in(joint, J, H, D), _stand_in(joint, J, Hk, D), _stand_in(joint, J, Hk, D))
+    elif joint_proj is not None or joint_rotary is not None:
+        raise ValueError("joint: expected the joint rows x with joint_proj / joint_rotary, got None")
+    rows = x.shape[1]
+    if shard_rows is not None and isinstance(shard_rows, (list, tuple)) and len(shard_rows) == P \
+            and isinstance(shard_rows[rank], int) and rows != shard_rows[rank]:
+        raise ValueError(f"{name}: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows}")
+    problem, _ = check_call(_stand_in(x, rows, H, D), _stand_in(x, rows, Hk, D), _stand_in(x, rows, Hk, D), jq,
+                            impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
+    lay = problem.layout
+    _check_proj(proj, "proj", lay, P)
+    if joint is not None:
+        _check_proj(joint_proj, "joint_proj", lay, P)
+    rope = rope_table(rotary, rows, D, x.device)
+    jrope = rope_table(joint_rotary, joint.shape[1], D, x.device, "joint_rotary") if joint is not None else None
+    if joint is not None and (rope is None) != (jrope is None):
+        raise ValueError("joint_rotary: expected a table exactly when rotary is given (one epilogue for the "
+                         f"sequence and joint rows), got rotary={'set' if rope is not None else None}, "
+                         f"joint_rotary={'set' if jrope is not None else None}")
+    return _Call(problem, rope, joint if joint is not None and joint.shape[1] else None, jrope)
+
+
+# ---- one rank's projection into the in-windows -----------------------------------------------------
+def project(windows, layout, rank: int, x, proj, rope, joint_x=None, joint_proj=None, joint_rope=None, *,
+            config=None, one_launch: bool = False) -> None:
+    """Rank `rank`'s fused projection + pre-A2A into windows = (dq, dk, dv) [P, B, N, h, D]
+    (rows as in the module docstring). x: the rank's S_loc slot rows (padding rows zeroed);
+    joint_proj: the rank's own slice (QKVWeights.rank_slice)."""
+    from cute_kernels.qkv_a2a_sm90 import qkv_a2a_projection
+
+    dq, dk, dv = windows
+    S_loc = layout.seq_loc
+    row0, valid = rank * S_loc, layout.valid_rows(rank)
+    kv0, pad0 = layout.key_rows(rank)
+    run = functools.partial(qkv_a2a_projection, config=config, one_launch=one_launch)
+    if kv0 == row0 and valid == S_loc:
+        run(x, proj, (dq, dk, dv), row0, rope_cs=rope)
+    else:
+        run(x, proj, (dq, None, None), row0, rope_cs=rope)
+        if valid:
+            run(x[:, :valid], proj, (None, dk, dv), kv0, rope_cs=None if rope is None else rope[:valid])
+        if valid < S_loc:
+            run(x[:, valid:], proj, (None, dk, dv), pad0, rope_cs=None if rope is None else rope[valid:])
+    if joint_x is None:
+        return
+    own = [w[rank:rank + 1] for w in windows]
+    S, S_pad = layout.seq_len, layout.seq_pad
+    if S == S_pad:
+        run(joint_x, joint_proj, own, S_pad, rope_cs=joint_rope)
+    else:
+        run(joint_x, joint_proj, (own[0], None, None), S_pad, rope_cs=joint_rope)
+        run(joint_x, joint_proj, (None, own[1], own[2]), S, rope_cs=joint_rope)
+
+
+def _slot_rows(x, layout, rank: int, shard_rows) -> torch.Tensor:
+    """x as the rank's S_loc slot rows with its padding rows zero."""
+    if shard_rows is not None:
+        return layout.pad_shard(x, rank)
+    return layout.zero_padding(x, rank)
+
+
+def _slot_rope(rope, layout, rank: int):
+    if rope is None or rope.shape[0] == layout.seq_loc:
+        return rope
+    return torch.cat([rope, rope.new_zeros(layout.seq_loc - rope.shape[0], rope.shape[1])])
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_slice(proj, rank: int):
+    return proj.rank_slice(rank)
+
+
+# ---- public functions ------------------------------------------------------------------------------
+_resolved: dict = {}
+
+
+def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
+    def facts(t):
+        if t is None:
+            return None
+        if isinstance(t, (tuple, list)):
+            return tuple(facts(u) for u in t)
+        if isinstance(t, torch.Tensor):
+            return (t.shape, t.dtype, t.device, t.stride())
+        raise TypeError
+
+    try:
+        key = (facts(x), _proj_facts(proj), facts(rotary), facts(joint), _proj_facts(joint_proj), facts(joint_rotary),
+               tuple((type(a), a if not isinstance(a, list) else tuple(a)) for a in args))
+        hash(key)
+        return key
+    except (TypeError, AttributeError):
+        return None
+
+
+def _proj_facts(proj):
+    if proj is None:
+        return None
+    w = proj.weight
+    return (type(proj), w.shape, w.dtype, w.device, proj.bias is None, proj.norm_weight is None, proj.world_size,
+            proj.heads_loc, proj.kv_heads_loc, proj.head_dim, proj.head_map)
+
+
+def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
+                          joint_proj=None, joint_rotary=None, impl: str = "fused", causal: bool = False,
+                          softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
+                          shard_rows: Optional[Sequence[int]] = None, config=None, one_launch: bool = False):
+    """One rank's Ulysses attention block from its hidden states: x [B, S_loc, C] -> [B, S_loc, H, D]
+    (or (that, joint output [B, J, H, D]) with joint).
+
+    proj: block_weights(chain, P) (P = the group's size). rotary: this rank's rows' RoPE, (cos, sin)
+    [S_loc, D] diffusers-style or the fp32 table (rope_table), None for none. joint: the replicated
+    text rows [B, J, C_j] (every rank the same), projected with joint_proj (default proj), RoPE
+    joint_rotary [J, D]. impl: "fused" (FA4 with the post-A2A in its epilogue) or "serial" (FA4,
+    then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
+    causal / softmax_scale as in fa_a2a.ulysses_attention. config / one_launch: the projection's
+    tile configuration and launch split (cute_kernels.qkv_a2a_sm90). The windows are the op's
+    (collective, host-synchronous allocation at the first call of a shape: before graph capture).
+    """
+    from fa_a2a.forward import window_plan
+    from fa_a2a.op import _group
+
+    group, group_name, P, rank = _group(group)
+    args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name)
+    key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
+    problem = _resolved.get(key) if key is not None else None
+    if problem is None:  # a new signature: every check, agreed across the ranks
+        error = None
+        try:
+            problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
+                                       softmax_scale, seq_len, shard_rows, P, rank).problem
+        except ValueError as e:
+            if P == 1 or group is None:
+                raise
+            error = str(e)
+        if P > 1:
+            agree(problem, error, group)
+        if key is not None:
+            _resolved[key] = problem
+    D = proj.head_dim
+    rope = rope_table(rotary, x.shape[1], D, x.device)
+    joint_x = joint if joint is not None and joint.shape[1] else None
+    joint_rope = rope_table(joint_rotary, joint.shape[1], D, x.device, "joint_rotary") if joint_x is not None else None
+    check_no_grad(x, joint)
+    p, lay = problem, problem.layout
+    transport = _emulated(1, x.device) if P == 1 else _real_transport(group)
+    plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
+    jproj = _rank_slice(joint_proj or proj, rank) if joint_x is not None else None
+    project((plan.dq, plan.dk, plan.dv), lay, rank, _slot_rows(x, lay, rank, p.shard_rows), proj,
+            _slot_rope(rope, lay, rank), joint_x, jproj, joint_rope, config=config, one_launch=one_launch)
+    transport.barrier()
+    plan.attend(rank, p.impl, p.causal, p.scale)
+    transport.barrier()
+    out, joint_out = plan.finish(rank, x.shape[1])
+    return out if joint is None else (out, _joint_result(out, joint_out))
+
+
+def _joint_result(out, joint_out):
+    return joint_out if joint_out is not None else out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
+
+
+def _real_transport(group):
+    from ulysses.transport import get_transport
+
+    return get_transport(group)
+
+
+_emulated_transports: dict = {}
+
+
+def _emulated(world_size: int, device) -> object:
+    from ulysses.transport import EmulatedTransport
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (world_size, device)
+    if key not in _emulated_transports or _emulated_transports[key].closed:
+        _emulated_transports[key] = EmulatedTransport(world_size, device)
+    return _emulated_transports[key]
+
+
+def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
+    """The window plan the emulated block uses for (layout, B, D, dtype) (tests poison its windows)."""
+    from fa_a2a.forward import window_plan
+
+    return window_plan(_emulated(world_size, device), layout, B, D, dtype)
+
+
+def ulysses_qkv_attention_emulated(xs: Sequence[torch.Tensor], proj, *, rotary=None,
+                                   joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
+                                   impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
+                                   seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
+                                   config=None, one_launch: bool = False):
+    """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
+    P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
+    list of P per-rank rotaries (or None); joint, joint_rotary: as one rank takes them."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+        raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
+    P = len(xs)
+    rotary = [None] * P if rotary is None else rotary
+    if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
+        raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
+    calls = [_check_rank_call(x, proj, rotary[r], joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
+                              seq_len, shard_rows, P, r, f"xs[{r}]") for r, x in enumerate(xs)]
+    p = calls[0].problem
+    for r in range(1, P):
+        if calls[r].problem != p:
+            raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(xs[0].shape)} "
+                             f"{xs[0].dtype} on {xs[0].device}), got {tuple(xs[r].shape)} {xs[r].dtype} on "
+                             f"{xs[r].device}")
+    check_no_grad(*xs, joint)
+    lay = p.layout
+    transport = _emulated(P, xs[0].device)
+    plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, xs[0].device)
+    for r, (x, c) in enumerate(zip(xs, calls)):
+        jproj = _rank_slice(joint_proj or proj, r) if c.joint_x is not None else None
+        project((plan.dq, plan.dk, plan.dv), lay, r, _slot_rows(x, lay, r, p.shard_rows), proj,
+                _slot_rope(c.rope, lay, r), c.joint_x, jproj, c.joint_rope, config=config, one_launch=one_launch)
+    transport.barrier()
+    for r in range(P):
+        plan.attend(r, p.impl, p.causal, p.scale)
+    transport.barrier()
+    done = [plan.finish(r, x.shape[1]) for r, x in enumerate(xs)]
+    outs = [o for o, _ in done]
+    return outs if joint is None else (outs, [_joint_result(o, j) for o, j in done])
+
+
+# ---- module --------------------------------------------------------------------------------------
+class UlyssesQKVAttention(nn.Module):
+    """The attention block of a DiT under Ulysses, from hidden states to per-head outputs.
+
+    Built from the model's projection weights (`from_linear`); forward(x [B, S_loc, C], rotary=...,
+    joint=...) -> [B, S_loc, H, D] (and the joint output). With per-head q/k norms (Flux, QwenImage,
+    Flux2) the projection is the fused kernel (block_weights for the group's P, built once);
+    with norms across heads (Wan) the torch chain runs first and then the attention-only fused op
+    (fa_a2a.ulysses_attention): correct, not fused. The module holds the weights in the form its
+    path uses (the gathered QKVWeights, or the chain's); it has no parameters (inference only).
+    """
+
+    def __init__(self, chain: TorchQKV, *, joint_chain: Optional[TorchQKV] = None, group=None,
+                 world_size: Optional[int] = None, impl: str = "fused", causal: bool = False,
+                 softmax_scale: Optional[float] = None, config=None, one_launch: bool = False):
+        super().__init__()
+        from fa_a2a.op import _group
+
+        if not isinstance(chain, TorchQKV):
+            raise ValueError(f"chain: expected a TorchQKV, got {type(chain).__name__}")
+        if joint_chain is not None and (not isinstance(joint_chain, TorchQKV) or joint_chain.across_heads
+                                        != chain.across_heads or (joint_chain.num_heads, joint_chain.num_kv_heads,
+                                                                  joint_chain.head_dim)
+                                        != (chain.num_heads, chain.num_kv_heads, chain.head_dim)):
+            raise ValueError("joint_chain: expected a TorchQKV with chain's heads, head dim and norm kind")
+        if impl not in KERNEL_IMPLS:
+            raise ValueError(f"impl: expected one of {KERNEL_IMPLS}, got {impl!r}")
+        self.group = group
+        _, _, P, _ = _group(group)
+        self.world_size = P if world_size is None else world_size
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size: expected a positive int or None, got {world_size!r}")
+        self.impl, self.causal, self.softmax_scale = impl, causal, softmax_scale
+        self.config, self.one_launch = config, one_launch
+        self.fused = not chain.across_heads
+        self.chain, self.joint_chain = chain, joint_chain
+        self.proj = self.joint_proj = None
+        if self.fused:
+            self.proj = block_weights(chain, self.world_size)
+            self.joint_proj = block_weights(joint_chain, self.world_size) if joint_chain is not None else None
+            self.chain = self.joint_chain = None  # the gathered weights only (no second copy)
+
+    @classmethod
+    def from_linear(cls, to_q: nn.Linear, to_k: nn.Linear, to_v: nn.Linear, *, head_dim: int,
+                    norm_q=None, norm_k=None, across_heads: bool = False, add_q: Optional[nn.Linear] = None,
+                    add_k: Optional[nn.Linear] = None, add_v: Optional[nn.Linear] = None,
+                    norm_added_q=None, norm_added_k=None, **kwargs) -> "UlyssesQKVAttention":
+        """From a DiT attention's layers (diffusers names: to_q/to_k/to_v, norm_q/norm_k; Flux's
+        double-stream text projections add_q_proj/add_k_proj/add_v_proj, norm_added_q/k). norm_*:
+        RMSNorm modules (their .weight and .eps) or weight tensors; across_heads: Wan's norms over
+        all heads (fallback path)."""
+        def chain_of(q, k, v, nq, nk):
+            if not all(isinstance(m, nn.Linear) for m in (q, k, v)):
+                raise ValueError("to_q, to_k, to_v: expected nn.Linear layers")
+            bias = None
+            if q.bias is not None:
+                bias = torch.cat([q.bias, k.bias, v.bias]).detach()
+            eps = getattr(nq, "eps", EPS) if nq is not None else EPS
+            eps = EPS if eps is None else eps
+            w = lambda n: None if n is None else (n.weight if isinstance(n, nn.Module) else n).detach()  # noqa: E731
+            if (nq is None) != (nk is None):
+                raise ValueError("norm_q, norm_k: both or neither expected")
+            if not across_heads and eps != EPS:
+                raise ValueError(f"norm_q: expected eps {EPS} (the fused epilogue's), got {eps}")
+            return TorchQKV(torch.cat([q.weight, k.weight, v.weight]).detach(), bias, w(nq), w(nk),
+                            q.out_features // head_dim, k.out_features // head_dim, head_dim, across_heads, eps)
+
+        chain = chain_of(to_q, to_k, to_v, norm_q, norm_k)
+        joint = None
+        if add_q is not None:
+            joint = chain_of(add_q, add_k, add_v, norm_added_q, norm_added_k)
+        return cls(chain, joint_chain=joint, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, impl={self.impl!r}, fused_projection={self.fused}, "
+                f"joint_weights={self.joint_proj is not None or self.joint_chain is not None}")
+
+    def _kw(self):
+        return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale)
+
+    def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
+                seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None):
+        if self.fused:
+            return ulysses_qkv_attention(x, self.proj, group=self.group, rotary=rotary, joint=joint,
+                                         joint_proj=self.joint_proj, joint_rotary=joint_rotary, seq_len=seq_len,
+                                         shard_rows=shard_rows, config=self.config, one_launch=self.one_launch,
+                                         **self._kw())
+        from fa_a2a.op import ulysses_attention
+
+        q, k, v = self._chain_qkv(x, rotary, self.chain)
+        jt = None
+        if joint is not None:
+            jt = self._chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint_rotary")
+        return ulysses_attention(q, k, v, group=self.group, joint=jt, seq_len=seq_len, shard_rows=shard_rows,
+                                 **self._kw())
+
+    def forward_emulated(self, xs: Sequence[torch.Tensor], *, rotary=None, joint: Optional[torch.Tensor] = None,
+                         joint_rotary=None, seq_len: Optional[int] = None,
+                         shard_rows: Optional[Sequence[int]] = None):
+        """All world_size ranks in one process (module built with world_size=P, group None)."""
+        if isinstance(xs, (list, tuple)) and len(xs) != self.world_size:
+            raise ValueError(f"xs: expected {self.world_size} per-rank tensors (world_size), got {len(xs)}")
+        if self.fused:
+            return ulysses_qkv_attention_emulated(xs, self.proj, rotary=rotary, joint=joint,
+                                                  joint_proj=self.joint_proj, joint_rotary=joint_rotary,
+                                                  seq_len=seq_len, shard_rows=shard_rows, config=self.config,
+                                                  one_launch=self.one_launch, **self._kw())
+        from fa_a2a.op import ulysses_attention_emulated
+
+        rotary = [None] * len(xs) if rotary is None else rotary
+        qkv = [self._chain_qkv(x, rot, self.chain) for x, rot in zip(xs, rotary)]
+        jt = None
+        if joint is not None:
+            jt = self._chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint_rotary")
+        return ulysses_attention_emulated([t[0] for t in qkv], [t[1] for t in qkv], [t[2] for t in qkv], joint=jt,
+                                          seq_len=seq_len, shard_rows=shard_rows, **self._kw())
+
+    @staticmethod
+    def _chain_qkv(x, rotary, chain, name="rotary"):
+        check_tensor(x, "x", 3)
+        if x.shape[2] != chain.weight.shape[1]:
+            raise ValueError(f"x: expected C = {chain.weight.shape[1]} channels, got {x.shape[2]}")
+        return chain(x, rope_table(rotary, x.shape[1], chain.head_dim, x.device, name))

@@ -1,0 +1,214 @@
+"""CPU tier of the attention block from hidden states (fa_a2a.block): the launches the projection
+makes for each rank (row offsets of q and k/v, padding rows, joint rows into the rank's own window),
+the sm_90a compile of those launches against fake tensors, the torch chain's RoPE against
+diffusers', and the argument checks ("arg: expected, got")."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cute_kernels import qkv_a2a_sm90 as K
+from fa_a2a import block
+from ulysses.layout import UlyssesLayout
+
+
+def _windows(P, B, N, h, hk, D, device="cpu", dtype=torch.bfloat16):
+    return tuple(torch.empty(P, B, N, n, D, dtype=dtype, device=device) for n in (h, hk, hk))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    seen = []
+
+    def record(x, proj, windows, row0, *, rope_cs=None, config=None, one_launch=False):
+        seen.append(dict(rows=x.shape[1], proj=proj, which=tuple(w is not None for w in windows),
+                         P=next(w for w in windows if w is not None).shape[0], row0=row0,
+                         rope_rows=None if rope_cs is None else rope_cs.shape[0]))
+
+    monkeypatch.setattr(K, "qkv_a2a_projection", record)
+    return seen
+
+
+def test_project_even_rows_one_launch(launches):
+    lay = UlyssesLayout.from_shard(64, 8, 8, 4)
+    wins = _windows(4, 1, lay.num_rows, 2, 2, 64)
+    x, cs = torch.zeros(1, 64, 32), torch.zeros(64, 64)
+    for r in range(4):
+        block.project(wins, lay, r, x, "proj", cs)
+    assert [(s["which"], s["row0"], s["rows"], s["rope_rows"]) for s in launches] == [
+        ((True, True, True), 64 * r, 64, 64) for r in range(4)]
+
+
+def test_project_uneven_rows_and_joint(launches):
+    """Last rank with padding rows: q at its slot, k|v valid rows at S-order, padding rows after the
+    joint rows; joint rows with S < S_pad: q at S_pad, k|v at S, own window only."""
+    P, S_loc, J = 4, 50, 7
+    lay = UlyssesLayout.from_shard(S_loc, 8, 8, P, seq_len=P * S_loc - 3, joint_len=J)
+    wins = _windows(P, 1, lay.num_rows, 2, 2, 64)
+    x, cs, jx, jcs = torch.zeros(1, S_loc, 32), torch.zeros(S_loc, 64), torch.zeros(1, J, 16), torch.zeros(J, 64)
+    block.project(wins, lay, P - 1, x, "proj", cs, jx, "own", jcs)
+    valid = S_loc - 3
+    S = lay.seq_len
+    got = [(s["proj"], s["which"], s["P"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
+    assert got == [
+        ("proj", (True, False, False), P, (P - 1) * S_loc, S_loc, S_loc),
+        ("proj", (False, True, True), P, (P - 1) * S_loc, valid, valid),
+        ("proj", (False, True, True), P, S + J, 3, 3),
+        ("own", (True, False, False), 1, lay.seq_pad, J, J),
+        ("own", (False, True, True), 1, S, J, J),
+    ]
+    assert lay.key_rows(P - 1) == ((P - 1) * S_loc, S + J)
+
+
+def _chain(H, H_kv, D, C, device, norm=True, across=False):
+    n = (H + 2 * H_kv) * D
+    nd = (H * D, H_kv * D) if across else (D, D)
+    return block.TorchQKV(torch.randn(n, C, device=device).to(torch.bfloat16),
+                          torch.randn(n, device=device).to(torch.bfloat16),
+                          *((torch.ones(m, device=device) for m in nd) if norm else (None, None)),
+                          H, H_kv, D, across)
+
+
+def _fake_proj(P, H, H_kv, D, C):
+    """QKVWeights of fake CUDA tensors with the layout's head map (call inside FakeTensorMode;
+    from_linear's index gathering needs a CUDA build of torch for fake CUDA tensors)."""
+    lay = UlyssesLayout.from_shard(1, H, H_kv, P)
+    n = P * (lay.heads_loc + 2 * lay.kv_heads_loc) * D
+    return K.QKVWeights(torch.empty(n, C, dtype=torch.bfloat16, device="cuda"),
+                        torch.empty(n, dtype=torch.bfloat16, device="cuda"),
+                        torch.empty(P * (lay.heads_loc + lay.kv_heads_loc) * D, device="cuda"),
+                        P, lay.heads_loc, lay.kv_heads_loc, D,
+                        (H, H_kv, lay.q_head_index, lay.kv_head_index))
+
+
+def test_block_weights_head_map():
+    """block_weights gathers for the layout's head map (padding heads, GQA) and records it."""
+    lay = UlyssesLayout.from_shard(1, 6, 2, 4)
+    proj = block.block_weights(_chain(6, 2, 64, 32, "cpu"), 4)
+    assert proj.head_map == (6, 2, lay.q_head_index, lay.kv_head_index)
+    assert (proj.heads_loc, proj.kv_heads_loc) == (lay.heads_loc, lay.kv_heads_loc)
+    assert proj.weight.shape == (4 * (lay.heads_loc + 2 * lay.kv_heads_loc) * 64, 32)
+
+
+def test_project_compiles_for_sm90(monkeypatch):
+    """The block's launches for GQA with head padding (q and k|v of different widths), compiled for
+    sm_90a on fake tensors. (Row and window slices of fake CUDA tensors need a CUDA build of torch:
+    the uneven and joint launches are checked by the recording tests above and on the GPU.)"""
+    P, S_loc, D, C = 4, 64, 128, 256
+    seen = []
+    inner = K.compile_projection
+    monkeypatch.setattr(K, "compile_projection", lambda *a: seen.append(a) or inner(*a))
+    with FakeTensorMode():
+        lay = UlyssesLayout.from_shard(S_loc, 6, 1, P)  # 2 q heads a rank (heads 6, 7 padding), 1 KV head
+        proj = _fake_proj(P, 6, 1, D, C)
+        wins = _windows(P, 1, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D, "cuda")
+        x, cs = torch.empty(1, S_loc, C, dtype=torch.bfloat16, device="cuda"), torch.empty(S_loc, D, device="cuda")
+        block.project(wins, lay, 1, x, proj, cs)
+    assert [(a[1], a[4], a[5]) for a in seen] == [(256, True, True), (128, True, True), (128, False, False)]
+
+
+def test_rope_matches_diffusers():
+    """The chain's interleaved RoPE on the kernel's table == diffusers' apply_rotary_emb (Flux's
+    use_real_unbind_dim=-1) on its (cos, sin)."""
+    emb = pytest.importorskip("diffusers.models.embeddings")
+    S, H, D = 9, 2, 8
+    pos = torch.arange(S, dtype=torch.float32)
+    ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))[None]
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    x = torch.randn(1, S, H, D)
+    ours = block.apply_rope(x, K.interleaved_cos_sin(cos, sin))
+    theirs = emb.apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_chain_per_head_and_across_heads():
+    x = torch.randn(2, 5, 16)
+    ch = _chain(2, 1, 8, 16, "cpu")
+    ch = block.TorchQKV(ch.weight.float(), ch.bias.float(), torch.rand(8) + 0.5, torch.rand(8) + 0.5, 2, 1, 8)
+    q, k, v = ch(x)
+    y = torch.nn.functional.linear(x, ch.weight, ch.bias)
+    q_ref = y[..., :16].unflatten(-1, (2, 8))
+    q_ref = q_ref * torch.rsqrt(q_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * ch.q_norm
+    torch.testing.assert_close(q, q_ref)
+    assert k.shape == v.shape == (2, 5, 1, 8)
+    wan = block.TorchQKV(ch.weight, ch.bias, torch.ones(16), torch.ones(8), 2, 1, 8, across_heads=True)
+    q, _, _ = wan(x)
+    q_ref = y[..., :16] * torch.rsqrt(y[..., :16].pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(q, q_ref.unflatten(-1, (2, 8)))
+    with pytest.raises(ValueError, match="chain: per-head q/k norms expected"):
+        block.block_weights(wan, 2)
+
+
+BAD = [
+    ("impl", lambda a: dict(impl="nccl"), "impl: expected one of"),
+    ("channels", lambda a: dict(xs=[torch.empty(1, 32, 48, dtype=torch.bfloat16, device="cuda")] * 2),
+     "xs\\[0\\]: expected C = 64"),
+    ("dtype", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.float16, device="cuda")] * 2),
+     "xs\\[0\\]: expected the weights' torch.bfloat16"),
+    ("dims", lambda a: dict(xs=[torch.empty(32, 64, dtype=torch.bfloat16, device="cuda")] * 2),
+     "xs\\[0\\]: expected a 3-D tensor"),
+    ("world", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16, device="cuda")] * 4,
+                             rotary=None), "proj: expected weights gathered for P = 4 ranks"),
+    ("no head map", lambda a: dict(proj=K.QKVWeights(a["proj"].weight, None, None, 2, 2, 2, 64)),
+     "proj: expected weights with a head map"),
+    ("rotary rows", lambda a: dict(rotary=[torch.empty(31, 64, device="cuda")] * 2),
+     "rotary: expected a contiguous float32 \\[32, 64\\]"),
+    ("rotary list", lambda a: dict(rotary=torch.empty(32, 64, device="cuda")), "rotary: expected None or a list"),
+    ("rotary pair", lambda a: dict(rotary=[(torch.empty(32, 64, device="cuda"),)] * 2),
+     "rotary: expected a \\(cos, sin\\) pair"),
+    ("seq_len", lambda a: dict(seq_len=100), "seq_len"),
+    ("joint_rotary alone", lambda a: dict(joint_rotary=torch.empty(3, 64, device="cuda")),
+     "joint: expected the joint rows"),
+    ("joint rope mismatch", lambda a: dict(joint=torch.empty(1, 3, 64, dtype=torch.bfloat16, device="cuda")),
+     "joint_rotary: expected a table exactly when rotary is given"),
+    ("joint batch", lambda a: dict(joint=torch.empty(2, 3, 64, dtype=torch.bfloat16, device="cuda"),
+                                   joint_rotary=torch.empty(3, 64, device="cuda")), "joint: expected \\[1, J, C\\]"),
+    ("causal joint", lambda a: dict(joint=torch.empty(1, 3, 64, dtype=torch.bfloat16, device="cuda"),
+                                    joint_rotary=torch.empty(3, 64, device="cuda"), causal=True), "joint: expected no"),
+    ("xs type", lambda a: dict(xs=torch.empty(2, 1, 32, 64, device="cuda")), "xs: expected a non-empty list"),
+    ("cpu x", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16)] * 2), "xs\\[0\\]: expected a CUDA"),
+    ("shard rows", lambda a: dict(shard_rows=[30, 34]), "xs\\[0\\]: expected shard_rows\\[0\\] = 30 rows"),
+]
+
+
+@pytest.mark.parametrize("name,change,match", BAD, ids=[b[0] for b in BAD])
+def test_emulated_argument_checks(name, change, match):
+    with FakeTensorMode():
+        P, S_loc, H, D, C = 2, 32, 4, 64, 64
+        proj = _fake_proj(P, H, H, D, C)
+        args = dict(xs=[torch.empty(1, S_loc, C, dtype=torch.bfloat16, device="cuda") for _ in range(P)], proj=proj,
+                    rotary=[torch.empty(S_loc, D, device="cuda") for _ in range(P)])
+        args.update(change(args))
+        xs, proj = args.pop("xs"), args.pop("proj")
+        with pytest.raises(ValueError, match=match):
+            block.ulysses_qkv_attention_emulated(xs, proj, **args)
+
+
+def test_one_rank_argument_checks_and_module():
+    """P = 1 (no process group): the same checks name x; the module refuses what it cannot build."""
+    with FakeTensorMode():
+        chain = _chain(4, 4, 64, 64, "cuda")
+        proj = _fake_proj(1, 4, 4, 64, 64)
+        with pytest.raises(ValueError, match="x: expected C = 64"):
+            block.ulysses_qkv_attention(torch.empty(1, 8, 32, dtype=torch.bfloat16, device="cuda"), proj)
+        with pytest.raises(ValueError, match="proj: expected a QKVWeights"):
+            block.ulysses_qkv_attention(torch.empty(1, 8, 64, dtype=torch.bfloat16, device="cuda"), chain)
+        with pytest.raises(ValueError, match="joint_proj: expected weights gathered for P = 1"):
+            block.ulysses_qkv_attention(torch.empty(1, 8, 64, dtype=torch.bfloat16, device="cuda"), proj,
+                                        joint=torch.empty(1, 3, 64, dtype=torch.bfloat16, device="cuda"),
+                                        joint_proj=_fake_proj(2, 4, 4, 64, 64))
+    lin = [torch.nn.Linear(64, 256, dtype=torch.bfloat16) for _ in range(3)]  # block_weights on CPU tensors
+    with pytest.raises(ValueError, match="norm_q: expected eps 1e-06"):
+        block.UlyssesQKVAttention.from_linear(*lin, head_dim=64, norm_q=torch.nn.RMSNorm(64, eps=1e-5),
+                                              norm_k=torch.nn.RMSNorm(64, eps=1e-5))
+    with pytest.raises(ValueError, match="norm_q, norm_k: both or neither"):
+        block.UlyssesQKVAttention.from_linear(*lin, head_dim=64, norm_q=torch.nn.RMSNorm(64, eps=1e-6))
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        block.UlyssesQKVAttention(_chain(4, 4, 64, 64, "cpu"), impl="reference")
+    mod = block.UlyssesQKVAttention.from_linear(*lin, head_dim=64, world_size=2)
+    assert mod.fused and mod.proj.world_size == 2 and mod.chain is None
+    with pytest.raises(ValueError, match="xs: expected 2 per-rank tensors"):
+        mod.forward_emulated([torch.empty(1, 8, 64, dtype=torch.bfloat16)])
+    wan = block.UlyssesQKVAttention.from_linear(*lin, head_dim=64, norm_q=torch.nn.RMSNorm(256, eps=1e-5),
+                                                norm_k=torch.nn.RMSNorm(256, eps=1e-5), across_heads=True)
+    assert not wan.fused and wan.proj is None and wan.chain.eps == 1e-5
