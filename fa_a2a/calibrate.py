@@ -46,6 +46,9 @@ Destinations (--dest):
             Only the destination is remote: the timestamps, SM ids and the grid-barrier counter
             stay in the issuing GPU's memory (Bench allocates them there), so the issue/period
             measurements and the isolated mode's barrier carry no peer traffic.
+            Not run on distinct GPUs yet; its VMM path with owner == issuer (PeerMemory's chunks,
+            the owner read-back, the page round-robin with one GPU as every owner) ran on one
+            H200 (2026-12-03, tests/gpu/test_calibrate_peer.py); tests/multigpu runs the rest.
 With cuda-ipc, host and peer an HBM control (same K, store width, addresses and loop, local
 buffer) runs alongside.
 
@@ -255,7 +258,8 @@ class VmmPeerBuffer:
     process (ulysses.transport.PeerMemory). One owner: one allocation. Several owners (--spread):
     the allocation-granularity pages round-robin over them. peer.tensor is the issuer's view;
     peer.check(expected, start) has every owner read back, from its own HBM, the words of
-    [start, start + len) that its pages hold; checked_bytes[owner] counts what each owner read.
+    [start, start + len) that its pages hold (True when all match); checked_bytes[owner] counts
+    what each owner read (none for an owner whose pages lie outside the range).
     Owners may include the issuer (the same VMM path on one GPU)."""
 
     def __init__(self, nwords: int, issuer: int, owners: list[int]):
@@ -299,7 +303,7 @@ class VmmPeerBuffer:
                 got = self._owner_views[o][a:b].cpu()
             ok &= bool(torch.equal(got, expected[a - start:b - start]))
             self.checked_bytes[o] = self.checked_bytes.get(o, 0) + 4 * (b - a)
-        return ok and set(self.checked_bytes) == set(self.owners)
+        return ok
 
     def __exit__(self, *exc) -> None:
         self.tensor = None
@@ -833,6 +837,8 @@ def main(argv=None) -> int:
             bench.run(dst, n_sm, b_check, n_bursts=1, seed=0x0C0FFEE)
             data_check = peer.check(expected)
             by_owner = getattr(peer, "checked_bytes", None)
+            if by_owner is not None and set(by_owner) != set(peer.owners):
+                data_check = False  # the slot missed some owner's pages: that owner was not checked
             log(f"{args.dest} destination check (its owner re-reads one slot"
                 + (f"; bytes read back by GPU: {by_owner}" if by_owner else "")
                 + f"): {'ok' if data_check else 'MISMATCH'}")
