@@ -1,0 +1,162 @@
+"""Host cost of eager ulysses_attention calls (issue 18): is an eager call GPU-bound?
+
+Per case, bf16, D = 128, after warm-up:
+- host us/call: the time to enqueue N calls while the GPU is held busy by a long sleep kernel
+  (torch.cuda._sleep) queued first, so nothing the calls launch can run: the pure host path
+  (Python, checks, launches). Only meaningful while N calls' launches fit the launch queue.
+- eager us/call: wall time of N back-to-back eager calls, GPU work included (max(host, GPU)).
+- graph us/call: the same N calls captured in one CUDA graph, replay time / N (the GPU time).
+Cases: one rank (P = 1, no torch.distributed), P emulated ranks in one process
+(ulysses_attention_emulated: all P ranks' work per call), and P processes sharing the GPU
+(the real-rank path: VMM windows, in-stream barriers; a gloo group for the host side). With
+processes sharing one GPU the eager wall time is not a speed result (their contexts time-slice);
+the host column is.
+
+    python examples/eager_host_cost.py [--json OUT.json] [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+H, D = 24, 128
+SLEEP_CYCLES = 400_000_000  # ~0.2 s at ~1.9 GHz: longer than enqueueing N calls
+
+
+def _inputs(P: int, S_loc: int, n: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [[torch.randn(1, S_loc, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+            for _ in range(n)]
+
+
+def _host_us(call, n: int, barrier=None) -> float:
+    """Enqueue n calls behind a sleep kernel; host seconds per call (us)."""
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t * 1e6 / n
+
+
+def _eager_us(call, n: int, barrier=None) -> float:
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def _graph_us(call, n: int) -> float:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            call()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(times)
+
+
+def _measure(call, n: int, n_host: int, trials: int = 5, barrier=None, graph: bool = True) -> dict:
+    """n_host calls for the host column: few enough that their launches fit the launch queue."""
+    for _ in range(3):
+        call()
+    host = statistics.median(_host_us(call, n_host, barrier) for _ in range(trials))
+    eager = statistics.median(_eager_us(call, n, barrier) for _ in range(trials))
+    return dict(host_us=host, eager_us=eager, graph_us=_graph_us(call, n) if graph else None)
+
+
+def one_process_cases(n: int) -> list[dict]:
+    from fa_a2a import ulysses_attention, ulysses_attention_emulated
+
+    rows = []
+    for S in (128, 4608):
+        q, k, v = _inputs(1, S, 1, 0)[0]
+        rows.append(dict(case=f"P = 1 fused, S = {S}", **_measure(lambda: ulysses_attention(q, k, v), n, n)))
+    for P, S_loc in ((2, 128), (8, 128), (8, 576), (8, 1024), (4, 1152)):
+        xs = _inputs(P, S_loc, P, 1)
+        qs, ks, vs = ([x[i] for x in xs] for i in range(3))
+        call = lambda: ulysses_attention_emulated(qs, ks, vs, impl="fused")  # noqa: E731
+        # ~4 launches per rank per call: 600 // (4 P) calls keep the host column's launches queued
+        rows.append(dict(case=f"emulated P = {P} fused, S_loc = {S_loc}", **_measure(call, n, 600 // (4 * P))))
+    return rows
+
+
+def _rank_entry(rank, P, n, init, out):
+    """One of P processes sharing GPU 0: host/eager medians, max over ranks (the slowest bounds the call)."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=120))
+    from fa_a2a import ulysses_attention
+    from ulysses.transport import close_transports
+
+    q, k, v = _inputs(P, 128, 1, rank)[0]
+    res = _measure(lambda: ulysses_attention(q, k, v, impl="fused"), n, n, barrier=dist.barrier, graph=False)
+    both = torch.tensor([res["host_us"], res["eager_us"]], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(host_us=both[0].item(), eager_us=both[1].item(), graph_us=None), f)
+    dist.barrier()
+    close_transports()
+    dist.destroy_process_group()
+
+
+def real_rank_case(P: int, n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "res.json")
+        mp.spawn(_rank_entry, args=(P, n, f"file://{os.path.join(tmp, 'init')}", out), nprocs=P, join=True)
+        with open(out) as f:
+            return dict(case=f"{P} processes sharing the GPU, fused, S_loc = 128", **json.load(f))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--no-real-ranks", action="store_true", help="skip the processes-sharing-the-GPU case")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    rows = one_process_cases(args.calls)
+    if not args.no_real_ranks:
+        rows.append(real_rank_case(2, args.calls))
+    print(f"{torch.cuda.get_device_name()}, bf16, H = {H}, D = {D}, {args.calls} calls per run, medians of 5")
+    print(f"{'case':<44} {'host us/call':>12} {'eager us/call':>13} {'graph us/call':>13} {'eager/graph':>11}")
+    for r in rows:
+        g = r["graph_us"]
+        ratio = f"{r['eager_us'] / g:.2f}" if g else "-"
+        gs = f"{g:.1f}" if g else "-"
+        print(f"{r['case']:<44} {r['host_us']:>12.1f} {r['eager_us']:>13.1f} {gs:>13} {ratio:>11}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), calls=args.calls, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
