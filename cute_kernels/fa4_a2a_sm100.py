@@ -28,6 +28,15 @@ The log-sum-exp (optional, fp32 windows (P, B, H, S_loc)) is written by FA4's co
 which FA4's tiling addresses correctly only when S_loc % 128 == 0, so fa_a2a.fused refuses LSE
 windows for other S_loc on SM100 (ValueError) rather than writing wrong rows.
 
+Rank-rotated tile order (compile-time `rotate`, as in the SM90 file; __call__ then takes the
+rank): FA4's non-causal static persistent scheduler walks linear tiles t = c, c + grid, ... with
+t = (head, batch) * m_blocks + i, i the work tile of q_stage * cta_group_size * 128 rows (512 for
+D=128 with 2-CTA MMA); the rotated one computes work tile (i + k) mod m_blocks with k =
+floor(((r + 1) mod P) * S_loc / (q_stage * cta_group_size * 128)) (RankRotatedStaticPersistent-
+TileScheduler; FA4's single-tile scheduler, which it takes when not persistent, is rotated the
+same way). Same tiles, same output. Refused (ValueError) for causal and for FA4's CLC scheduler
+(both LPT-ordered).
+
 Status (2026-12-03): compiled for sm_100a on CPU only (tests/cpu/test_fused_compile_sm100.py);
 it has not run on a Blackwell GPU. tests/gpu/test_fused_a2a_sm100.py checks it bit for bit
 against FA4's SM100 forward plus the reference A2A on an SM100 device.
@@ -46,7 +55,14 @@ from flash_attn.cute.block_info import BlockInfo
 from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from quack import copy_utils
 
-from cute_kernels.fa4_a2a_sm90 import O_STORES, _assume_nested_aligned, rank_window_o
+from cute_kernels.fa4_a2a_sm90 import (
+    O_STORES,
+    _assume_nested_aligned,
+    check_rotatable,
+    rank_rotated_scheduler,
+    rank_rotation_shift,
+    rank_window_o,
+)
 
 
 @contextmanager
@@ -58,6 +74,17 @@ def _nested_stride_alignment():
         yield
     finally:
         _fa4_sm100.assume_tensor_aligned = saved
+
+
+@contextmanager
+def _tile_scheduler(kernel, scheduler_cls):
+    """While FA4's __call__ is traced, the kernel schedules its tiles with `scheduler_cls`."""
+    saved = kernel.TileScheduler
+    kernel.TileScheduler = scheduler_cls
+    try:
+        yield
+    finally:
+        kernel.TileScheduler = saved
 
 
 def lse_rows(mLSEWindows: cute.Tensor) -> cute.Tensor:
@@ -79,22 +106,29 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
 
     Everything but the epilogue warp's store is FA4's (warp roles, TMEM, pipelines, schedulers,
     the correction warps' LSE). Tile configuration: FA4's own (see fa_a2a.fused).
+    rotate: the rank-rotated tile order (see the module docstring); __call__ then takes `rank`.
     """
 
-    def __init__(self, *args, o_store: str = "tma", **kwargs):
+    def __init__(self, *args, o_store: str = "tma", rotate: bool = False, **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
         if kwargs.get("is_varlen_q", False) or kwargs.get("is_split_kv", False):
             raise ValueError("is_varlen_q, is_split_kv: the rank-window epilogue takes dense q only")
         if o_store not in O_STORES:
             raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
+        if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
+            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders "
+                             "causal tiles longest-first), got is_causal=True")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
+        self.rotate = rotate
         super().__init__(*args, **kwargs)
         # FA4 picked TMA O (dense q, no pack_gqa): warp 13 is the epilogue warp. "st" keeps that
         # warp and its pipeline but has FA4 build a per-thread gmem copy instead of a TMA atom.
         assert self.use_tma_O and not self.use_correction_warps_for_epi
         self.use_tma_O = o_store == "tma"
+        if rotate:
+            check_rotatable(self.TileScheduler)
 
     @cute.jit
     def __call__(
@@ -106,11 +140,20 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
         mLSEWindows: Optional[cute.Tensor],  # (p, b, h_loc, s_loc) fp32, or None
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
+        rank: Optional[Int32] = None,  # this source rank, when rotate
         stream: cuda.CUstream = None,
     ):
         mO = rank_window_o(mOWindows)
         mLSE = lse_rows(mLSEWindows) if const_expr(mLSEWindows is not None) else None
-        with _nested_stride_alignment():
+        scheduler = self.TileScheduler
+        if const_expr(self.rotate):
+            if const_expr(rank is None):
+                raise ValueError("rank: the rank-rotated build needs the source rank")
+            # a work tile (cluster) covers q_stage * cta_group_size * 128 rows
+            block_rows = self.cta_tiler[0] * self.cta_group_size
+            block_shift = rank_rotation_shift(rank, mOWindows.shape[0], mOWindows.shape[2], block_rows)
+            scheduler = rank_rotated_scheduler(scheduler, block_shift)
+        with _nested_stride_alignment(), _tile_scheduler(self, scheduler):
             super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, stream=stream)
 
     @cute.jit

@@ -21,6 +21,20 @@ fa_a2a.fused picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
 The log-sum-exp rows (optional, fp32 windows (P, B, H, S_loc)) take the same route, one scalar
 store per row, from the thread that owns the row.
 
+Rank-rotated tile order (compile-time `rotate`, default off; __call__ then takes the source rank).
+FA4's non-causal SM90 scheduler (SingleTileScheduler) runs one tile per CTA, m_block = blockIdx.x,
+and CTAs start in blockIdx order (x fastest), so every source rank's first wave stores into the
+same destination ranks at once: at M = 64K, H_loc = 3, tile_m = 128 on 132 SMs the first wave is
+m-blocks 0-131 of head 0, rows 0-16.9K, i.e. ranks 0-2 of 8 (incast from all P sources). With
+`rotate`, CTA blockIdx.x = i computes m-block (i + k) mod m_blocks of its head, k =
+floor(((r + 1) mod P) * S_loc / tile_m) (rank_rotation_shift): rank r starts on rank r + 1's rows,
+so the P sources' first waves go to P different destinations. When tile_m does not divide S_loc,
+k is the tile that holds rank r + 1's first row (it may begin in rank r's rows). The tiles are
+the same, only their order changes, so the output is bit-identical; the cost is an add and a
+select on the block index per tile (RankRotatedSingleTileScheduler; the SM100 kernel rotates its
+schedulers the same way). Refused (ValueError) for causal: FA4 orders causal tiles longest-first
+(SingleTileLPTScheduler) for load balance, and a rotation would break that order.
+
 Ordering: the storing warp waits only until the bulk store has *read* shared memory
 (cp.async.bulk.wait_group.read), exactly as FA4 does before sO (aliased with sQ) is reused; it
 never waits for the remote writes to land. They drain while the next tile's Q-loop runs. The
@@ -64,8 +78,10 @@ at 8K on host. With windows in HBM the default path is unchanged: T / T_FA4 = 0.
 0.985 at 64K in the same run (FA4 9879 us; 1.017 in an earlier one, FA4 9506 us: clock noise).
 """
 
+import contextlib
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -78,6 +94,11 @@ from flash_attn.cute import utils
 from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
+from flash_attn.cute.tile_scheduler import (
+    SingleTileScheduler,
+    StaticPersistentTileScheduler,
+    WorkTileInfo,
+)
 from flash_attn.cute.utils import AuxData
 from quack import copy_utils, layout_utils
 
@@ -129,6 +150,127 @@ def _nested_stride_alignment():
         _fa4_sm90.assume_tensor_aligned = saved
 
 
+def rank_rotation_shift(rank, num_ranks, seqlen_loc, block_rows: int):
+    """First m-block of source rank `rank` in the rank-rotated order: the block that holds the
+    first row of rank (rank + 1) % P, floor((rank + 1) % P * S_loc / block_rows). When blocks
+    straddle rank boundaries (block_rows does not divide S_loc) that block may begin in the
+    previous rank's rows; any shift in [0, m_blocks) is a permutation of the same tiles, so the
+    output does not depend on it (shared by the SM90 and SM100 kernels)."""
+    return ((rank + 1) % num_ranks) * seqlen_loc // block_rows
+
+
+def _rotate(m_block, block_shift, num_block):
+    # both operands < num_block: one conditional subtract, no division
+    m_block = m_block + block_shift
+    return cutlass.select_(m_block >= num_block, m_block - num_block, m_block)
+
+
+def _params_with(base_params, params_cls, **extra):
+    return params_cls(**{f.name: getattr(base_params, f.name) for f in fields(base_params)}, **extra)
+
+
+class RankRotatedSingleTileScheduler(SingleTileScheduler):
+    """FA4's SingleTileScheduler (one tile per CTA) whose CTA blockIdx.x = i computes m-block
+    (i + block_shift) mod num_block of its (head, batch): every head's order starts at the shift.
+    Use rank_rotated_scheduler() to bind the shift."""
+
+    _block_shift = None  # bound by rank_rotated_scheduler (a host value of the jit trace)
+
+    @dataclass
+    class Params(SingleTileScheduler.Params):
+        block_shift: Optional[Int32] = None
+
+    @classmethod
+    def to_underlying_arguments(cls, args, **kwargs):
+        base = SingleTileScheduler.to_underlying_arguments(args, **kwargs)
+        return _params_with(base, cls.Params, block_shift=cls._block_shift)
+
+    @classmethod
+    def create(cls, params, ctx=None, *, loc=None, ip=None):
+        return cls(params, SingleTileScheduler.create(params, ctx, loc=loc, ip=ip)._blk_coord, loc=loc, ip=ip)
+
+    def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
+        work = super().get_current_work(loc=loc, ip=ip)
+        m_block, head_idx, batch_idx, split_idx = work.tile_idx
+        m_block = _rotate(m_block, self.params.block_shift, self.params.num_block)
+        return WorkTileInfo((m_block, head_idx, batch_idx, split_idx), work.is_valid_tile)
+
+    def __new_from_mlir_values__(self, values):
+        base = super().__new_from_mlir_values__(values)
+        scheduler = type(self)(base.params, base._blk_coord, loc=self._loc)
+        scheduler._is_first_block = self._is_first_block
+        return scheduler
+
+
+class RankRotatedStaticPersistentTileScheduler(StaticPersistentTileScheduler):
+    """FA4's StaticPersistentTileScheduler whose linear tile t = (hb, i) (i the m-block of head and
+    batch hb, in clusters) computes m-block (i + block_shift) mod num_block_cluster: the grid's
+    walk over tiles is FA4's, every head's m-blocks start at the shift.
+    Use rank_rotated_scheduler() to bind the shift."""
+
+    _block_shift = None
+
+    @dataclass
+    class Params(StaticPersistentTileScheduler.Params):
+        num_block_cluster: Optional[Int32] = None
+        block_shift: Optional[Int32] = None
+
+    @classmethod
+    def to_underlying_arguments(cls, args, **kwargs):
+        base = StaticPersistentTileScheduler.to_underlying_arguments(args, **kwargs)
+        num_block_cluster = cute.ceil_div(args.num_block, cute.size(args.cluster_shape_mn))
+        return _params_with(base, cls.Params, num_block_cluster=num_block_cluster,
+                            block_shift=cls._block_shift)
+
+    @classmethod
+    def create(cls, params, ctx=None, *, loc=None, ip=None):
+        base = StaticPersistentTileScheduler.create(params, ctx, loc=loc, ip=ip)
+        return cls(params, base._tile_idx, loc=loc, ip=ip)
+
+    def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
+        work = super().get_current_work(loc=loc, ip=ip)
+        m_block, head_idx, batch_idx, split_idx = work.tile_idx
+        m_block = _rotate(m_block, self.params.block_shift, self.params.num_block_cluster)
+        return WorkTileInfo((m_block, head_idx, batch_idx, split_idx), work.is_valid_tile)
+
+    def __new_from_mlir_values__(self, values):
+        base = super().__new_from_mlir_values__(values)
+        return type(self)(base.params, base._tile_idx, loc=self._loc)
+
+
+_RANK_ROTATED = {
+    SingleTileScheduler: RankRotatedSingleTileScheduler,
+    StaticPersistentTileScheduler: RankRotatedStaticPersistentTileScheduler,
+}
+
+
+def check_rotatable(scheduler_cls) -> None:
+    """ValueError unless `scheduler_cls` is one of FA4's two static schedulers that rotate (not
+    LPT, which orders causal tiles longest-first, nor CLC or the varlen schedulers)."""
+    if scheduler_cls not in _RANK_ROTATED:
+        raise ValueError(f"rotate: needs FA4's SingleTileScheduler or StaticPersistentTileScheduler, "
+                         f"this configuration uses {scheduler_cls.__name__}")
+
+
+def rank_rotated_scheduler(scheduler_cls, block_shift):
+    """FA4's static scheduler class `scheduler_cls` with each head's m-block order rotated by
+    block_shift (a value of the __call__ trace, carried into the kernel in the scheduler's Params)."""
+    check_rotatable(scheduler_cls)
+    rotated = _RANK_ROTATED[scheduler_cls]
+    return type(rotated.__name__, (rotated,), {"_block_shift": block_shift})
+
+
+@contextmanager
+def _rank_rotated_sm90_scheduler(block_shift):
+    """While FA4's SM90 __call__ is traced, its non-causal scheduler is the rank-rotated one."""
+    saved = _fa4_sm90.SingleTileScheduler
+    _fa4_sm90.SingleTileScheduler = rank_rotated_scheduler(SingleTileScheduler, block_shift)
+    try:
+        yield
+    finally:
+        _fa4_sm90.SingleTileScheduler = saved
+
+
 O_STORES = ("tma", "st")
 _MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
 TIMESTAMP_FIELDS = ("smid", "cta", "cta_start", "epilogue", "sO_free", "store_issued", "end")
@@ -140,16 +282,22 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     Everything but the output path is FA4's (mainloop, softmax, scheduler, pipelines). The
     tile configuration is FA4's own choice for the head dim (see fa_a2a.fused).
     timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
+    rotate: the rank-rotated tile order (see the module docstring); __call__ then takes `rank`.
     """
 
-    def __init__(self, *args, o_store: str = "tma", timestamps: bool = False, **kwargs):
+    def __init__(self, *args, o_store: str = "tma", timestamps: bool = False, rotate: bool = False,
+                 **kwargs):
         if kwargs.get("pack_gqa", False):
             raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
         if o_store not in O_STORES:
             raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
+        if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
+            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders "
+                             "causal tiles longest-first), got is_causal=True")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
         self.timestamps = timestamps
+        self.rotate = rotate
         super().__init__(*args, **kwargs)
 
     # FA4 sets use_tma_O in __call__; here the O path is this kernel's own choice.
@@ -172,6 +320,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
         mTimes: Optional[cute.Tensor] = None,  # (b, h_loc, m_blocks, 7) int64 when timestamps
+        rank: Optional[Int32] = None,  # this source rank, when rotate
         stream: cuda.CUstream = None,
     ):
         mO = rank_window_o(mOWindows)
@@ -188,7 +337,13 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
             )
         # the stamps ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
         aux_data = AuxData([mTimes], None) if const_expr(self.timestamps) else AuxData()
-        with _nested_stride_alignment():
+        rotation = contextlib.nullcontext()
+        if const_expr(self.rotate):
+            if const_expr(rank is None):
+                raise ValueError("rank: the rank-rotated build needs the source rank")
+            block_shift = rank_rotation_shift(rank, mOWindows.shape[0], mOWindows.shape[2], self.tile_m)
+            rotation = _rank_rotated_sm90_scheduler(block_shift)
+        with _nested_stride_alignment(), rotation:
             super().__call__(
                 mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, aux_data=aux_data,
                 stream=stream,

@@ -205,15 +205,17 @@ def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has
 
 @functools.cache
 def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
-                has_seqused_k: bool, has_lse: bool, timestamps: bool = False,
+                has_seqused_k: bool, has_lse: bool, timestamps: bool = False, rotate: bool = False,
                 sm100: Optional[Sm100Config] = None, extra_options: str = ""):
     """The compiled attention kernel of one key (the arguments are the key): kind "fa4" (FA4's own
     forward) or "a2a-tma" / "a2a-st" (the rank-window subclass and its O path); for SM90, or for
     SM100 when `sm100` (FA4's SM100 configuration of the call) is given. timestamps: SM90's stamped
-    debug build. Compiled as FA4 compiles ahead of time, from fake tensors of the key's shape class
-    (shapes and strides dynamic, 16-byte aligned), so no GPU is needed; the result launches on the
-    current stream through TVM-FFI. extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the
+    debug build. rotate: the fused kernels' rank-rotated tile order (launched with the rank after
+    the optional tensors). Compiled as FA4 compiles ahead of time, from fake tensors of the key's
+    shape class (shapes and strides dynamic, 16-byte aligned), so no GPU is needed; the result
+    launches on the current stream through TVM-FFI. extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the
     compiler."""
+    import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.testing import active_fake_mode
@@ -225,6 +227,9 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         tlse = to_cute_tensor(example[4], assumed_align=4)
         tsk = to_cute_tensor(example[5], assumed_align=4, leading_dim=0)
         ttimes = to_cute_tensor(example[6], assumed_align=8)
+    if rotate and kind == "fa4":
+        raise ValueError("rotate: only the fused kernels (kind 'a2a-*') have the rank-rotated order")
+    rank = cutlass.Int32(0) if rotate else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi {extra_options}".strip()
     if sm100 is not None:
@@ -238,8 +243,8 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
             return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk), stream=stream,
                                 options=options)
         fa = _make_kernel_sm100(FlashAttentionA2AForwardSm100, head_dim, qhead_per_kvhead, causal, sm100,
-                                o_store=kind.removeprefix("a2a-"))
-        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, stream=stream, options=options)
+                                o_store=kind.removeprefix("a2a-"), rotate=rotate)
+        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, rank, stream=stream, options=options)
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 
     from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
@@ -249,8 +254,8 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, <_fa4_sm90_middle>, stream)
         return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm90_middle(tsk), stream, options=options)
     fa = _make_kernel(FlashAttentionA2AForwardSm90, dtype, head_dim, qhead_per_kvhead, causal,
-                      o_store=kind.removeprefix("a2a-"), timestamps=timestamps)
-    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, stream, options=options)
+                      o_store=kind.removeprefix("a2a-"), timestamps=timestamps, rotate=rotate)
+    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, stream=stream, options=options)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -367,6 +372,7 @@ def fa4_a2a_launcher(
     lse_windows: Optional[torch.Tensor] = None,
     o_store: Optional[str] = None,
     timestamps: Optional[torch.Tensor] = None,
+    rotate: bool = False,
 ) -> Callable[[], None]:
     """fa4_a2a_forward on these tensors, checked and compiled once: the returned function launches
     it on the current stream (no per-call checks; the op's window plan keeps one per rank)."""
@@ -391,6 +397,8 @@ def fa4_a2a_launcher(
         o_store = "tma" if aligned else "st"
     elif o_store not in ("tma", "st") or (o_store == "tma" and not aligned):
         raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
+    if rotate and causal:
+        raise ValueError("rotate: the rank-rotated tile order is for non-causal attention, got causal=True")
     key = (f"a2a-{o_store}", q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
     if arch == 100:
         if lse_dst is not None and not aligned:
@@ -399,8 +407,8 @@ def fa4_a2a_launcher(
         if timestamps is not None:
             raise ValueError("timestamps: the stamped debug build is SM90 only")
         cfg = _config_sm100(D, causal, q.shape[1], H_loc // k.shape[2], seqused_k is not None)
-        compiled = compile_fa4(*key, sm100=cfg)
-        args = (q, k, v, dst, lse_dst, scale, seqused_k)
+        compiled = compile_fa4(*key, rotate=rotate, sm100=cfg)
+        args = (q, k, v, dst, lse_dst, scale, seqused_k, rank if rotate else None)
     else:
         if timestamps is not None:
             B, S = q.shape[0], q.shape[1]
@@ -409,8 +417,8 @@ def fa4_a2a_launcher(
                     or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
                     or timestamps.device != q.device):
                 raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
-        compiled = compile_fa4(*key, timestamps=timestamps is not None)
-        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps)
+        compiled = compile_fa4(*key, timestamps=timestamps is not None, rotate=rotate)
+        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None)
     return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
 
 
@@ -427,6 +435,7 @@ def fa4_a2a_forward(
     lse_windows: Optional[torch.Tensor] = None,
     o_store: Optional[str] = None,
     timestamps: Optional[torch.Tensor] = None,
+    rotate: bool = False,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
 
@@ -443,6 +452,8 @@ def fa4_a2a_forward(
     timestamps: optional int64 [B, H_loc, ceil(S / tile_m), 7], contiguous: a debug variant that
     stamps every tile with cute_kernels.fa4_a2a_sm90.TIMESTAMP_FIELDS (%globaltimer, ns); SM90 only.
     On SM100 (cute_kernels.fa4_a2a_sm100) lse_windows needs S_loc % 128 == 0.
+    rotate: the rank-rotated tile order (rank r starts on rank r+1's rows; same output; non-causal
+    only, ValueError otherwise): see cute_kernels.fa4_a2a_sm90.
     """
     fa4_a2a_launcher(q, k, v, out_windows, rank, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
-                     lse_windows=lse_windows, o_store=o_store, timestamps=timestamps)()
+                     lse_windows=lse_windows, o_store=o_store, timestamps=timestamps, rotate=rotate)()

@@ -103,3 +103,124 @@ def test_cpu_tensors_are_refused():
     q = torch.randn(1, 128, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         fused.fa4_forward(q, q, q)
+
+
+def _rotated_order(capfd, scheduler, rank, P, s_loc, block_rows, cluster, H, B):
+    """{(linear CTA or tile, head, batch): (m_block, head, batch)} of the rank-rotated scheduler,
+    its Params built by to_underlying_arguments and the shift by rank_rotation_shift as in the
+    kernels' __call__, run by the CuTe DSL on the host (dynamic rank, P, S_loc)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from flash_attn.cute.tile_scheduler import SingleTileScheduler, TileSchedulerArguments
+
+    from cute_kernels.fa4_a2a_sm90 import rank_rotated_scheduler, rank_rotation_shift
+
+    single = scheduler is SingleTileScheduler
+
+    @cute.jit
+    def probe(rank: Int32, P: Int32, s_loc: Int32):
+        # FA4's num_block (flash_fwd_sm100): per cluster for the single-tile scheduler, per CTA
+        # (q_stage * 128 rows) for the persistent one, which divides by the cluster itself
+        num_block = cute.ceil_div(P * s_loc, block_rows if single else block_rows // cluster)
+        shift = rank_rotation_shift(rank, P, s_loc, block_rows)
+        args = TileSchedulerArguments(num_block, H, B, 1, 1, 128, 128, total_q=P * s_loc * B,
+                                      tile_shape_mn=(block_rows // cluster, 128), cluster_shape_mn=(cluster, 1),
+                                      use_cluster_idx=single and cluster > 1)
+        cls = rank_rotated_scheduler(scheduler, shift)
+        params = cls.to_underlying_arguments(args)
+        if cutlass.const_expr(single):
+            for b in cutlass.range(B, unroll=1):
+                for h in cutlass.range(H, unroll=1):
+                    for i in cutlass.range(params.num_block, unroll=1):
+                        w = cls(params, (i, h, b)).get_current_work()
+                        cute.printf("tile %d %d %d %d %d %d\n", i, h, b, w.tile_idx[0], w.tile_idx[1], w.tile_idx[2])
+        else:
+            for t in cutlass.range(params.total_blocks_cluster, unroll=1):
+                w = cls(params, t).get_current_work()
+                cute.printf("tile %d %d %d %d %d %d\n", t, 0, 0, w.tile_idx[0], w.tile_idx[1], w.tile_idx[2])
+
+    capfd.readouterr()
+    probe(rank, P, s_loc)
+    out = capfd.readouterr().out
+    rows = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("tile ")]
+    return {r[:3]: r[3:] for r in rows}
+
+
+@pytest.mark.parametrize("scheduler,P,s_loc,block_rows,cluster", [
+    ("single", 8, 256, 128, 1),  # SM90 D=128: tile_m divides S_loc
+    ("single", 4, 320, 128, 1),  # tiles straddle rank boundaries
+    ("single", 8, 100, 128, 1),  # S_loc < tile_m: a tile spans several ranks
+    ("single", 4, 1024, 512, 2),  # SM100 non-persistent 2-CTA: the cluster is the block
+    ("persistent", 4, 1024, 512, 2),  # SM100 static persistent, 2-CTA, q_stage 2
+    ("persistent", 4, 320, 256, 1),  # the same with 1-CTA MMA, straddling
+    ("persistent", 1, 512, 256, 1),  # one rank: no rotation
+])
+def test_rank_rotated_order_starts_at_the_next_rank(capfd, scheduler, P, s_loc, block_rows, cluster):
+    from flash_attn.cute.tile_scheduler import SingleTileScheduler, StaticPersistentTileScheduler
+
+    cls = SingleTileScheduler if scheduler == "single" else StaticPersistentTileScheduler
+    H, B = 2, 2
+    num_block = -(-P * s_loc // block_rows)
+    for rank in sorted({0, P - 1, P // 2}):
+        got = _rotated_order(capfd, cls, rank, P, s_loc, block_rows, cluster, H, B)
+        assert len(got) == num_block * H * B
+        shift = got[(0, 0, 0)][0]
+        # the first block holds rank (rank + 1) % P's first row
+        first_row = (rank + 1) % P * s_loc
+        assert shift * block_rows <= first_row < (shift + 1) * block_rows
+        for (i, h, b), (m, h2, b2) in got.items():
+            if scheduler == "persistent":  # linear tile i = (b * H + h) * num_block + m, FA4's order
+                (b, h), i = divmod(i // num_block, H), i % num_block
+            assert (h2, b2) == (h, b) and m == (i + shift) % num_block
+        assert sorted(got.values()) == sorted((m, h, b) for m in range(num_block) for h in range(H) for b in range(B))
+
+
+def _kernel_params(ptx: str) -> int:
+    return ptx.count(".param .")
+
+
+def test_rotated_builds_compile_and_take_the_shift(compile_keys, monkeypatch, tmp_path):
+    rotates = []
+    spy = fused.compile_fa4
+
+    def spy_rotate(*key, rotate=False, **kw):
+        rotates.append((key[0], rotate))
+        return spy(*key, rotate=rotate, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy_rotate)
+    with FakeTensorMode():
+        P, B, H_loc, D = 4, 1, 4, 128
+        for S_loc, o_store, lse, kv_heads in ((256, "tma", True, 1), (320, "st", True, 4), (256, "st", False, 4)):
+            q = torch.empty(B, P * S_loc, H_loc, D, dtype=torch.bfloat16, device="cuda")
+            kv = torch.empty(B, P * S_loc, kv_heads, D, dtype=torch.bfloat16, device="cuda")
+            w = torch.empty(P, B, S_loc, P * H_loc, D, dtype=torch.bfloat16, device="cuda")
+            lse_w = torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device="cuda") if lse else None
+            fused.fa4_a2a_forward(q, kv, kv, w, 3, lse_windows=lse_w, o_store=o_store, rotate=True)
+        n_m = P * 256 // fused.tile_m_for(D)
+        ts = torch.empty(B, H_loc, n_m, 7, dtype=torch.int64, device="cuda")
+        q = torch.empty(B, P * 256, H_loc, D, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(P, B, 256, P * H_loc, D, dtype=torch.bfloat16, device="cuda")
+        fused.fa4_a2a_forward(q, q, q, w, 0, timestamps=ts, rotate=True)
+    assert rotates == [("a2a-tma", True), ("a2a-st", True), ("a2a-st", True), ("a2a-tma", True)]
+    assert ("a2a-tma", torch.bfloat16, D, 4, False, False, True, False) in compile_keys  # GQA
+    assert ("a2a-st", torch.bfloat16, D, 1, False, False, True, False) in compile_keys
+    assert ("a2a-tma", torch.bfloat16, D, 1, False, False, False, True) in compile_keys
+    # the rotated kernel takes the block shift (one more kernel parameter) and adds it to ctaid.x
+    key = ("a2a-tma", torch.bfloat16, D, 1, False, False, False)
+    off, on = (spy(*key, rotate=r, extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__ for r in (False, True))
+    assert _kernel_params(on) == _kernel_params(off) + 1
+    assert "selp" in on and on.count("%ctaid.x") == off.count("%ctaid.x")
+
+
+def test_rotation_is_refused_for_causal():
+    from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
+
+    with pytest.raises(ValueError, match="rotate: the rank-rotated order is for non-causal"):
+        fused._make_kernel(FlashAttentionA2AForwardSm90, torch.bfloat16, 128, 1, True, rotate=True)
+    with FakeTensorMode():
+        q, w = _fake_inputs()
+        with pytest.raises(ValueError, match="rotate: the rank-rotated tile order is for non-causal"):
+            fused.fa4_a2a_forward(q, q, q, w, 0, causal=True, rotate=True)
+    with pytest.raises(ValueError, match="rotate: only the fused kernels"):
+        fused.compile_fa4("fa4", torch.bfloat16, 128, 1, False, False, False, rotate=True)

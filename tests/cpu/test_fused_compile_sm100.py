@@ -202,3 +202,54 @@ def test_lse_row_tiles_are_exact_only_for_whole_stages(capfd, s_loc, exact):
     assert sorted(got) == list(range(P * s_loc))
     expected = {s: (s // s_loc) * W + b * H * s_loc + h * s_loc + s % s_loc for s in got}
     assert (got == expected) == exact
+
+
+def _kernel_params(ptx: str) -> int:
+    return ptx.count(".param .")
+
+
+@pytest.mark.parametrize("S_loc,disable_2cta,persistent,o_store,lse,compare", [
+    (384, False, True, "tma", True, True),  # 2-CTA static persistent (512-row work tiles straddle), LSE
+    (384, True, True, "tma", False, False),  # 1-CTA
+    (320, False, True, "st", False, False),  # stages straddle ranks
+    (32, False, True, "st", False, False),  # S = 128: one Q stage, S ping-pong
+    (384, False, False, "tma", False, True),  # FA4's single-tile scheduler over 2-CTA clusters
+])
+def test_rotated_builds_compile(sm100, fa4_knobs, tmp_path, S_loc, disable_2cta, persistent, o_store, lse, compare):
+    fa4_knobs(disable_2cta=disable_2cta)
+    cfg = fused._config_sm100(128, False, 4 * S_loc, 1, False)._replace(is_static_persistent=persistent)
+    key = (f"a2a-{o_store}", torch.bfloat16, 128, 1, False, False, lse)
+    opts = f"--keep-ptx --dump-dir={tmp_path}"
+    on = fused.compile_fa4(*key, rotate=True, sm100=cfg, extra_options=opts).__ptx__
+    assert ".target sm_100a" in on and ".local" not in on
+    if compare:
+        # the rotated kernel takes its scheduler's block shift (and, persistent, the cluster count)
+        off = fused.compile_fa4(*key, sm100=cfg, extra_options=opts).__ptx__
+        assert _kernel_params(on) == _kernel_params(off) + (2 if persistent else 1)
+
+
+def test_rotation_on_sm100_public_path_and_refusals(sm100, fa4_knobs, monkeypatch):
+    rotates, compile_fa4 = [], fused.compile_fa4
+
+    def spy(*key, rotate=False, **kw):
+        rotates.append((key, rotate))
+        return compile_fa4(*key, rotate=rotate, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy)
+    with FakeTensorMode():
+        q, kv, windows = _fake(8, 1, 256, 3, 128)
+        fused.fa4_a2a_forward(q, kv, kv, windows, 5, rotate=True)
+        assert rotates == [(("a2a-tma", torch.bfloat16, 128, 1, False, False, False), True)]
+        with pytest.raises(ValueError, match="rotate: the rank-rotated tile order is for non-causal"):
+            fused.fa4_a2a_forward(q, kv, kv, windows, 5, causal=True, rotate=True)
+        # FA_CLC with GQA and seqused_k: FA4 takes its CLC (LPT) scheduler even when non-causal
+        fa4_knobs(clc=True)
+        q, kv, windows = _fake(2, 1, 512, 4, 128, kv_heads=1)
+        seqused = torch.empty(1, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match="rotate: needs FA4's SingleTileScheduler or StaticPersistent"):
+            fused.fa4_a2a_forward(q, kv, kv, windows, 0, seqused_k=seqused, rotate=True)
+    from cute_kernels.fa4_a2a_sm100 import FlashAttentionA2AForwardSm100
+
+    cfg = fused._config_sm100(128, True, 1024, 1, False)
+    with pytest.raises(ValueError, match="rotate: the rank-rotated order is for non-causal"):
+        fused._make_kernel_sm100(FlashAttentionA2AForwardSm100, 128, 1, True, cfg, rotate=True)
