@@ -1,10 +1,13 @@
 """Kernel-level check of the fused epilogue's cost: T_fused / T_FA4 on one GPU, emulated ranks.
 
 One source rank's work (rank 0 of P): FA4 alone writing its local O, and the fused kernel (its
-TMA and its per-thread-store O paths) writing the same tiles into P rank windows (local buffers
-standing in for the peers). Timed with graphs.time_graphs, the project's one timing loop: each
+TMA and its per-thread-store O paths, and the TMA path with the rank-rotated tile order, which
+starts on rank 1's rows) writing the same tiles into P rank windows (local buffers standing in
+for the peers). Timed with graphs.time_graphs, the project's one timing loop: each
 variant captured as N back-to-back calls in a CUDA graph, replays rotated across variants, median
-over trials; the paired ratio is the median over trials of T_fused / T_FA4 from the same trial.
+over trials; the paired ratio is the median over trials of T_fused / T_FA4 from the same trial
+(and of T_rotated / T_fused for the rotated order, beside T_fused' / T_fused of a second graph of
+the unrotated kernel: the noise of one such ratio).
 
     python examples/fused_speed.py [--seqlens 8192 16384 32768 65536] [--trials 15] [--out DIR]
 """
@@ -46,6 +49,8 @@ def main():
             "fa4": lambda: fa4_forward(q, k, v, out),
             "fused": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma"),
             "fused-st": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="st"),
+            "fused-rot": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma", rotate=True),
+            "fused-again": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma"),
         }
         for fn in fns.values():
             fn()
@@ -59,18 +64,27 @@ def main():
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         med = {name: median(ts) for name, ts in t.items()}
         paired = {name: statistics.median([a / b for a, b in zip(t[name], t["fa4"])]) for name in ("fused", "fused-st")}
+        rot = [a / b for a, b in zip(t["fused-rot"], t["fused"])]
+        again = [a / b for a, b in zip(t["fused-again"], t["fused"])]
         flops = 4 * M * M * H_loc * D
         rows.append(dict(M=M, n_calls=n_calls, t_us=t, t_fa4_us=med["fa4"], t_fused_us=med["fused"],
-                         t_fused_st_us=med["fused-st"], ratio=paired["fused"], ratio_st=paired["fused-st"],
+                         t_fused_st_us=med["fused-st"], t_fused_rot_us=med["fused-rot"], ratio=paired["fused"],
+                         ratio_st=paired["fused-st"], ratio_rot=statistics.median(rot),
+                         ratio_rot_range=(min(rot), max(rot)), ratio_again=statistics.median(again),
+                         ratio_again_range=(min(again), max(again)),
                          fa4_tflops=flops / med["fa4"] / 1e6))
         del q, k, v, out, windows
     card = torch.cuda.get_device_name()
     print(f"\n{card}, bf16, D={D}, H_loc={H_loc}, emulated P={P}, CUDA-graph medians (us) over {args.trials} trials")
-    print("| M | FA4 | fused (TMA) | fused (st) | T_fused/T_FA4 TMA (paired) | st (paired) | FA4 TFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| M | FA4 | fused (TMA) | fused (st) | fused (TMA, rotated) | T_fused/T_FA4 TMA (paired) | st (paired) "
+          "| T_rotated/T_fused (paired; min-max) | same kernel again (paired; min-max) | FA4 TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        lo, hi = r["ratio_rot_range"]
+        alo, ahi = r["ratio_again_range"]
         print(f"| {r['M']} | {r['t_fa4_us']:.1f} | {r['t_fused_us']:.1f} | {r['t_fused_st_us']:.1f} | "
-              f"{r['ratio']:.4f} | {r['ratio_st']:.4f} | {r['fa4_tflops']:.0f} |")
+              f"{r['t_fused_rot_us']:.1f} | {r['ratio']:.4f} | {r['ratio_st']:.4f} | {r['ratio_rot']:.4f} "
+              f"({lo:.4f}-{hi:.4f}) | {r['ratio_again']:.4f} ({alo:.4f}-{ahi:.4f}) | {r['fa4_tflops']:.0f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fused_speed.json"), "w") as f:

@@ -33,7 +33,10 @@ def _windows(P, win_elems, dtype, host, keep):
 
 
 def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0, seqused=None, extra_keys=0,
-              with_lse=False, o_store=None, host=False):
+              with_lse=False, o_store=None, host=False, rotate=False):
+    """Every rank r of P runs the fused kernel into NaN-poisoned windows; the windows must equal
+    FA4's outputs moved by the reference A2A bit for bit. rotate: the rank-rotated build, and
+    then also the default build into fresh poisoned windows, the two compared bit for bit."""
     torch.manual_seed(1000 * P + S_loc + H_loc + D)
     S, H = P * S_loc, P * H_loc
     H_kv = kv_heads or H_loc
@@ -52,7 +55,18 @@ def _run_case(P, B, S_loc, H_loc, D, dtype, causal, kv_heads=None, window_pad=0,
         lses = [torch.empty(B, H_loc, S, device="cuda") for _ in range(P)]
     for r in range(P):
         fa4_a2a_forward(qs[r], ks[r], vs[r], windows, r, causal=causal, seqused_k=sk, lse_windows=lse_windows,
-                        o_store=o_store)
+                        o_store=o_store, rotate=rotate)
+    if rotate:
+        storage_off = _windows(P, win_elems, dtype, host, keep)
+        windows_off = storage_off.as_strided(windows.shape, windows.stride())
+        lse_off = None if lse_windows is None else torch.full_like(lse_windows, POISON)
+        for r in range(P):
+            fa4_a2a_forward(qs[r], ks[r], vs[r], windows_off, r, causal=causal, seqused_k=sk, lse_windows=lse_off,
+                            o_store=o_store)
+        torch.cuda.synchronize()
+        assert torch.equal(storage.view(torch.int16), storage_off.view(torch.int16)), "rotate on/off differ"
+        if lse_off is not None:
+            assert torch.equal(lse_windows.view(torch.int32), lse_off.view(torch.int32)), "rotate on/off LSE differ"
     outs = [fa4_forward(qs[r], ks[r], vs[r], causal=causal, seqused_k=sk, lse=None if lses is None else lses[r])
             for r in range(P)]
     torch.cuda.synchronize()
@@ -161,3 +175,50 @@ def test_timestamps_debug_variant():
 
 def test_tile_m_known():
     assert tile_m_for(128) == 128 and tile_m_for(64) == 192
+
+
+ROTATE_CASES = [
+    # P, B, S_loc, H_loc, D, dtype, kv_heads, with_lse: every rank of P with the rank-rotated order
+    (2, 2, 512, 2, 128, torch.bfloat16, None, False),
+    (4, 1, 320, 3, 128, torch.bfloat16, None, True),  # tiles straddle ranks (the shift's tile too), LSE
+    (4, 1, 384, 4, 128, torch.bfloat16, 1, True),  # GQA, TMA path, LSE
+    (8, 1, 256, 3, 128, torch.bfloat16, None, False),
+    (8, 1, 100, 1, 128, torch.bfloat16, None, False),  # S_loc < tile_m: a tile spans several ranks
+]
+
+
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,kv_heads,with_lse", ROTATE_CASES)
+def test_rotated_order_is_bit_exact(P, B, S_loc, H_loc, D, dtype, kv_heads, with_lse):
+    _run_case(P, B, S_loc, H_loc, D, dtype, False, kv_heads=kv_heads, with_lse=with_lse, rotate=True)
+
+
+@pytest.mark.parametrize("P,S_loc,o_store", [(8, 1024, "tma"), (4, 320, "st")])
+def test_rotated_order_starts_on_the_next_ranks_rows(P, S_loc, o_store):
+    # the stamped build records which CTA (linear block id) ran each tile: with rotate, CTA
+    # blockIdx.x = i ran m-block (i + k) mod m_blocks, k = floor((r + 1) % P * S_loc / tile_m)
+    from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
+
+    B, H_loc, D = 1, 3, 128
+    tile_m = tile_m_for(D)
+    n_m = -(-P * S_loc // tile_m)
+    q, k, v = (torch.randn(B, P * S_loc, H_loc, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = _reference_windows([fa4_forward(q, k, v)] * P, P)[:, :, :, :H_loc]
+    for rank in (0, P // 2, P - 1):
+        ts = torch.zeros(B, H_loc, n_m, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
+        windows = torch.full((P, B, S_loc, P * H_loc, D), POISON, device="cuda", dtype=torch.bfloat16)
+        fa4_a2a_forward(q, k, v, windows, rank, o_store=o_store, timestamps=ts, rotate=True)
+        torch.cuda.synchronize()
+        assert torch.equal(windows[:, :, :, rank * H_loc:(rank + 1) * H_loc], expected)
+        cta = ts[..., TIMESTAMP_FIELDS.index("cta")]  # bx + n_m * (head + H_loc * batch)
+        shift = (rank + 1) % P * S_loc // tile_m
+        m = torch.arange(n_m, device="cuda")
+        assert torch.equal(cta % n_m, ((m - shift) % n_m).expand_as(cta)), rank
+        assert torch.equal(cta // n_m, torch.arange(H_loc, device="cuda")[:, None].expand(H_loc, n_m)[None])
+
+
+def test_rotation_refused_for_causal():
+    P, B, S_loc, H_loc, D = 4, 1, 256, 2, 128
+    q = torch.randn(B, P * S_loc, H_loc, D, device="cuda", dtype=torch.bfloat16)
+    windows = torch.empty(P, B, S_loc, P * H_loc, D, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rotate: the rank-rotated tile order is for non-causal"):
+        fa4_a2a_forward(q, q, q, windows, 0, causal=True, rotate=True)

@@ -96,3 +96,33 @@ def test_fused_more_keys_than_queries():
 @pytest.mark.parametrize("o_store", ["tma", "st"])
 def test_fused_into_host_windows(o_store):
     _run_case(8, 1, 1024, 3, 128, torch.bfloat16, False, o_store=o_store, host=True)
+
+
+ROTATE_CASES = [
+    # P, B, S_loc, H_loc, D, dtype, kv_heads, with_lse: every rank of P with the rank-rotated order
+    # (2-CTA work tiles are 512 rows: S_loc = 384 and 320 make the shift's work tile straddle ranks)
+    (2, 2, 512, 2, 128, torch.bfloat16, None, False),
+    (4, 1, 320, 3, 128, torch.bfloat16, None, False),  # stages straddle ranks
+    (4, 1, 384, 4, 128, torch.bfloat16, 1, True),  # GQA, LSE
+    (8, 1, 256, 3, 128, torch.bfloat16, None, True),
+    (8, 1, 100, 1, 128, torch.bfloat16, None, False),  # S_loc < 128
+]
+
+
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,kv_heads,with_lse", ROTATE_CASES)
+def test_rotated_order_is_bit_exact(P, B, S_loc, H_loc, D, dtype, kv_heads, with_lse):
+    _run_case(P, B, S_loc, H_loc, D, dtype, False, kv_heads=kv_heads, with_lse=with_lse, rotate=True)
+
+
+@pytest.mark.parametrize("disable_2cta", [False, True])
+def test_rotated_order_one_and_two_cta(fa4_knobs, disable_2cta):
+    fa4_knobs(disable_2cta=disable_2cta)
+    _run_case(8, 1, 768, 2, 128, torch.bfloat16, False, rotate=True)
+
+
+def test_rotation_refused_for_causal():
+    P, B, S_loc, H_loc, D = 4, 1, 256, 2, 128
+    q = torch.randn(B, P * S_loc, H_loc, D, device="cuda", dtype=torch.bfloat16)
+    windows = torch.empty(P, B, S_loc, P * H_loc, D, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rotate: the rank-rotated tile order is for non-causal"):
+        fa4_a2a_forward(q, q, q, windows, 0, causal=True, rotate=True)
