@@ -56,8 +56,8 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
                            softmax_scale=softmax_scale, seqused_k=used)
     from ulysses.reference import local_attention as reference_attention
 
-    return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               seqused_k=seqused_k).to(q.dtype)
+    o = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k)
+    return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
 def _deliver(layout, rank: int, res, rows: int, out=None, joint_out=None):

@@ -74,12 +74,10 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
     q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
     if Hq != Hk:
         k, v = (x.repeat_interleave(Hq // Hk, dim=2) for x in (k, v))
-    scores = torch.bmm(q.permute(0, 2, 1, 3).reshape(B * Hq, Nq, D), k.permute(0, 2, 3, 1).reshape(B * Hq, D, Nk))
-    scores.mul_(scale)
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hq, Nq, Nk]
     if keep is not None:
         scores.masked_fill_(~keep, float("-inf"))
-    out = torch.bmm(scores.softmax(dim=-1), v.permute(0, 2, 1, 3).reshape(B * Hq, Nk, D))
-    return out.view(B, Hq, Nq, D).transpose(1, 2)
+    return torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2)).transpose(1, 2)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):
