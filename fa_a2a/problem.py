@@ -166,16 +166,14 @@ def _check_kernel_limits(q, k, v, impl) -> None:
 
 
 def _check_shard_rows(shard_rows, world_size: int, seq_len, rows_here: int, rank: int) -> tuple:
-    if isinstance(shard_rows, (str, bytes, torch.Tensor)) or not isinstance(shard_rows, (list, tuple)) \
-            or len(shard_rows) != world_size:
-        raise ValueError(f"shard_rows: expected {world_size} row counts (one per rank), got {shard_rows!r}")
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shard_rows) or sum(shard_rows) < 1:
-        raise ValueError(f"shard_rows: expected non-negative ints with a positive sum, got {shard_rows!r}")
+    from ulysses.layout import check_shard_rows
+
+    shard_rows = check_shard_rows(shard_rows, world_size)
     if seq_len is not None and seq_len != sum(shard_rows):
         raise ValueError(f"seq_len: expected None or sum(shard_rows) = {sum(shard_rows)}, got {seq_len}")
     if rows_here != shard_rows[rank]:
         raise ValueError(f"q: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows_here}")
-    return tuple(shard_rows)
+    return shard_rows
 
 
 def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int, shard_rows=None,

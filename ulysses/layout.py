@@ -49,6 +49,7 @@ from typing import Sequence
 import torch
 
 __all__ = [
+    "check_shard_rows",
     "UlyssesLayout",
     "take_heads",
     "seq_to_head",
@@ -60,18 +61,18 @@ __all__ = [
 
 
 def _as_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an int, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if not isinstance(value, bool):
+        try:
+            index = operator.index(value)
+            if index >= minimum:
+                return index
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
-def _shard_rows(rows, world_size: int) -> tuple:
+def check_shard_rows(rows, world_size: int) -> tuple:
+    """Every rank's row count (uneven shards) as a tuple of ints, at least one of them > 0."""
     if isinstance(rows, (str, bytes, torch.Tensor)) or not hasattr(rows, "__len__") or len(rows) != world_size:
         raise ValueError(f"shard_rows: expected {world_size} row counts (one per rank), got {rows!r}")
     rows = tuple(_as_int(n, "shard_rows", 0) for n in rows)
@@ -149,7 +150,7 @@ class UlyssesLayout:
             raise ValueError(f"num_kv_heads ({kv}) must divide num_heads ({num_heads})")
         ceil_loc = -(-seq_len // world_size)
         ceil_rows = tuple(max(0, min(ceil_loc, seq_len - r * ceil_loc)) for r in range(world_size))
-        rows = ceil_rows if self.shard_rows is None else _shard_rows(self.shard_rows, world_size)
+        rows = ceil_rows if self.shard_rows is None else check_shard_rows(self.shard_rows, world_size)
         if sum(rows) != seq_len:
             raise ValueError(f"shard_rows: expected rows summing to seq_len ({seq_len}), got {list(rows)}")
         seq_loc = max(rows)
@@ -186,7 +187,7 @@ class UlyssesLayout:
     def from_shard_rows(cls, shard_rows, num_heads: int, num_kv_heads: int | None, world_size: int,
                         *, seq_len: int | None = None, joint_len: int = 0) -> "UlyssesLayout":
         """Layout of uneven shards: rank r holds shard_rows[r] valid rows; seq_len defaults to their sum."""
-        rows = _shard_rows(shard_rows, _as_int(world_size, "world_size", 1))
+        rows = check_shard_rows(shard_rows, _as_int(world_size, "world_size", 1))
         return cls(sum(rows) if seq_len is None else seq_len, num_heads, num_kv_heads, world_size, joint_len,
                    shard_rows=rows)
 

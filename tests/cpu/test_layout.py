@@ -201,7 +201,7 @@ def test_bad_input_names_the_argument():
                     (L.kv_heads_of, "rank"), (L.q_joint_row, "j")):
         with pytest.raises(ValueError, match=arg):
             fn(10 ** 6)
-    with pytest.raises(ValueError, match="s must be >= 0"):
+    with pytest.raises(ValueError, match="s: expected an int >= 0"):
         L.kv_row(-1)
     x = torch.randn(1, 4, 5, 2)
     with pytest.raises(ValueError, match="xs"):
