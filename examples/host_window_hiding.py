@@ -7,6 +7,8 @@ kernel alone, serial (FA4 then post-A2A), and the fused kernel's variants:
 
     fused          O staged in sQ, one TMA store per tile (the default path)
     fused-st       per-thread 16-byte stores from sQ (the path of straddling S_loc)
+    paced@R        the TMA path with every tile's store paced grid-wide to R GB/s
+                   (cute_kernels.fa4_a2a_paced_sm90; --paced-host-gbps, --paced-hbm-gbps)
 
 Every variant is first checked against serial bit for bit into NaN-poisoned windows. Times are
 CUDA-graph replay medians (graphs.time_graphs, inputs rotated past L2). Printed per row: time,
@@ -19,11 +21,25 @@ host memory (the fused kernel, one window in HBM, one tile per CTA) runs alone, 
 post-A2A kernel writing an 8K O into host (or HBM) windows from the other SMs, started 20 us
 later on a second stream of the same CUDA graph: do other SMs' PCIe writes slow its mainloop?
 
+Pacing probe (--pace): the same attention kernel beside a rate-limited writer on the other SMs
+(cute_kernels.remote_store: K CTAs, bursts of B bytes separated by an FMA gap), started first so
+the attention runs against its steady state, into host memory at fractions of the writer's own
+zero-gap rate, with fewer storing CTAs, with bulk (TMA-engine) stores, and into HBM at the host
+rate as a control. Printed per writer: its rate while the attention ran (from its %globaltimer
+stamps) and the attention's per-tile mainloop: does a store rate below the link rate (a small
+write backlog) restore the load speed, or does the slowdown follow the bytes written?
+Measured (H200, 2026-12-03, `--seqlens --pace`): 88.5 us alone; 4 KiB bursts per CTA (270 KB a
+round) paced to 3-44 GB/s: 90.5-90.7 us; 32 KiB bursts per CTA at 17-35 GB/s: 122-184 us;
+unpaced writers at the link's 52 GB/s: 237-1042 us (but 88.3 us with 8 storing CTAs); 1-2
+storing CTAs (16-33 GB/s): 88.7 us. The backlog stalls the loads, not the bytes: hence the paced
+variants (cute_kernels.fa4_a2a_paced_sm90).
+
 With --stamp-seqlens, one launch of each variant's debug build per destination records per-tile
 %globaltimer stamps (CTA start, epilogue entry, sO free, store issued, epilogue end); the summary
 says what a CTA waits for. Everything also goes to the JSON file named on the command line.
 
     python examples/host_window_hiding.py OUT.json [--seqlens 8192 16384 32768] [--stamp-seqlens 8192]
+    python examples/host_window_hiding.py OUT.json --seqlens --contention --pace   # probes only
 """
 
 import argparse
@@ -33,6 +49,7 @@ import statistics
 
 import torch
 
+from cute_kernels.fa4_a2a_paced_sm90 import fa4_a2a_paced_forward, make_pacer
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
 from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
 from fa_a2a.op import post_a2a
@@ -149,20 +166,143 @@ def contention_probe(n_sms, P, H_loc, D, dt, tile_m):
     return out
 
 
+PACE_COVER_US = 320.0   # a paced writer runs at least this long: it covers the attention (<= ~200 us) started 10 us later
+PACE_BURST = 4096       # bytes per CTA per burst of the rate sweep: one round of 66 CTAs drains in ~5 us at 52 GB/s
+
+
+def _writer_stats(times, B, window=None):
+    """A writer run's stamps [K, n, 4] (globaltimer start/end, clock start/end): bytes per us over
+    its whole run, or over the bursts that started inside window = (t0, t1) ns."""
+    g0, g1 = times[:, :, 0], times[:, :, 1]
+    if window is None:
+        span = float(g1[:, -1].max() - g0[:, 0].min())
+        return times.shape[0] * times.shape[1] * B / span * 1e3, span / 1e3
+    t0, t1 = window
+    n = int(((g0 >= t0) & (g0 < t1)).sum())
+    return n * B / float(t1 - t0) * 1e3, float(g1[:, -1].max() - t1) / 1e3
+
+
+def pace_probe(n_sms, D, dt, tile_m, fractions, ctas_list, replays=3):
+    """Per-tile mainloop of a one-wave attention kernel on half the SMs beside paced writers on the
+    other half (see the module docstring). Returns a list of rows (dicts)."""
+    from cute_kernels.remote_store import run_bursts
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    half = n_sms // 2
+    M1 = half * tile_m
+    q1, k1, v1 = (torch.randn(1, M1, 1, D, device="cuda", dtype=dt) for _ in range(3))
+    w1 = torch.empty(1, 1, M1, 1, D, device="cuda", dtype=dt)
+    nwords = (32 << 20) // 4
+    host = torch.empty(nwords, dtype=torch.int32, pin_memory=True)
+    dsts = dict(host=tensor_from_address(host.data_ptr(), nwords * 4, dev).view(torch.int32),
+                hbm=torch.empty(nwords, dtype=torch.int32, device="cuda"))
+    side = torch.cuda.Stream()
+
+    def solo(dest, K, B, gap, n, mode):
+        times = torch.empty(K, n, 4, dtype=torch.int64, device="cuda")
+        run_bursts(dsts[dest], num_ctas=K, bytes_per_cta=B, n_bursts=n, gap_iters=gap, mode=mode, times=times)
+        torch.cuda.synchronize()
+        return times.cpu()
+
+    # the gap loop's speed: tiny bursts, a long gap
+    t = solo("hbm", half, 16, 20000, 5, "vector")
+    per = (t[:, 1:, 0] - t[:, :-1, 0]).double().median().item()
+    ns_per_iter = (per - (t[:, :, 1] - t[:, :, 0]).double().median().item()) / 20000
+    # the writer's zero-gap rate into host memory (the link rate R0 of this writer)
+    r0, _ = _writer_stats(solo("host", half, PACE_BURST, 0, 200, "vector"), PACE_BURST)
+
+    def gap_for(K, B, rate):
+        return max(0, round((K * B / rate * 1e3) / ns_per_iter)) if rate else 0
+
+    cfgs = [("alone", "vector", "host", 0, 0, None)]
+    cfgs += [(f"host {f:.0%} R0", "vector", "host", half, PACE_BURST, f * r0) for f in fractions]
+    cfgs += [("host gap 0", "vector", "host", half, PACE_BURST, None)]
+    cfgs += [(f"host gap 0, K={K}", "vector", "host", K, PACE_BURST, None) for K in ctas_list if K < half]
+    cfgs += [("host 50% R0, 32K bursts", "vector", "host", half, 32768, 0.5 * r0),
+             ("host gap 0, 32K bursts", "vector", "host", half, 32768, None)]
+    cfgs += [(f"host bulk {f:.0%} R0, 32K", "bulk", "host", half, 32768, f * r0) for f in (0.25, 0.5, 0.75)]
+    cfgs += [("host bulk gap 0, 32K", "bulk", "host", half, 32768, None),
+             ("hbm at 100% R0 (control)", "vector", "hbm", half, PACE_BURST, r0)]
+    rows = []
+    for name, mode, dest, K, B, rate in cfgs:
+        ts = torch.zeros(1, 1, half, len(TIMESTAMP_FIELDS), dtype=torch.int64, device="cuda")
+        row = dict(writer=name, mode=mode, dest=dest, K=K, B=B, target_GBps=rate / 1e3 if rate else None)
+        times = None
+        if K:
+            gap = gap_for(K, B, rate)
+            # the solo run sets the burst count that covers PACE_COVER_US (the rate does not need the attention)
+            solo_rate, span = _writer_stats(solo(dest, K, B, gap, 20, mode), B)
+            n = max(20, math.ceil(20 * PACE_COVER_US / span))
+            times = torch.zeros(K, n, 4, dtype=torch.int64, device="cuda")
+            smid = torch.empty(K, dtype=torch.int32, device="cuda")
+            sync = torch.zeros(1, dtype=torch.int32, device="cuda")
+            row.update(gap_iters=gap, n_bursts=n, solo_GBps=solo_rate / 1e3)
+
+        def body():
+            cur = torch.cuda.current_stream()
+            if K:
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    run_bursts(dsts[dest], num_ctas=K, bytes_per_cta=B, n_bursts=n, gap_iters=gap, mode=mode,
+                               times=times, smid=smid, sync=sync)
+            torch.cuda._sleep(20000)  # ~10 us: the writer's CTAs are resident and in steady state first
+            fa4_a2a_forward(q1, k1, v1, w1, 0, o_store="tma", timestamps=ts)
+            if K:
+                cur.wait_stream(side)
+
+        graph = capture(body, 1)
+        mains, rates, run_rates, tails, overlap = [], [], [], [], 0
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+            st = ts.view(-1, len(TIMESTAMP_FIELDS)).cpu()
+            f = {nm: st[:, i] for i, nm in enumerate(TIMESTAMP_FIELDS)}
+            mains.append(statistics.median(((f["epilogue"] - f["cta_start"]).double() / 1e3).tolist()))
+            if K:
+                w = times.cpu()
+                r, tail = _writer_stats(w, B, (int(f["cta_start"].min()), int(f["epilogue"].max())))
+                rates.append(r / 1e3)
+                tails.append(tail)
+                run_rates.append(_writer_stats(w, B)[0] / 1e3)
+                overlap = max(overlap, len(set(smid.cpu().tolist()) & set(f["smid"].tolist())))
+        row.update(mainloop_us=statistics.median(mains), mainloop_replays_us=mains)
+        if K:
+            # covered: the writer's last burst ended after the attention's last mainloop (tail > 0)
+            row.update(rate_GBps=statistics.median(rates), run_GBps=statistics.median(run_rates),
+                       writer_after_attention_us=min(tails),
+                       shared_sms=overlap)
+        rows.append(row)
+    base = rows[0]["mainloop_us"]
+    for row in rows:
+        row["slowdown"] = row["mainloop_us"] / base
+    return dict(r0_GBps=r0 / 1e3, ns_per_gap_iter=ns_per_iter, rows=rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="JSON file to write")
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--seqlens", type=int, nargs="*", default=[8192, 16384, 32768],
+                    help="sequence lengths of the timing table (none: probes only)")
     ap.add_argument("--dests", nargs="+", default=["hbm", "host"], choices=["hbm", "host"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--stamp-seqlens", type=int, nargs="*", default=[8192])
     ap.add_argument("--hbm-only-seqlens", type=int, nargs="*", default=[],
                     help="extra sequence lengths timed with windows in HBM only (the <= 1.01 check)")
+    ap.add_argument("--paced-host-gbps", type=float, nargs="*", default=[],
+                    help="paced variants with host windows: grid-wide O store rates, GB/s")
+    ap.add_argument("--paced-hbm-gbps", type=float, nargs="*", default=[],
+                    help="paced variants with HBM windows: grid-wide O store rates, GB/s")
+    ap.add_argument("--paced-burst-tiles", type=int, default=8, help="the pacer's burst tolerance, in tiles")
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--heads-per-rank", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--contention", action="store_true", help="run the contention probe too")
+    ap.add_argument("--pace", action="store_true", help="run the pacing probe too (paced writers, see above)")
+    ap.add_argument("--pace-fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9],
+                    help="writer rates of the pacing probe, as fractions of its zero-gap rate into host memory")
+    ap.add_argument("--pace-ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 33],
+                    help="storing-CTA counts of the pacing probe's zero-gap writers")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (SM90)")
@@ -192,9 +332,15 @@ def main():
             torch.cuda.synchronize()
             ref = mine.clone()
             exact = {}
-            for name in args.variants:
+            rates = args.paced_host_gbps if dest == "host" else args.paced_hbm_gbps
+            pacers = {f"paced@{r:g}": make_pacer(q.device, r, tile_m * D * 2, args.paced_burst_tiles) for r in rates}
+            runs = {name: (lambda q, k, v, w, kw=VARIANTS[name]: fa4_a2a_forward(q, k, v, w, 0, **kw))
+                    for name in args.variants}
+            runs.update({name: (lambda q, k, v, w, p=p: fa4_a2a_paced_forward(q, k, v, w, 0, p))
+                         for name, p in pacers.items()})
+            for name, run in runs.items():
                 win.fill_(float("nan"))
-                fa4_a2a_forward(q, k, v, win, 0, **VARIANTS[name])
+                run(q, k, v, win)
                 torch.cuda.synchronize()
                 exact[name] = bool(torch.equal(mine, ref))
             methods = {
@@ -203,10 +349,8 @@ def main():
                 "serial": [lambda s=s, w=win: (fa4_forward(s[0], s[1], s[2], s[3]), post_a2a(s[3], w, 0))
                            for s in sets],
             }
-            for name in args.variants:
-                kw = VARIANTS[name]
-                methods[name] = [lambda s=s, kw=kw, w=win: fa4_a2a_forward(s[0], s[1], s[2], w, 0, **kw)
-                                 for s in sets]
+            for name, run in runs.items():
+                methods[name] = [lambda s=s, run=run, w=win: run(s[0], s[1], s[2], w) for s in sets]
             est_us = 184.0 * (M / 8192) ** 2 * H_loc / 3  # FA4 on an H200, for ~2 ms per replay
             n_calls = round_up(max(2, round(2000 / est_us)), len(sets))
             times = time_graphs(methods, n_calls=n_calls, trials=args.trials, warmup=2)
@@ -252,11 +396,29 @@ def main():
         for cond, c in contention.items():
             print(f"{cond}: {c['mainloop_median_us']:.1f} / {c['mainloop_min_us']:.1f} / {c['mainloop_max_us']:.1f}"
                   f" ({c['tiles']} tiles)")
+    pacing = None
+    if args.pace:
+        pacing = pace_probe(n_sms, D, dt, tile_m, args.pace_fractions, args.pace_ctas)
+        print(f"\npacing probe: writer zero-gap rate into host memory R0 = {pacing['r0_GBps']:.1f} GB/s; "
+              f"attention per-tile mainloop beside it (median of replays):")
+        print("| writer | K | B | GB/s while attention ran | GB/s whole run | GB/s writer alone | mainloop us | slowdown |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in pacing["rows"]:
+            rate = f"{r['rate_GBps']:.1f}" if "rate_GBps" in r else "-"
+            solo_r = f"{r['solo_GBps']:.1f}" if "solo_GBps" in r else "-"
+            run_r = f"{r['run_GBps']:.1f}" if "run_GBps" in r else "-"
+            warn = ""
+            if r.get("writer_after_attention_us", 1.0) <= 0:
+                warn += " (writer ended early)"
+            if r.get("shared_sms"):
+                warn += f" ({r['shared_sms']} shared SMs)"
+            print(f"| {r['writer']}{warn} | {r['K']} | {r['B']} | {rate} | {run_r} | {solo_r} | "
+                  f"{r['mainloop_us']:.1f} | {r['slowdown']:.2f} |", flush=True)
     card = torch.cuda.get_device_name()
     with open(args.out, "w") as fh:
         json.dump(dict(card=card, P=P, H_loc=H_loc, D=D, dtype="bf16", sms=n_sms, rows=rows,
                        stamp_fields=TIMESTAMP_FIELDS, stamps=stamps, raw_stamps=raw,
-                       contention=contention), fh)
+                       contention=contention, pacing=pacing), fh)
 
 
 if __name__ == "__main__":
