@@ -94,7 +94,11 @@ def _measure(call, n: int, n_host: int, trials: int = 5, barrier=None, graph: bo
 def one_process_cases(n: int) -> list[dict]:
     from fa_a2a import ulysses_attention, ulysses_attention_emulated
 
-    rows = []
+    from fa_a2a.fused import fa4_forward
+
+    q, k, v = _inputs(1, 128, 1, 0)[0]
+    o = torch.empty_like(q)
+    rows = [dict(case="one process, fa4_forward, S = 128", **_measure(lambda: fa4_forward(q, k, v, o), n, n))]
     for S in (128, 4608):
         q, k, v = _inputs(1, S, 1, 0)[0]
         rows.append(dict(case=f"P = 1 fused, S = {S}", **_measure(lambda: ulysses_attention(q, k, v), n, n)))
@@ -115,24 +119,32 @@ def _rank_entry(rank, P, n, init, out):
     from fa_a2a import ulysses_attention
     from ulysses.transport import close_transports
 
+    from fa_a2a.fused import fa4_forward
+
     q, k, v = _inputs(P, 128, 1, rank)[0]
+    o = torch.empty_like(q)
     res = _measure(lambda: ulysses_attention(q, k, v, impl="fused"), n, n, barrier=dist.barrier, graph=False)
-    both = torch.tensor([res["host_us"], res["eager_us"]], dtype=torch.float64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    # the same processes' host cost of one plain FA4 launch: what sharing the GPU does to launches
+    fa = _measure(lambda: fa4_forward(q, k, v, o), n, n, barrier=dist.barrier, graph=False)
+    vals = torch.tensor([res["host_us"], res["eager_us"], fa["host_us"], fa["eager_us"]], dtype=torch.float64)
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(dict(host_us=both[0].item(), eager_us=both[1].item(), graph_us=None), f)
+            json.dump([dict(host_us=vals[0].item(), eager_us=vals[1].item(), graph_us=None),
+                       dict(host_us=vals[2].item(), eager_us=vals[3].item(), graph_us=None)], f)
     dist.barrier()
     close_transports()
     dist.destroy_process_group()
 
 
-def real_rank_case(P: int, n: int) -> dict:
+def real_rank_case(P: int, n: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res.json")
         mp.spawn(_rank_entry, args=(P, n, f"file://{os.path.join(tmp, 'init')}", out), nprocs=P, join=True)
         with open(out) as f:
-            return dict(case=f"{P} processes sharing the GPU, fused, S_loc = 128", **json.load(f))
+            op, fa = json.load(f)
+        return [dict(case=f"{P} processes sharing the GPU, fused, S_loc = 128", **op),
+                dict(case=f"{P} processes sharing the GPU, fa4_forward, S = 128", **fa)]
 
 
 def main() -> None:
@@ -145,7 +157,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     rows = one_process_cases(args.calls)
     if not args.no_real_ranks:
-        rows.append(real_rank_case(2, args.calls))
+        rows += real_rank_case(2, args.calls)
     print(f"{torch.cuda.get_device_name()}, bf16, H = {H}, D = {D}, {args.calls} calls per run, medians of 5")
     print(f"{'case':<44} {'host us/call':>12} {'eager us/call':>13} {'graph us/call':>13} {'eager/graph':>11}")
     for r in rows:
