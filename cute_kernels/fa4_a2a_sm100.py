@@ -31,11 +31,11 @@ windows for other S_loc on SM100 (ValueError) rather than writing wrong rows.
 Rank-rotated tile order (compile-time `rotate`, as in the SM90 file; __call__ then takes the
 rank): FA4's non-causal static persistent scheduler walks linear tiles t = c, c + grid, ... with
 t = (head, batch) * m_blocks + i, i the work tile of q_stage * cta_group_size * 128 rows (512 for
-D=128 with 2-CTA MMA); the rotated one computes work tile (i + k) mod m_blocks with k =
-floor(((r + 1) mod P) * S_loc / (q_stage * cta_group_size * 128)) (RankRotatedStaticPersistent-
-TileScheduler; FA4's single-tile scheduler, which it takes when not persistent, is rotated the
-same way). Same tiles, same output. Refused (ValueError) for causal and for FA4's CLC scheduler
-(both LPT-ordered).
+D=128 with 2-CTA MMA); the rotated one (RankRotatedStaticPersistentTileScheduler) computes work
+tile (i + k) mod m_blocks, k = floor(((r + 1) mod P) * S_loc / (q_stage * cta_group_size * 128)).
+FA4's single-tile scheduler, which it takes when not persistent, is rotated the same way. Same
+tiles, same output. Refused (ValueError) for causal and for FA4's CLC scheduler (both
+LPT-ordered).
 
 Status (2026-12-03): compiled for sm_100a on CPU only (tests/cpu/test_fused_compile_sm100.py);
 it has not run on a Blackwell GPU. tests/gpu/test_fused_a2a_sm100.py checks it bit for bit
@@ -117,8 +117,9 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
         if o_store not in O_STORES:
             raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
         if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
-            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders "
-                             "causal tiles longest-first), got is_causal=True")
+            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders causal "
+                             f"tiles longest-first), got is_causal={kwargs.get('is_causal', False)}, "
+                             f"is_local={kwargs.get('is_local', False)}")
         kwargs["pack_gqa"] = False
         self.o_store = o_store
         self.rotate = rotate
