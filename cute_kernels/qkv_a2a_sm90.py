@@ -66,8 +66,14 @@ at 1024 and 4096; an earlier run of the same 4096 case gave fused/plain 1.013, 0
 The fused projection with the better tile (config_for) is 0.96 / 0.93 / 0.93 of torch.matmul
 (cuBLAS) at S_loc = 576 / 1024 / 4096. The norm+RoPE variant's two launches (q|k: N = 6144,
 v: N = 3072) each end in a partial wave: 82.3 us at 576, against 50.1 for one bias-only launch.
-one_launch=True runs q|k|v as one grid (qkv_bias_norm_rope_epi); it compiles for sm_90a but its
-GPU test (test_one_launch_bit_exact) and timing (fused-nr1) have not run yet.
+one_launch=True runs q|k|v as one grid (qkv_bias_norm_rope_epi); bit-exact on the H200
+(test_one_launch_bit_exact). Its time (H200, 2026-12-03, same shapes, 10 calls, 7 trials, us):
+with the default tiles (examples/qkv_speed.py --configs) fused-nr1 88.7 / 99.6 / 355.5 against
+fused-nr 89.4 / 94.3 / 358.2 at S_loc = 576 / 1024 / 4096 (fused-nr1 / plain-nr1 = 0.999 / 1.007
+/ 1.023); with config_for's tile (python -m fa_a2a.bench_block: proj-fused1 against the two
+default launches proj-fused) 61.9 vs 95.4 at 576 (192x128: one wave and a half instead of two
+partial waves), 89.6 vs 84.0 at 1024 and 324.3 vs 323.3 at 4096 (128x128 over all 9216
+columns; the two launches give v 128x192 tiles). So one_launch with config_for pays at 576 only.
 
 Host requirement seen on the H200 machine: quack fingerprints epilogue functions by walking their
 globals and treats functions as library code (keyed by name) only when their file lies under a

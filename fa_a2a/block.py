@@ -26,6 +26,13 @@ Fallback (not fused): a q/k RMSNorm over all heads of a row (Wan's rms_norm_acro
 whole row, which one output tile (one head) does not see. UlyssesQKVAttention then runs the torch
 chain (Linear -> RMSNorm -> RoPE, `TorchQKV`) and the attention-only fused op (fa_a2a.op).
 
+Measured (one H200, 2026-12-03, Flux shapes C = 3072, H = 24, D = 128, bf16, emulated P = 8, one
+source rank's work, CUDA-graph medians; python -m fa_a2a.bench_block): the block (config_for tiles,
+one_launch) takes 118.4 / 268.2 / 2377.4 us at S_loc = 576 / 1024 / 4096 against 252.0 / 484.9 /
+3264.6 for the eager torch chain -> pre-A2A kernel -> FA4 -> post-A2A kernel (0.47 / 0.55 / 0.73)
+and 176.6 / 373.5 / 2836.8 with that chain under torch.compile (0.67 / 0.72 / 0.84). At 1024 and
+4096 the two-launch default (block-fused) was faster: 261.9 / 2316.3 us.
+
 Argument checks: the attention facts through fa_a2a.problem (check_call on stand-in q/k/v of the
 block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
 a bad argument on one rank makes every rank raise the same ValueError.
@@ -228,12 +235,14 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
 
 # ---- one rank's projection into the in-windows -----------------------------------------------------
 def project(windows, layout, rank: int, x, proj, rope, joint_x=None, joint_proj=None, joint_rope=None, *,
-            config=None, one_launch: bool = False) -> None:
+            config="auto", one_launch: bool = False) -> None:
     """Rank `rank`'s fused projection + pre-A2A into windows = (dq, dk, dv) [P, B, N, h, D]
     (rows as in the module docstring). x: the rank's S_loc slot rows (padding rows zeroed);
-    joint_proj: the rank's own slice (QKVWeights.rank_slice)."""
+    joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles."""
     from cute_kernels.qkv_a2a_sm90 import qkv_a2a_projection
 
+    if isinstance(config, str) and config == "auto":
+        config, one_launch = auto_tiles(layout.seq_loc, proj, rope)
     dq, dk, dv = windows
     S_loc = layout.seq_loc
     row0, valid = rank * S_loc, layout.valid_rows(rank)
@@ -256,6 +265,22 @@ def project(windows, layout, rank: int, x, proj, rope, joint_x=None, joint_proj=
     else:
         run(joint_x, joint_proj, (own[0], None, None), S_pad, rope_cs=joint_rope)
         run(joint_x, joint_proj, (None, own[1], own[2]), S, rope_cs=joint_rope)
+
+
+def auto_tiles(rows: int, proj, rope) -> tuple:
+    """(config, one_launch) for a rank's `rows`: config_for's 192-row tile where it pads fewer rows
+    than 128-row tiles, then with q|k|v in one launch when the epilogue is bias + norm + RoPE;
+    else quack's default tiles in two launches (None, False). Measured (H200, 2026-12-03, Flux
+    shapes, bench_block): at S_loc = 576 the block took 118.4 us this way against 147.9 with the
+    default; at 1024 and 4096 (where config_for keeps 128-row tiles) the default two launches were
+    faster than one launch of 128x128 tiles (261.9 vs 268.2, 2316.3 vs 2377.4 us)."""
+    from cute_kernels.qkv_a2a_sm90 import config_for
+
+    epilogue = proj.norm_weight is not None or rope is not None
+    cfg = config_for(rows, min(proj.widths), proj.head_dim, epilogue)
+    if cfg.tile_m != 192 or any(w % cfg.tile_n for w in proj.widths):
+        return None, False
+    return cfg, proj.bias is not None and proj.norm_weight is not None and rope is not None
 
 
 def _slot_rows(x, layout, rank: int, shard_rows) -> torch.Tensor:
@@ -310,7 +335,7 @@ def _proj_facts(proj):
 def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
                           joint_proj=None, joint_rotary=None, impl: str = "fused", causal: bool = False,
                           softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
-                          shard_rows: Optional[Sequence[int]] = None, config=None, one_launch: bool = False):
+                          shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False):
     """One rank's Ulysses attention block from its hidden states: x [B, S_loc, C] -> [B, S_loc, H, D]
     (or (that, joint output [B, J, H, D]) with joint).
 
@@ -320,7 +345,8 @@ def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joi
     joint_rotary [J, D]. impl: "fused" (FA4 with the post-A2A in its epilogue) or "serial" (FA4,
     then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
     causal / softmax_scale as in fa_a2a.ulysses_attention. config / one_launch: the projection's
-    tile configuration and launch split (cute_kernels.qkv_a2a_sm90). The windows are the op's
+    tile configuration and launch split (cute_kernels.qkv_a2a_sm90); config "auto" (default) picks
+    both by rows (auto_tiles), None is quack's default tiles with one_launch as given. The windows are the op's
     (collective, host-synchronous allocation at the first call of a shape: before graph capture).
     """
     from fa_a2a.forward import window_plan
@@ -397,7 +423,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence[torch.Tensor], proj, *, rotary=N
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
                                    impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
                                    seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
-                                   config=None, one_launch: bool = False):
+                                   config="auto", one_launch: bool = False):
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
     P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
     list of P per-rank rotaries (or None); joint, joint_rotary: as one rank takes them."""
@@ -446,7 +472,7 @@ class UlyssesQKVAttention(nn.Module):
 
     def __init__(self, chain: TorchQKV, *, joint_chain: Optional[TorchQKV] = None, group=None,
                  world_size: Optional[int] = None, impl: str = "fused", causal: bool = False,
-                 softmax_scale: Optional[float] = None, config=None, one_launch: bool = False):
+                 softmax_scale: Optional[float] = None, config="auto", one_launch: bool = False):
         super().__init__()
         from fa_a2a.op import _group
 

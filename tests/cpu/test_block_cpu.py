@@ -34,7 +34,7 @@ def test_project_even_rows_one_launch(launches):
     wins = _windows(4, 1, lay.num_rows, 2, 2, 64)
     x, cs = torch.zeros(1, 64, 32), torch.zeros(64, 64)
     for r in range(4):
-        block.project(wins, lay, r, x, "proj", cs)
+        block.project(wins, lay, r, x, "proj", cs, config=None)
     assert [(s["which"], s["row0"], s["rows"], s["rope_rows"]) for s in launches] == [
         ((True, True, True), 64 * r, 64, 64) for r in range(4)]
 
@@ -46,7 +46,7 @@ def test_project_uneven_rows_and_joint(launches):
     lay = UlyssesLayout.from_shard(S_loc, 8, 8, P, seq_len=P * S_loc - 3, joint_len=J)
     wins = _windows(P, 1, lay.num_rows, 2, 2, 64)
     x, cs, jx, jcs = torch.zeros(1, S_loc, 32), torch.zeros(S_loc, 64), torch.zeros(1, J, 16), torch.zeros(J, 64)
-    block.project(wins, lay, P - 1, x, "proj", cs, jx, "own", jcs)
+    block.project(wins, lay, P - 1, x, "proj", cs, jx, "own", jcs, config=None)
     valid = S_loc - 3
     S = lay.seq_len
     got = [(s["proj"], s["which"], s["P"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
@@ -103,8 +103,23 @@ def test_project_compiles_for_sm90(monkeypatch):
         proj = _fake_proj(P, 6, 1, D, C)
         wins = _windows(P, 1, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D, "cuda")
         x, cs = torch.empty(1, S_loc, C, dtype=torch.bfloat16, device="cuda"), torch.empty(S_loc, D, device="cuda")
-        block.project(wins, lay, 1, x, proj, cs)
+        block.project(wins, lay, 1, x, proj, cs, config=None)
     assert [(a[1], a[4], a[5]) for a in seen] == [(256, True, True), (128, True, True), (128, False, False)]
+
+
+def test_auto_tiles():
+    """192-row tiles (and one launch with bias + norm + RoPE) where they pad fewer rows: Flux's
+    S_loc = 576 on 8 ranks; quack's defaults at 1024 and 4096 and for 64-wide ranks."""
+    lay = UlyssesLayout.from_shard(1, 24, 24, 8)
+    h = lay.heads_loc
+    full = K.QKVWeights(torch.empty(1), torch.empty(1), torch.empty(1), 8, h, h, 128, None)
+    cs = torch.empty(1)
+    assert block.auto_tiles(576, full, cs) == (K.GemmConfig(192, 128, 1, 2, True), True)
+    assert block.auto_tiles(576, full, None) == (K.GemmConfig(192, 128, 1, 2, True), False)
+    assert block.auto_tiles(1024, full, cs) == (None, False)
+    assert block.auto_tiles(4096, full, cs) == (None, False)
+    narrow = K.QKVWeights(torch.empty(1), None, None, 8, 1, 1, 64, None)
+    assert block.auto_tiles(576, narrow, None) == (None, False)
 
 
 def test_rope_matches_diffusers():
