@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .problem import KERNEL_IMPLS, agree, check_call, check_no_grad, check_tensor
+from .problem import KERNEL_IMPLS, agree, check_call, check_tensor
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table"]
@@ -153,7 +153,7 @@ def block_weights(chain: TorchQKV, world_size: int):
 
 
 # ---- checks --------------------------------------------------------------------------------------
-def _check_x(x, name: str, proj, rows: Optional[int] = None) -> None:
+def _check_x(x, name: str, proj) -> None:
     from cute_kernels.qkv_a2a_sm90 import QKVWeights
 
     check_tensor(x, name, 3)
@@ -166,9 +166,8 @@ def _check_x(x, name: str, proj, rows: Optional[int] = None) -> None:
         raise ValueError(f"{name}: expected the weights' {w.dtype} on {w.device}, got {x.dtype} on {x.device}")
     if x.shape[2] != w.shape[1]:
         raise ValueError(f"{name}: expected C = {w.shape[1]} channels (the weights'), got {x.shape[2]}")
-    if x.shape[0] < 1 or (rows is not None and x.shape[1] != rows):
-        raise ValueError(f"{name}: expected [B >= 1, {rows if rows is not None else 'rows'}, C], got "
-                         f"{tuple(x.shape)}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name}: expected [B >= 1, rows, C], got {tuple(x.shape)}")
 
 
 def _check_proj(proj, name: str, layout, world_size: int) -> None:
@@ -177,6 +176,15 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
         got = "no head map" if proj.head_map is None else f"H = {proj.head_map[0]}, H_kv = {proj.head_map[1]}"
         raise ValueError(f"{name}: expected weights gathered for P = {world_size} ranks, H = {want[0]}, H_kv = "
                          f"{want[1]} (block_weights(chain, {world_size})), got world_size={proj.world_size}, {got}")
+
+
+def _check_no_grad(named) -> None:
+    """problem.check_no_grad for the block's inputs (named (name, tensor or None) pairs)."""
+    if torch.is_grad_enabled():
+        for name, t in named:
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: requires grad, but fa-a2a has no backward yet: call it under "
+                                 "torch.no_grad() / torch.inference_mode(), or pass detached tensors")
 
 
 def _stand_in(x: torch.Tensor, rows: int, heads: int, D: int) -> torch.Tensor:
@@ -373,7 +381,7 @@ def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joi
     rope = rope_table(rotary, x.shape[1], D, x.device)
     joint_x = joint if joint is not None and joint.shape[1] else None
     joint_rope = rope_table(joint_rotary, joint.shape[1], D, x.device, "joint_rotary") if joint_x is not None else None
-    check_no_grad(x, joint)
+    _check_no_grad((("x", x), ("joint", joint)))
     p, lay = problem, problem.layout
     transport = _emulated(1, x.device) if P == 1 else _real_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
@@ -441,7 +449,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence[torch.Tensor], proj, *, rotary=N
             raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(xs[0].shape)} "
                              f"{xs[0].dtype} on {xs[0].device}), got {tuple(xs[r].shape)} {xs[r].dtype} on "
                              f"{xs[r].device}")
-    check_no_grad(*xs, joint)
+    _check_no_grad([(f"xs[{r}]", x) for r, x in enumerate(xs)] + [("joint", joint)])
     lay = p.layout
     transport = _emulated(P, xs[0].device)
     plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, xs[0].device)

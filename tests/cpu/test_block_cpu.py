@@ -182,6 +182,8 @@ BAD = [
                                     joint_rotary=torch.empty(3, 64, device="cuda"), causal=True), "joint: expected no"),
     ("xs type", lambda a: dict(xs=torch.empty(2, 1, 32, 64, device="cuda")), "xs: expected a non-empty list"),
     ("cpu x", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16)] * 2), "xs\\[0\\]: expected a CUDA"),
+    ("grad", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16, device="cuda",
+                                            requires_grad=True)] * 2), "xs\\[0\\]: requires grad"),
     ("shard rows", lambda a: dict(shard_rows=[30, 34]), "xs\\[0\\]: expected shard_rows\\[0\\] = 30 rows"),
 ]
 
