@@ -10,6 +10,8 @@ _EXPORTS = {
     "pre_a2a": "fa_a2a.op",
     "post_a2a": "fa_a2a.op",
     "UlyssesAttention": "fa_a2a.attention",
+    "UlyssesQKVAttention": "fa_a2a.block",
+    "ulysses_qkv_attention": "fa_a2a.block",
     "fa4_forward": "fa_a2a.fused",
     "fa4_a2a_forward": "fa_a2a.fused",
     "PlatformModel": "fa_a2a.xstage",

@@ -385,11 +385,12 @@ def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joi
     p, lay = problem, problem.layout
     transport = _emulated(1, x.device) if P == 1 else _real_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
+    attend = plan.attend_launch(rank, p.impl, p.causal, p.scale)  # compiles before the first barrier
     jproj = _rank_slice(joint_proj or proj, rank) if joint_x is not None else None
     project((plan.dq, plan.dk, plan.dv), lay, rank, _slot_rows(x, lay, rank, p.shard_rows), proj,
             _slot_rope(rope, lay, rank), joint_x, jproj, joint_rope, config=config, one_launch=one_launch)
     transport.barrier()
-    plan.attend(rank, p.impl, p.causal, p.scale)
+    attend()
     transport.barrier()
     out, joint_out = plan.finish(rank, x.shape[1])
     return out if joint is None else (out, _joint_result(out, joint_out))
