@@ -53,6 +53,7 @@ from cute_kernels.fa4_a2a_paced_sm90 import fa4_a2a_paced_forward, make_pacer
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
 from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
 from fa_a2a.op import post_a2a
+from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual
 from graphs import capture, input_sets_needed, median, round_up, time_graphs
 from ulysses.transport import tensor_from_address
 
@@ -72,18 +73,6 @@ def make_windows(dest, P, S_loc, H, D, dtype, keep):
     else:
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     return flat.view(dtype).view(P, 1, S_loc, H, D)
-
-
-def wave_bound(t_fa, t_a2a, n_tiles, n_sms):
-    """Lower bound on the fused time if SMs never wait for stores: waves of tiles finish at
-    k*T_FA/waves, their bytes drain one wave after another at the A2A-only rate."""
-    waves = math.ceil(n_tiles / n_sms)
-    per_tile = t_a2a / n_tiles  # drain time of one tile's O at the A2A-only rate
-    drain_end = 0.0
-    for k in range(1, waves + 1):
-        tiles = min(n_sms, n_tiles - (k - 1) * n_sms)
-        drain_end = max(k * t_fa / waves, drain_end) + tiles * per_tile
-    return max(t_fa, drain_end)
 
 
 def hiding(t, t_fa, t_ser):
@@ -297,6 +286,8 @@ def main():
     ap.add_argument("--heads-per-rank", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--platform", help="a calibrated platform model (python -m fa_a2a.calibrate --dest host): "
+                    "print the Burst-Gap model's T_fused (T_FA4 + E_res) beside the host rows")
     ap.add_argument("--contention", action="store_true", help="run the contention probe too")
     ap.add_argument("--pace", action="store_true", help="run the pacing probe too (paced writers, see above)")
     ap.add_argument("--pace-fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9],
@@ -310,9 +301,10 @@ def main():
     H = P * H_loc
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     tile_m = tile_m_for(D)
+    platform = PlatformModel.from_json(args.platform) if args.platform else None
     rows, stamps, raw = [], [], {}
-    print("| M | dest | variant | us | / FA4 | hiding H | bound us | H_bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| M | dest | variant | us | / FA4 | hiding H | bound us | H_bound | model us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for M in args.seqlens + args.hbm_only_seqlens:
         if M % (P * tile_m):
             raise SystemExit(f"--seqlens: {M} is not a multiple of P * tile_m = {P * tile_m}")
@@ -320,7 +312,6 @@ def main():
         set_bytes = 4 * M * H_loc * D * 2
         sets = [[torch.randn(1, M, H_loc, D, device="cuda", dtype=dt) for _ in range(4)]
                 for _ in range(input_sets_needed(set_bytes))]
-        n_tiles = (M // tile_m) * H_loc
         keep = []
         for dest in (args.dests if M in args.seqlens else ["hbm"]):
             win = make_windows(dest, P, S_loc, H, D, dt, keep)
@@ -355,16 +346,21 @@ def main():
             n_calls = round_up(max(2, round(2000 / est_us)), len(sets))
             times = time_graphs(methods, n_calls=n_calls, trials=args.trials, warmup=2)
             t = {name: median(v) for name, v in times.items()}
-            bound = wave_bound(t["fa4"], t["a2a"], n_tiles, n_sms)
+            tiles = FaTiles.fa4(M, H_loc, D, num_sms=n_sms)
+            bound = tiles.wave_drain_bound(t["fa4"] * US, M * H_loc * D * 2 / (t["a2a"] * US)) / US
+            model_us = (t["fa4"] + fused_residual(platform, tiles, t["fa4"] * US)["e_res"] / US
+                        if platform is not None and dest == "host" else None)
             for name in methods:
                 h = hiding(t[name], t["fa4"], t["serial"]) if name not in ("fa4", "a2a") else float("nan")
                 row = dict(M=M, dest=dest, variant=name, us=t[name], trials_us=times[name],
                            ratio_fa4=t[name] / t["fa4"], hiding=h, bound_us=bound,
-                           hiding_bound=hiding(bound, t["fa4"], t["serial"]), exact=exact.get(name))
+                           hiding_bound=hiding(bound, t["fa4"], t["serial"]), model_us=model_us,
+                           exact=exact.get(name))
                 rows.append(row)
                 flag = "" if exact.get(name, True) else " NOT EXACT"
                 print(f"| {M} | {dest} | {name}{flag} | {t[name]:.1f} | {row['ratio_fa4']:.3f} | "
-                      f"{h:.0%} | {bound:.1f} | {row['hiding_bound']:.0%} |", flush=True)
+                      f"{h:.0%} | {bound:.1f} | {row['hiding_bound']:.0%} | "
+                      f"{'-' if model_us is None else f'{model_us:.1f}'} |", flush=True)
             if M in args.stamp_seqlens:
                 q, k, v, _ = sets[0]
                 for name in args.variants:
