@@ -56,8 +56,8 @@ from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 from quack import copy_utils
 
 from cute_kernels.fa4_a2a_sm90 import (
-    O_STORES,
     _assume_nested_aligned,
+    check_rank_window_options,
     check_rotatable,
     rank_rotated_scheduler,
     rank_rotation_shift,
@@ -110,17 +110,9 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
     """
 
     def __init__(self, *args, o_store: str = "tma", rotate: bool = False, **kwargs):
-        if kwargs.get("pack_gqa", False):
-            raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
         if kwargs.get("is_varlen_q", False) or kwargs.get("is_split_kv", False):
             raise ValueError("is_varlen_q, is_split_kv: the rank-window epilogue takes dense q only")
-        if o_store not in O_STORES:
-            raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
-        if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
-            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders causal "
-                             f"tiles longest-first), got is_causal={kwargs.get('is_causal', False)}, "
-                             f"is_local={kwargs.get('is_local', False)}")
-        kwargs["pack_gqa"] = False
+        check_rank_window_options(o_store, rotate, kwargs)
         self.o_store = o_store
         self.rotate = rotate
         super().__init__(*args, **kwargs)

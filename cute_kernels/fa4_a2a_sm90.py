@@ -277,6 +277,20 @@ def _rank_rotated_sm90_scheduler(block_shift):
 
 
 O_STORES = ("tma", "st")
+
+
+def check_rank_window_options(o_store: str, rotate: bool, kwargs: dict) -> None:
+    """What both rank-window subclasses (SM90, SM100) refuse of FA4's constructor arguments `kwargs`,
+    then pack_gqa set off in them (the epilogue routes whole rows)."""
+    if kwargs.get("pack_gqa", False):
+        raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
+    if o_store not in O_STORES:
+        raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
+    if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
+        raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders causal "
+                         f"tiles longest-first), got is_causal={kwargs.get('is_causal', False)}, "
+                         f"is_local={kwargs.get('is_local', False)}")
+    kwargs["pack_gqa"] = False
 _MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
 TIMESTAMP_FIELDS = ("smid", "cta", "cta_start", "epilogue", "sO_free", "store_issued", "end")
 
@@ -292,15 +306,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
 
     def __init__(self, *args, o_store: str = "tma", timestamps: bool = False, rotate: bool = False,
                  **kwargs):
-        if kwargs.get("pack_gqa", False):
-            raise ValueError("pack_gqa: the rank-window epilogue routes whole rows; use pack_gqa=False")
-        if o_store not in O_STORES:
-            raise ValueError(f"o_store: one of {O_STORES}, got {o_store!r}")
-        if rotate and (kwargs.get("is_causal", False) or kwargs.get("is_local", False)):
-            raise ValueError("rotate: the rank-rotated order is for non-causal attention (FA4 orders causal "
-                             f"tiles longest-first), got is_causal={kwargs.get('is_causal', False)}, "
-                             f"is_local={kwargs.get('is_local', False)}")
-        kwargs["pack_gqa"] = False
+        check_rank_window_options(o_store, rotate, kwargs)
         self.o_store = o_store
         self.timestamps = timestamps
         self.rotate = rotate
