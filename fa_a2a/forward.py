@@ -124,7 +124,7 @@ class WindowPlan:
     def scratch(self, kind: str, rank: int, rows: int) -> torch.Tensor:
         key = (kind, rank)
         if key not in self._scratch:
-            if torch.cuda.is_current_stream_capturing():
+            if self.transport.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("scratch buffers are allocated during CUDA-graph capture: "
                                    "run the call once eagerly before capturing")
             self._scratch[key] = torch.empty(self.B, rows, self.layout.heads_loc, self.D,

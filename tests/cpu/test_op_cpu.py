@@ -330,3 +330,32 @@ def test_window_plan_compiles_its_kernels_before_the_first_barrier():
         compile_fn(*args)
         assert compile_fn.cache_info().misses == misses, f"{compile_fn.__name__}{args} was not compiled by the plan"
     transport.close()
+
+
+def test_attention_launches_compile_before_the_first_barrier_and_line_ranks_up(monkeypatch):
+    """A rank's attention step is checked and compiled when first asked for (forward asks before its
+    first barrier), then the ranks meet on the host once; later calls reuse the bound launches."""
+    import cute_kernels.a2a as a2a
+    import fa_a2a.fused as fused
+    from fa_a2a.forward import WindowPlan
+    from ulysses.transport import EmulatedTransport
+
+    events = []
+
+    def recorder(name):
+        return lambda *a, **kw: events.append(f"prepare {name}") or (lambda: events.append(f"launch {name}"))
+
+    monkeypatch.setattr(fused, "fa4_a2a_launcher", recorder("fused"))
+    monkeypatch.setattr(fused, "fa4_launcher", recorder("fa4"))
+    monkeypatch.setattr(a2a, "post_a2a_launcher", recorder("post"))
+    transport = EmulatedTransport(2, device="cpu")
+    plan = WindowPlan(transport, UlyssesLayout(10, 4, 2, 2, joint_len=3), 1, 64, torch.bfloat16)
+    monkeypatch.setattr(transport, "host_barrier", lambda *a, **kw: events.append("host barrier"))
+    attend = plan.attend_launch(1, "fused", False, 0.125)
+    assert events == ["prepare fused", "prepare fa4", "prepare post", "host barrier"]
+    assert plan.attend_launch(1, "fused", False, 0.125) is attend and len(events) == 4
+    attend()
+    assert events[4:] == ["launch fused", "launch fa4", "launch post"]
+    plan.attend_launch(1, "serial", False, 0.125)
+    assert events[7:] == ["prepare fa4", "prepare post", "prepare post", "host barrier"]
+    transport.close()
