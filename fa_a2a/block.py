@@ -15,8 +15,14 @@ layout's head map (head padding, GQA replication; `block_weights`).
 Rows (ulysses/layout.py): q rows of rank r go to [r*S_loc, (r+1)*S_loc) of every q window; k/v
 rows to the key order: the valid rows compacted at key_rows(r)[0], the padding rows of an uneven S
 at key_rows(r)[1] (after the joint rows). Where the two differ the projection runs as separate
-launches for q and for k|v (and for the padding rows); padding rows of x are zeroed first
-(their k/v are masked keys, but 0 * NaN = NaN would still reach P @ V).
+launches for q and for k|v (segment_writes). The rows of x past the rank's valid rows are never
+read: its padding rows are projected from zero rows (their k/v are masked keys, but 0 * NaN = NaN
+would still reach P @ V).
+Segments: a rank's rows may come as consecutive row ranges with their own weights and rotary
+(Segment): Flux under diffusers' context parallelism shards its text rows too, and each rank
+holds [text shard (add_q/k/v_proj, norm_added_q/k); image shard (to_q/k/v, norm_q/k)]. Each
+segment's launches write at its row offset inside the rank's rows (q at r*S_loc + offset, k/v at
+key_rows(r)[0] + offset); to the attention they are one sequence (fa_a2a.flux_block).
 Joint (text) rows, replicated on every rank, with their own weights (Flux's double-stream
 add_q/k/v_proj; the same weights for its single-stream blocks): rank r projects them with its own
 heads' weights (QKVWeights.rank_slice) into its own window only, q at S_pad and k/v at S;
@@ -42,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -50,7 +56,7 @@ from torch import nn
 from .problem import KERNEL_IMPLS, agree, check_call, check_tensor
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
-           "UlyssesQKVAttention", "rope_table"]
+           "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
 
 EPS = 1e-6  # RMSNorm eps of the fused epilogue (quack's HeadRstd), Flux's and Wan's
 
@@ -192,87 +198,163 @@ def _stand_in(x: torch.Tensor, rows: int, heads: int, D: int) -> torch.Tensor:
     return x.new_empty(1, 1, 1, D).expand(x.shape[0], rows, heads, D)
 
 
+# ---- segments: a rank's rows with their own weights --------------------------------------------------
+class Segment(NamedTuple):
+    """Consecutive rows of one rank's shard with their own projection: x [B, rows, C] (its own C),
+    proj (QKVWeights gathered for the group's P), rotary of these rows ((cos, sin) [rows, D], the
+    fp32 table, or None). Flux under diffusers' context parallelism: [text shard (add_q/k/v_proj,
+    norm_added_q/k); image shard (to_q/k/v, norm_q/k)]."""
+
+    x: torch.Tensor
+    proj: object
+    rotary: object = None
+
+
+def _as_segments(x, proj, rotary, name: str) -> tuple:
+    """x [B, rows, C] with proj and rotary, or a sequence of Segment (proj, rotary None) -> (segments,
+    their (x, proj, rotary) argument names)."""
+    if isinstance(x, torch.Tensor):
+        return (Segment(x, proj, rotary),), ((name, "proj", "rotary"),)
+    if not isinstance(x, (list, tuple)) or not x or not all(isinstance(s, Segment) for s in x):
+        raise ValueError(f"{name}: expected a [B, rows, C] tensor or a non-empty list of Segment, got "
+                         f"{type(x).__name__}")
+    if proj is not None or rotary is not None:
+        raise ValueError(f"proj: expected None with segments (each Segment has its own proj and rotary), got "
+                         f"{'proj' if proj is not None else 'rotary'}")
+    return tuple(x), tuple((f"{name}[{i}].x", f"{name}[{i}].proj", f"{name}[{i}].rotary") for i in range(len(x)))
+
+
+def segment_writes(layout, rank: int, rows: Sequence[int]) -> list:
+    """The projection launches of rank `rank` whose rows come as consecutive segments of rows[i]
+    rows: [(segment, n, tensors, window row)], segment i's first n rows (i = len(rows): n zero rows,
+    the rank's padding rows) into window rows [row, row + n) of q ("q"), of k and v ("kv") or of all
+    three ("qkv"). Only the rank's first valid_rows(rank) rows are read (a suffix of the segments
+    past them is never projected). Slot row s of the rank goes to q row rank*S_loc + s; a valid one
+    to key row key_rows(rank)[0] + s, a padding one to key_rows(rank)[1] + s - valid (the layout's
+    row order). Pure index math."""
+    S_loc, valid = layout.seq_loc, layout.valid_rows(rank)
+    if sum(rows) < valid:
+        raise ValueError(f"x: expected rows summing to >= {valid} (rank {rank}'s valid rows), got {list(rows)}")
+    q0 = rank * S_loc
+    kv0, pad0 = layout.key_rows(rank)
+    pieces, start = [], 0  # (segment, rows, first slot row, first key row)
+    for i, n in enumerate(rows):
+        n = min(n, valid - start)
+        if n > 0:
+            pieces.append((i, n, start, kv0 + start))
+            start += n
+    if valid < S_loc:
+        pieces.append((len(rows), S_loc - valid, valid, pad0))
+    writes = []
+    for i, n, s, kv in pieces:
+        writes += [(i, n, "qkv", kv)] if q0 + s == kv else [(i, n, "q", q0 + s), (i, n, "kv", kv)]
+    return writes
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
     problem: object
-    rope: Optional[torch.Tensor]
+    segments: tuple  # (x, proj, rope table or None) per segment
     joint_x: Optional[torch.Tensor]
     joint_rope: Optional[torch.Tensor]
 
 
 def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
                      shard_rows, P: int, rank: int, name: str = "x") -> _Call:
-    """Every local check of rank `rank`'s block call -> _Call (its Problem and rotary tables)."""
-    _check_x(x, name, proj)
+    """Every local check of rank `rank`'s block call -> _Call (its Problem, segments with rotary tables)."""
+    segs, names = _as_segments(x, proj, rotary, name)
+    for s, (xn, pn, _) in zip(segs, names):
+        _check_x(s.x, xn, s.proj)
+        if s.proj.head_map is None:
+            raise ValueError(f"{pn}: expected weights with a head map (block_weights or QKVWeights.from_linear), "
+                             "got a QKVWeights built directly")
+    x0, p0 = segs[0].x, segs[0].proj
+    for s, (xn, pn, _) in zip(segs[1:], names[1:]):
+        if s.x.shape[0] != x0.shape[0] or s.x.dtype != x0.dtype or s.x.device != x0.device:
+            raise ValueError(f"{xn}: expected [{x0.shape[0]}, rows, C] {x0.dtype} on {x0.device} like {names[0][0]}, "
+                             f"got {tuple(s.x.shape)} {s.x.dtype} on {s.x.device}")
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"impl: expected one of {KERNEL_IMPLS} for the block, got {impl!r}")
-    if proj.head_map is None:
-        raise ValueError("proj: expected weights with a head map (block_weights or QKVWeights.from_linear), "
-                         "got a QKVWeights built directly")
-    D, (H, Hk) = proj.head_dim, proj.head_map[:2]
+    D, (H, Hk) = p0.head_dim, p0.head_map[:2]
     jq = None
     if joint is not None:
         if joint_proj is None:
-            joint_proj = proj
+            joint_proj = p0
         _check_x(joint, "joint", joint_proj)
-        if joint.shape[0] != x.shape[0] or joint.dtype != x.dtype:
-            raise ValueError(f"joint: expected [{x.shape[0]}, J, C] {x.dtype} like x, got {tuple(joint.shape)} "
+        if joint.shape[0] != x0.shape[0] or joint.dtype != x0.dtype:
+            raise ValueError(f"joint: expected [{x0.shape[0]}, J, C] {x0.dtype} like x, got {tuple(joint.shape)} "
                              f"{joint.dtype}")
         J = joint.shape[1]
         jq = (_stand_in(joint, J, H, D), _stand_in(joint, J, Hk, D), _stand_in(joint, J, Hk, D))
     elif joint_proj is not None or joint_rotary is not None:
         raise ValueError("joint: expected the joint rows x with joint_proj / joint_rotary, got None")
-    rows = x.shape[1]
+    rows = sum(s.x.shape[1] for s in segs)
     if shard_rows is not None and isinstance(shard_rows, (list, tuple)) and len(shard_rows) == P \
             and isinstance(shard_rows[rank], int) and rows != shard_rows[rank]:
         raise ValueError(f"{name}: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows}")
-    problem, _ = check_call(_stand_in(x, rows, H, D), _stand_in(x, rows, Hk, D), _stand_in(x, rows, Hk, D), jq,
+    problem, _ = check_call(_stand_in(x0, rows, H, D), _stand_in(x0, rows, Hk, D), _stand_in(x0, rows, Hk, D), jq,
                             impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
     lay = problem.layout
-    _check_proj(proj, "proj", lay, P)
+    for s, (_, pn, _) in zip(segs, names):
+        _check_proj(s.proj, pn, lay, P)
     if joint is not None:
         _check_proj(joint_proj, "joint_proj", lay, P)
-    rope = rope_table(rotary, rows, D, x.device)
-    jrope = rope_table(joint_rotary, joint.shape[1], D, x.device, "joint_rotary") if joint is not None else None
-    if joint is not None and (rope is None) != (jrope is None):
+    ropes = tuple(rope_table(s.rotary, s.x.shape[1], D, x0.device, rn) for s, (_, _, rn) in zip(segs, names))
+    if len({r is None for r in ropes}) > 1:
+        raise ValueError(f"{names[0][2]}: expected a rotary on every segment or on none (one epilogue for the "
+                         f"rank's rows), got {['set' if r is not None else None for r in ropes]}")
+    jrope = rope_table(joint_rotary, joint.shape[1], D, x0.device, "joint_rotary") if joint is not None else None
+    if joint is not None and (ropes[0] is None) != (jrope is None):
         raise ValueError("joint_rotary: expected a table exactly when rotary is given (one epilogue for the "
-                         f"sequence and joint rows), got rotary={'set' if rope is not None else None}, "
+                         f"sequence and joint rows), got rotary={'set' if ropes[0] is not None else None}, "
                          f"joint_rotary={'set' if jrope is not None else None}")
-    return _Call(problem, rope, joint if joint is not None and joint.shape[1] else None, jrope)
+    return _Call(problem, tuple((s.x, s.proj, r) for s, r in zip(segs, ropes)),
+                 joint if joint is not None and joint.shape[1] else None, jrope)
 
 
 # ---- one rank's projection into the in-windows -----------------------------------------------------
-def project(windows, layout, rank: int, x, proj, rope, joint_x=None, joint_proj=None, joint_rope=None, *,
+def project(windows, layout, rank: int, x, proj=None, rope=None, joint_x=None, joint_proj=None, joint_rope=None, *,
             config="auto", one_launch: bool = False) -> None:
     """Rank `rank`'s fused projection + pre-A2A into windows = (dq, dk, dv) [P, B, N, h, D]
-    (rows as in the module docstring). x: the rank's S_loc slot rows (padding rows zeroed);
-    joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles."""
+    (rows as in the module docstring). x [B, rows, C]: the rank's rows, projected with proj and
+    rope (fp32 [rows, D] or None); or segments: a list of (x_i, proj_i, rope_i), the rank's rows in
+    order, each with its own weights (proj and rope None). Rows past the rank's valid rows are not
+    read; its padding rows are projected from zero rows with the last segment's weights (segment_writes).
+    joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles by each
+    launch's rows; else config and one_launch for every launch."""
     from cute_kernels.qkv_a2a_sm90 import qkv_a2a_projection
 
-    if isinstance(config, str) and config == "auto":
-        config, one_launch = auto_tiles(layout.seq_loc, proj, rope)
+    segs = [(x, proj, rope)] if isinstance(x, torch.Tensor) else list(x)
     dq, dk, dv = windows
-    S_loc = layout.seq_loc
-    row0, valid = rank * S_loc, layout.valid_rows(rank)
-    kv0, pad0 = layout.key_rows(rank)
-    run = functools.partial(qkv_a2a_projection, config=config, one_launch=one_launch)
-    if kv0 == row0 and valid == S_loc:
-        run(x, proj, (dq, dk, dv), row0, rope_cs=rope)
-    else:
-        run(x, proj, (dq, None, None), row0, rope_cs=rope)
-        if valid:
-            run(x[:, :valid], proj, (None, dk, dv), kv0, rope_cs=None if rope is None else rope[:valid])
-        if valid < S_loc:
-            run(x[:, valid:], proj, (None, dk, dv), pad0, rope_cs=None if rope is None else rope[valid:])
+    pick = {"q": (dq, None, None), "kv": (None, dk, dv), "qkv": (dq, dk, dv)}
+    auto = isinstance(config, str) and config == "auto"
+
+    def run(sx, sp, sr, targets, row0):
+        cfg, one = auto_tiles(sx.shape[1], sp, sr) if auto else (config, one_launch)
+        qkv_a2a_projection(sx, sp, targets, row0, rope_cs=sr, config=cfg, one_launch=one)
+
+    zeros = None
+    for i, n, which, row0 in segment_writes(layout, rank, [s[0].shape[1] for s in segs]):
+        if i < len(segs):
+            sx, sp, sr = segs[i]
+            if n < sx.shape[1]:  # (the rows past the valid ones: never read)
+                sx, sr = sx[:, :n], None if sr is None else sr[:n]
+            run(sx, sp, sr, pick[which], row0)
+            continue
+        if zeros is None:  # the padding rows: their k/v are masked keys, but 0 * NaN = NaN would reach P @ V
+            lx, sp, lr = segs[-1]
+            zeros = (lx.new_zeros(lx.shape[0], n, lx.shape[2]), sp,
+                     None if lr is None else lr.new_zeros(n, lr.shape[1]))
+        run(*zeros, pick[which], row0)
     if joint_x is None:
         return
     own = [w[rank:rank + 1] for w in windows]
     S, S_pad = layout.seq_len, layout.seq_pad
     if S == S_pad:
-        run(joint_x, joint_proj, own, S_pad, rope_cs=joint_rope)
+        run(joint_x, joint_proj, joint_rope, own, S_pad)
     else:
-        run(joint_x, joint_proj, (own[0], None, None), S_pad, rope_cs=joint_rope)
-        run(joint_x, joint_proj, (None, own[1], own[2]), S, rope_cs=joint_rope)
+        run(joint_x, joint_proj, joint_rope, (own[0], None, None), S_pad)
+        run(joint_x, joint_proj, joint_rope, (None, own[1], own[2]), S)
 
 
 def auto_tiles(rows: int, proj, rope) -> tuple:
@@ -291,19 +373,6 @@ def auto_tiles(rows: int, proj, rope) -> tuple:
     return cfg, proj.bias is not None and proj.norm_weight is not None and rope is not None
 
 
-def _slot_rows(x, layout, rank: int, shard_rows) -> torch.Tensor:
-    """x as the rank's S_loc slot rows with its padding rows zero."""
-    if shard_rows is not None:
-        return layout.pad_shard(x, rank)
-    return layout.zero_padding(x, rank)
-
-
-def _slot_rope(rope, layout, rank: int):
-    if rope is None or rope.shape[0] == layout.seq_loc:
-        return rope
-    return torch.cat([rope, rope.new_zeros(layout.seq_loc - rope.shape[0], rope.shape[1])])
-
-
 @functools.lru_cache(maxsize=64)
 def _rank_slice(proj, rank: int):
     return proj.rank_slice(rank)
@@ -314,21 +383,26 @@ _resolved: dict = {}
 
 
 def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
-    def facts(t):
+    """The cache key of a checked call: facts every rank shares for a valid call (the rank's total
+    rows, never how its rows split between segments, which is its own: a key that one rank finds
+    and another misses would leave the agreement collective to some ranks only)."""
+    def facts(t, rows=True):
         if t is None:
             return None
         if isinstance(t, (tuple, list)):
-            return tuple(facts(u) for u in t)
+            return tuple(facts(u, rows) for u in t)
         if isinstance(t, torch.Tensor):
-            return (t.shape, t.dtype, t.device, t.stride())
+            return (t.shape if rows else t.shape[:-2] + t.shape[-1:], t.dtype, t.device, len(t.shape))
         raise TypeError
 
     try:
-        key = (facts(x), _proj_facts(proj), facts(rotary), facts(joint), _proj_facts(joint_proj), facts(joint_rotary),
+        segs, _ = _as_segments(x, proj, rotary, "x")
+        seg_facts = tuple((facts(s.x, False), _proj_facts(s.proj), facts(s.rotary, False)) for s in segs)
+        key = (sum(s.x.shape[1] for s in segs), seg_facts, facts(joint), _proj_facts(joint_proj), facts(joint_rotary),
                tuple((type(a), a if not isinstance(a, list) else tuple(a)) for a in args))
         hash(key)
         return key
-    except (TypeError, AttributeError):
+    except (TypeError, AttributeError, ValueError):
         return None
 
 
@@ -340,7 +414,14 @@ def _proj_facts(proj):
             proj.heads_loc, proj.kv_heads_loc, proj.head_dim, proj.head_map)
 
 
-def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
+def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
+    """(x, proj, rope table) per segment of a checked call."""
+    segs, names = _as_segments(x, proj, rotary, name)
+    return tuple((s.x, s.proj, rope_table(s.rotary, s.x.shape[1], s.proj.head_dim, s.x.device, rn))
+                 for s, (_, _, rn) in zip(segs, names))
+
+
+def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
                           joint_proj=None, joint_rotary=None, impl: str = "fused", causal: bool = False,
                           softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                           shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False):
@@ -348,14 +429,18 @@ def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joi
     (or (that, joint output [B, J, H, D]) with joint).
 
     proj: block_weights(chain, P) (P = the group's size). rotary: this rank's rows' RoPE, (cos, sin)
-    [S_loc, D] diffusers-style or the fp32 table (rope_table), None for none. joint: the replicated
+    [S_loc, D] diffusers-style or the fp32 table (rope_table), None for none. x may instead be a
+    list of Segment(x_i, proj_i, rotary_i): the rank's rows in order, each range with its own
+    weights and rotary (proj and rotary None then): Flux's sharded text and image rows; the output
+    has their rows in the same order. joint: the replicated
     text rows [B, J, C_j] (every rank the same), projected with joint_proj (default proj), RoPE
     joint_rotary [J, D]. impl: "fused" (FA4 with the post-A2A in its epilogue) or "serial" (FA4,
     then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
     causal / softmax_scale as in fa_a2a.ulysses_attention. config / one_launch: the projection's
     tile configuration and launch split (cute_kernels.qkv_a2a_sm90); config "auto" (default) picks
-    both by rows (auto_tiles), None is quack's default tiles with one_launch as given. The windows are the op's
-    (collective, host-synchronous allocation at the first call of a shape: before graph capture).
+    both by each launch's rows (auto_tiles), None is quack's default tiles with one_launch as given.
+    The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
+    before graph capture).
     """
     from fa_a2a.forward import window_plan
     from fa_a2a.op import _group
@@ -377,22 +462,23 @@ def ulysses_qkv_attention(x: torch.Tensor, proj, *, group=None, rotary=None, joi
             agree(problem, error, group)
         if key is not None:
             _resolved[key] = problem
-    D = proj.head_dim
-    rope = rope_table(rotary, x.shape[1], D, x.device)
+    segs = _rank_segments(x, proj, rotary)
+    x0, p0 = segs[0][:2]
     joint_x = joint if joint is not None and joint.shape[1] else None
-    joint_rope = rope_table(joint_rotary, joint.shape[1], D, x.device, "joint_rotary") if joint_x is not None else None
-    _check_no_grad((("x", x), ("joint", joint)))
+    joint_rope = (rope_table(joint_rotary, joint.shape[1], p0.head_dim, x0.device, "joint_rotary")
+                  if joint_x is not None else None)
+    _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)] + [("joint", joint)])
     p, lay = problem, problem.layout
-    transport = _emulated(1, x.device) if P == 1 else _real_transport(group)
+    transport = _emulated(1, x0.device) if P == 1 else _real_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
     attend = plan.attend_launch(rank, p.impl, p.causal, p.scale)  # compiles before the first barrier
-    jproj = _rank_slice(joint_proj or proj, rank) if joint_x is not None else None
-    project((plan.dq, plan.dk, plan.dv), lay, rank, _slot_rows(x, lay, rank, p.shard_rows), proj,
-            _slot_rope(rope, lay, rank), joint_x, jproj, joint_rope, config=config, one_launch=one_launch)
+    jproj = _rank_slice(joint_proj or p0, rank) if joint_x is not None else None
+    project((plan.dq, plan.dk, plan.dv), lay, rank, segs, joint_x=joint_x, joint_proj=jproj, joint_rope=joint_rope,
+            config=config, one_launch=one_launch)
     transport.barrier()
     attend()
     transport.barrier()
-    out, joint_out = plan.finish(rank, x.shape[1])
+    out, joint_out = plan.finish(rank, sum(s[0].shape[1] for s in segs))
     return out if joint is None else (out, _joint_result(out, joint_out))
 
 
@@ -428,14 +514,15 @@ def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     return window_plan(_emulated(world_size, device), layout, B, D, dtype)
 
 
-def ulysses_qkv_attention_emulated(xs: Sequence[torch.Tensor], proj, *, rotary=None,
+def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
                                    impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
                                    seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
                                    config="auto", one_launch: bool = False):
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
     P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
-    list of P per-rank rotaries (or None); joint, joint_rotary: as one rank takes them."""
+    list of P per-rank rotaries (or None); xs[r] may be a list of Segment (then rotary[r] None, proj
+    None); joint, joint_rotary: as one rank takes them."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
     P = len(xs)
@@ -447,22 +534,25 @@ def ulysses_qkv_attention_emulated(xs: Sequence[torch.Tensor], proj, *, rotary=N
     p = calls[0].problem
     for r in range(1, P):
         if calls[r].problem != p:
-            raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(xs[0].shape)} "
-                             f"{xs[0].dtype} on {xs[0].device}), got {tuple(xs[r].shape)} {xs[r].dtype} on "
-                             f"{xs[r].device}")
-    _check_no_grad([(f"xs[{r}]", x) for r, x in enumerate(xs)] + [("joint", joint)])
+            (a, *_), (b, *_) = calls[0].segments[0], calls[r].segments[0]
+            raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(a.shape)} "
+                             f"{a.dtype} on {a.device}), got {tuple(b.shape)} {b.dtype} on {b.device}")
+    _check_no_grad([(f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x", s[0])
+                    for r, (x, c) in enumerate(zip(xs, calls)) for i, s in enumerate(c.segments)]
+                   + [("joint", joint)])
     lay = p.layout
-    transport = _emulated(P, xs[0].device)
-    plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, xs[0].device)
-    for r, (x, c) in enumerate(zip(xs, calls)):
-        jproj = _rank_slice(joint_proj or proj, r) if c.joint_x is not None else None
-        project((plan.dq, plan.dk, plan.dv), lay, r, _slot_rows(x, lay, r, p.shard_rows), proj,
-                _slot_rope(c.rope, lay, r), c.joint_x, jproj, c.joint_rope, config=config, one_launch=one_launch)
+    device = calls[0].segments[0][0].device
+    transport = _emulated(P, device)
+    plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, device)
+    for r, c in enumerate(calls):
+        jproj = _rank_slice(joint_proj or c.segments[0][1], r) if c.joint_x is not None else None
+        project((plan.dq, plan.dk, plan.dv), lay, r, c.segments, joint_x=c.joint_x, joint_proj=jproj,
+                joint_rope=c.joint_rope, config=config, one_launch=one_launch)
     transport.barrier()
     for r in range(P):
         plan.attend(r, p.impl, p.causal, p.scale)
     transport.barrier()
-    done = [plan.finish(r, x.shape[1]) for r, x in enumerate(xs)]
+    done = [plan.finish(r, sum(s[0].shape[1] for s in c.segments)) for r, c in enumerate(calls)]
     outs = [o for o, _ in done]
     return outs if joint is None else (outs, [_joint_result(o, j) for o, j in done])
 

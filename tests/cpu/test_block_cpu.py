@@ -40,8 +40,9 @@ def test_project_even_rows_one_launch(launches):
 
 
 def test_project_uneven_rows_and_joint(launches):
-    """Last rank with padding rows: q at its slot, k|v valid rows at S-order, padding rows after the
-    joint rows; joint rows with S < S_pad: q at S_pad, k|v at S, own window only."""
+    """Last rank with padding rows: its valid rows where q and k|v rows coincide (one launch), its
+    padding rows projected from zeros (never read from x: q at its slot, k|v after the joint rows);
+    joint rows with S < S_pad: q at S_pad, k|v at S, own window only."""
     P, S_loc, J = 4, 50, 7
     lay = UlyssesLayout.from_shard(S_loc, 8, 8, P, seq_len=P * S_loc - 3, joint_len=J)
     wins = _windows(P, 1, lay.num_rows, 2, 2, 64)
@@ -51,13 +52,74 @@ def test_project_uneven_rows_and_joint(launches):
     S = lay.seq_len
     got = [(s["proj"], s["which"], s["P"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
     assert got == [
-        ("proj", (True, False, False), P, (P - 1) * S_loc, S_loc, S_loc),
-        ("proj", (False, True, True), P, (P - 1) * S_loc, valid, valid),
+        ("proj", (True, True, True), P, (P - 1) * S_loc, valid, valid),
+        ("proj", (True, False, False), P, (P - 1) * S_loc + valid, 3, 3),
         ("proj", (False, True, True), P, S + J, 3, 3),
         ("own", (True, False, False), 1, lay.seq_pad, J, J),
         ("own", (False, True, True), 1, S, J, J),
     ]
     assert lay.key_rows(P - 1) == ((P - 1) * S_loc, S + J)
+
+
+def _segment_layouts():
+    """(layout, every rank's segment row counts): even shards, a suffix-padded S with joint rows,
+    and diffusers' uneven shards (text and image rows tensor_split apart) with segments that reach
+    past a rank's valid rows."""
+    yield UlyssesLayout.from_shard(12, 4, 4, 2), [[5, 7], [12]]
+    lay = UlyssesLayout.from_shard(10, 4, 2, 4, seq_len=37, joint_len=5)  # rank 3: 7 rows + 3 padding
+    yield lay, [[4, 6], [1, 9], [10, 0], [2, 1, 7]]
+    text, image = 7, 63
+    for P in (2, 3, 4):
+        t = [len(c) for c in torch.arange(text).tensor_split(P)]
+        i = [len(c) for c in torch.arange(image).tensor_split(P)]
+        lay = UlyssesLayout.from_shard_rows([a + b for a, b in zip(t, i)], 6, 6, P)
+        yield lay, [[a, b] for a, b in zip(t, i)]
+
+
+def test_segment_writes_match_the_layout_row_order():
+    """Every slot row of every rank reaches its q row and its key row exactly once, from the right
+    segment row (padding rows from the zero rows): checked against the layout's own key order
+    (kv_row_source, built from masks, not from key_rows)."""
+    for lay, rows in _segment_layouts():
+        source = lay.kv_row_source().tolist()
+        key_of = {s: k for k, s in enumerate(source) if s < lay.seq_pad}
+        for r in range(lay.world_size):
+            starts = [sum(rows[r][:i]) for i in range(len(rows[r]) + 1)]
+            valid = lay.valid_rows(r)
+            q_dst, kv_dst = {}, {}
+            for seg, n, which, row in block.segment_writes(lay, r, rows[r]):
+                first = starts[seg] if seg < len(rows[r]) else valid
+                assert seg == len(rows[r]) or n <= rows[r][seg]
+                for j in range(n):
+                    slot = first + j
+                    for dst in ([q_dst] if which == "q" else [kv_dst] if which == "kv" else [q_dst, kv_dst]):
+                        assert slot not in dst, (lay, r, slot, which)
+                        dst[slot] = row + j
+            assert q_dst == {s: r * lay.seq_loc + s for s in range(lay.seq_loc)}, (lay, r)
+            assert kv_dst == {s: key_of[r * lay.seq_loc + s] for s in range(lay.seq_loc)}, (lay, r)
+            assert all(starts[seg] + n <= valid for seg, n, _, _ in block.segment_writes(lay, r, rows[r])
+                       if seg < len(rows[r])), "rows past the valid ones are never read"
+    with pytest.raises(ValueError, match="x: expected rows summing to >= 12"):
+        block.segment_writes(UlyssesLayout.from_shard(12, 4, 4, 2), 0, [5, 6])
+
+
+def test_project_segments(launches):
+    """Flux's [text shard; image shard] on rank 1 of uneven shards: each segment with its own
+    weights and rotary rows at its offset; the padding row from zeros with the image weights."""
+    lay = UlyssesLayout.from_shard_rows([36, 35], 4, 4, 2)  # 4 + 32 and 4 + 31 rows
+    wins = _windows(2, 1, lay.num_rows, 2, 2, 64)
+    text = (torch.zeros(1, 4, 16), "text", torch.zeros(4, 64))
+    image = (torch.zeros(1, 31, 32), "image", torch.zeros(31, 64))
+    block.project(wins, lay, 1, [text, image], config=None)
+    got = [(s["proj"], s["which"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
+    assert got == [("text", (True, True, True), 36, 4, 4),  # q row 36 = key row 36 (rank 0 full)
+                   ("image", (True, True, True), 40, 31, 31),
+                   ("image", (True, True, True), 71, 1, 1)]  # the padding row: q at its slot 71,
+    #                                                  k|v after S = 71 (no joint rows): one launch
+    launches.clear()
+    block.project(wins, lay, 0, [text, (torch.zeros(1, 32, 32), "image", None)], config=None)
+    assert [(s["proj"], s["row0"], s["rows"], s["rope_rows"]) for s in launches] == [
+        ("text", 0, 4, 4), ("image", 4, 32, None)]
 
 
 def _chain(H, H_kv, D, C, device, norm=True, across=False):
@@ -229,3 +291,41 @@ def test_one_rank_argument_checks_and_module():
     wan = block.UlyssesQKVAttention.from_linear(*lin, head_dim=64, norm_q=torch.nn.RMSNorm(256, eps=1e-5),
                                                 norm_k=torch.nn.RMSNorm(256, eps=1e-5), across_heads=True)
     assert not wan.fused and wan.proj is None and wan.chain.eps == 1e-5
+
+
+SEG_BAD = [
+    ("proj too", lambda s, p: dict(proj=p), "proj: expected None with segments"),
+    ("rotary on one", lambda s, p: dict(xs=[[s[0], s[1]._replace(rotary=None)]] * 2),
+     "xs\\[0\\]\\[0\\].rotary: expected a rotary on every segment or on none"),
+    ("batch", lambda s, p: dict(xs=[[s[0], s[1]._replace(x=torch.empty(2, 28, 64, dtype=torch.bfloat16,
+                                                                        device="cuda"))]] * 2),
+     "xs\\[0\\]\\[1\\].x: expected \\[1, rows, C\\]"),
+    ("world", lambda s, p: dict(xs=[[s[0], s[1]._replace(proj=_fake_proj(4, 4, 4, 64, 64))]] * 2),
+     "xs\\[0\\]\\[1\\].proj: expected weights gathered for P = 2"),
+    ("segment rotary rows",
+     lambda s, p: dict(xs=[[s[0], s[1]._replace(rotary=torch.empty(27, 64, device="cuda"))]] * 2),
+     "xs\\[0\\]\\[1\\].rotary: expected a contiguous float32 \\[28, 64\\]"),
+    ("not segments", lambda s, p: dict(xs=[[(s[0].x, s[0].proj)]] * 2),
+     "xs\\[0\\]: expected a \\[B, rows, C\\] tensor or"),
+    ("shard rows", lambda s, p: dict(shard_rows=[30, 34]), "xs\\[0\\]: expected shard_rows\\[0\\] = 30 rows"),
+    ("grad", lambda s, p: dict(xs=[[s[0]._replace(x=torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda",
+                                                                 requires_grad=True)), s[1]]] * 2),
+     "xs\\[0\\]\\[0\\].x: requires grad"),
+]
+
+
+@pytest.mark.parametrize("name,change,match", SEG_BAD, ids=[b[0] for b in SEG_BAD])
+def test_emulated_segment_argument_checks(name, change, match):
+    """Segments (Flux's text and image rows, each with its own weights): the checks name the segment."""
+    with FakeTensorMode():
+        P, D, C = 2, 64, 64
+        text, image = _fake_proj(P, 4, 4, D, C), _fake_proj(P, 4, 4, D, C)
+        segs = [block.Segment(torch.empty(1, 4, C, dtype=torch.bfloat16, device="cuda"), text,
+                              torch.empty(4, D, device="cuda")),
+                block.Segment(torch.empty(1, 28, C, dtype=torch.bfloat16, device="cuda"), image,
+                              torch.empty(28, D, device="cuda"))]
+        args = dict(xs=[segs] * P, proj=None)
+        args.update(change(segs, text))
+        xs, proj = args.pop("xs"), args.pop("proj")
+        with pytest.raises(ValueError, match=match):
+            block.ulysses_qkv_attention_emulated(xs, proj, **args)

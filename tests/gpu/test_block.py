@@ -148,6 +148,45 @@ def test_uneven_gqa_head_padding_joint_own_weights():
     assert all(torch.equal(jgot[0], j) for j in jgot), "every rank gets the same joint output"
 
 
+@pytest.mark.parametrize("P", [2, 3])
+def test_segments_text_and_image_rows_uneven_shards(P):
+    """Flux under diffusers' context parallelism: every rank holds [text shard; image shard], the
+    two with their own weights (text C = 128, image C = 256) and rotary rows, shards as diffusers'
+    ulysses_anything splits them (tensor_split of 7 text and 63 image rows: uneven). Bit-exact
+    against the plain projections of each segment, concatenated, through the op; within FA4's rule
+    of the fp64 oracle on the whole sequence (the ranks' [text; image] rows in rank order)."""
+    H, D, C, Cj, B = 4, 128, 256, 128, 2
+    t_rows = [len(c) for c in torch.arange(7).tensor_split(P)]
+    i_rows = [len(c) for c in torch.arange(63).tensor_split(P)]
+    rows = [a + b for a, b in zip(t_rows, i_rows)]
+    tchain, ichain = make_chain(H, H, D, Cj, seed=20 + P), make_chain(H, H, D, C, seed=30 + P)
+    tproj, iproj = block.block_weights(tchain, P), block.block_weights(ichain, P)
+    g = torch.Generator(device=DEV).manual_seed(40 + P)
+    tx = [torch.randn(B, n, Cj, generator=g, device=DEV).to(DTYPE) for n in t_rows]
+    ix = [torch.randn(B, n, C, generator=g, device=DEV).to(DTYPE) for n in i_rows]
+    trot = [rope_tab(n, D, 100 * r) for r, n in enumerate(t_rows)]
+    irot = [rope_tab(n, D, 100 * r + 50) for r, n in enumerate(i_rows)]
+    xs = [[block.Segment(tx[r], tproj, trot[r]), block.Segment(ix[r], iproj, irot[r])] for r in range(P)]
+    plan = block.emulated_plan(P, UlyssesLayout.from_shard_rows(rows, H, H, P), B, D, DTYPE, DEV)
+    for _ in range(2):  # a second call over the first call's windows, poisoned again
+        poison(plan)
+        got = block.ulysses_qkv_attention_emulated(xs, shard_rows=rows, config=None)
+    ttab = [K.interleaved_cos_sin(*c) for c in trot]
+    itab = [K.interleaved_cos_sin(*c) for c in irot]
+    qkv = [[torch.cat(pair, 1) for pair in zip(plain_qkv(tx[r], tproj, ttab[r]), plain_qkv(ix[r], iproj, itab[r]))]
+           for r in range(P)]
+    ref = ulysses_attention_emulated(*([t[i] for t in qkv] for i in range(3)), impl="fused", shard_rows=rows)
+    for r in range(P):
+        assert got[r].shape == (B, rows[r], H, D)
+        assert_same(got[r], ref[r], f"rank {r}")
+    full32 = [[torch.cat(p, 1) for p in zip(tchain(tx[r], ttab[r], torch.float32),
+                                            ichain(ix[r], itab[r], torch.float32))] for r in range(P)]
+    full = [[torch.cat(p, 1) for p in zip(tchain(tx[r], ttab[r]), ichain(ix[r], itab[r]))] for r in range(P)]
+    oracle = full_attention(*(torch.cat([f[i] for f in full32], 1) for i in range(3)))
+    base = full_attention(*(torch.cat([f[i] for f in full], 1) for i in range(3)), dtype=DTYPE)
+    helpers.check_attention(torch.cat(got, 1), oracle, base, 1e-3, "segments vs fp64 oracle")
+
+
 def test_module_fused_and_across_heads_fallback():
     """UlyssesQKVAttention.from_linear (diffusers-style layers): per-head norms -> the fused block,
     bit-equal to the function; Wan-style norms across heads -> torch chain + the fused op, within
