@@ -1,0 +1,231 @@
+"""Flux's attention under diffusers' context parallelism as the fused attention block.
+
+With the fa-a2a backend (fa_a2a.diffusers_backend) diffusers' FluxAttnProcessor projects q/k/v in
+torch (three Linears, RMSNorm, RoPE) and the backend runs the pre-A2A, FA4 and the post-A2A.
+`enable_fused_projection(model)` installs FusedFluxAttnProcessor on every FluxAttention of the
+model instead, which hands the hidden states to fa_a2a.block: the QKV projection with the
+pre-A2A in its GEMM epilogue (bias, per-head RMSNorm, RoPE), then FA4 with the post-A2A in its
+epilogue, both A2As inside the two compute kernels.
+
+    enable_ulysses(model, impl="fused")   # fa_a2a.diffusers_backend: backend + diffusers' CP
+    enable_fused_projection(model)        # this module (before or after enable_ulysses)
+
+Rows: diffusers' Flux `_cp_plan` shards the text rows as well as the image rows, so rank r holds
+[text shard (J_r rows); image shard (I_r rows)], and image_rotary_emb holds the RoPE of exactly
+those rows (txt_ids and img_ids are sharded too). The double-stream processor gives the block two
+segments (fa_a2a.block.Segment): the text rows with add_q/k/v_proj + norm_added_q/k, the image
+rows with to_q/k/v + norm_q/k, each with its rotary rows; the single-stream processor one segment
+(to_q/k/v over the concatenated rows). Non-causal unmasked attention does not depend on the order
+of the keys, so the ranks' [text; image] rows are one sequence to the block, as they are to the
+backend. Uneven shards (ulysses_anything): every rank's row count is gathered as the backend does
+(diffusers_backend._rows_per_rank) and passed as shard_rows. The block's output is split back
+into text and image rows and goes through to_add_out and to_out (double-stream); the
+single-stream block gets the attention output as diffusers' processor returns it.
+
+Fallback: diffusers' own FluxAttnProcessor (projection in torch, then the registered backend) when
+the fused block cannot run: no context parallelism or ring degree > 1; the attention backend not a
+registered fa-a2a backend with impl "fused" or "serial" (impl "reference" / "nccl" run no kernels);
+CPU tensors; not SM90 (the projection kernel is SM90's); dtype not bfloat16/float16, or weights of
+another dtype/device than the hidden states; head dim not 64/128; an attention mask; autograd
+(hidden states that require grad: fa-a2a has no backward); fused to_qkv projections; q/k norms
+that are not RMSNorm with weight and eps 1e-6 (the epilogue's); channels not a multiple of 8; heads
+split by tensor parallelism. Every fact is the same on all ranks, so all ranks take the same path;
+each reason is logged once and `route_counts()` counts the calls per path.
+
+Memory: the block's weights are the module's q/k/v weights gathered in destination order
+(UlyssesQKVAttention.from_linear), a copy beside the Linears: for Flux.1 (19 double-stream blocks
+with 6 and 38 single-stream blocks with 3 matrices of 3072 x 3072, bf16) 4.3 GB. Built at the
+first fused call of a module and rebuilt when a weight changes (data pointer or version).
+
+Inference only. CPU-tested (gloo, 2 ranks, fp32 tiny Flux): the fallback equals diffusers' native
+CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output split,
+output projections) with the block replaced by a torch reference of it, likewise.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional
+
+import torch
+from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
+
+from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, ulysses_qkv_attention
+from fa_a2a.problem import KERNEL_DTYPES, KERNEL_HEAD_DIMS, KERNEL_IMPLS
+
+__all__ = ["FusedFluxAttnProcessor", "enable_fused_projection", "route_counts"]
+
+logger = logging.getLogger(__name__)
+
+_counts: collections.Counter = collections.Counter()
+_logged: set = set()
+
+
+def route_counts(reset: bool = False) -> dict:
+    """Calls of FusedFluxAttnProcessor per path since the last reset: {"fused", "fallback": n}."""
+    counts = dict(_counts)
+    if reset:
+        _counts.clear()
+    return counts
+
+
+def _backend_impl(backend) -> Optional[str]:
+    """The impl of the fa-a2a backend `backend` (an AttentionBackendName, or None: diffusers' active
+    backend), None when it is not a registered fa-a2a backend."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    from fa_a2a import diffusers_backend
+
+    if backend is None:
+        backend, _ = _AttentionBackendRegistry.get_active_backend()
+    return diffusers_backend._registered.get(getattr(backend, "value", backend))
+
+
+def _norm_ok(norm) -> bool:
+    return isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps == EPS
+
+
+def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_mask) -> Optional[str]:
+    """Why this call runs diffusers' processor instead of the fused block (None: it can run fused).
+    Only facts that every rank shares."""
+    cp = proc._parallel_config.context_parallel_config if proc._parallel_config is not None else None
+    if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
+        return "no context parallelism"
+    if cp.ring_degree > 1:
+        return "ring degree > 1"
+    impl = _backend_impl(proc._attention_backend)
+    if impl not in KERNEL_IMPLS:
+        return (f"attention backend {getattr(proc._attention_backend, 'value', proc._attention_backend)!r} is not "
+                f"an fa-a2a backend with impl in {KERNEL_IMPLS} (impl {impl!r})")
+    x = hidden_states
+    if not x.is_cuda:
+        return "CPU tensors"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "not SM90 (the fused projection is an SM90 kernel)"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"{x.dtype} tensors (the kernels take bfloat16/float16)"
+    if attn.head_dim not in KERNEL_HEAD_DIMS:
+        return f"head dim {attn.head_dim} (the kernels take 64 or 128)"
+    if attention_mask is not None:
+        return "attention mask"
+    if torch.is_grad_enabled() and (x.requires_grad or (encoder_hidden_states is not None
+                                                        and encoder_hidden_states.requires_grad)):
+        return "autograd (fa-a2a has no backward)"
+    if getattr(attn, "fused_projections", False):
+        return "fused to_qkv projections"
+    joint = encoder_hidden_states is not None
+    if joint and attn.added_kv_proj_dim is None:
+        return "encoder_hidden_states without add_q/k/v_proj"
+    linears = [attn.to_q, attn.to_k, attn.to_v] + ([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj] if joint else [])
+    norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if joint else [])
+    if not all(_norm_ok(n) for n in norms):
+        return f"q/k norms other than RMSNorm with weight and eps {EPS}"
+    if any(lin.out_features != attn.heads * attn.head_dim for lin in linears):
+        return "heads split by tensor parallelism"
+    if any(lin.weight.dtype != x.dtype or lin.weight.device != x.device for lin in linears):
+        return "weights of another dtype or device than the hidden states"
+    if any(lin.in_features % 8 for lin in linears):
+        return "channels not a multiple of 8"
+    return None
+
+
+class FusedFluxAttnProcessor(FluxAttnProcessor):
+    """FluxAttnProcessor whose attention under diffusers' Ulysses context parallelism is the fused
+    block (fa_a2a.block: projection + pre-A2A fused, attention + post-A2A fused); diffusers' own
+    processor (projection in torch, then the backend) where the block cannot run: no context
+    parallelism or ring degree > 1, a backend other than fa-a2a's "fused"/"serial" (impl
+    "reference" / "nccl"), CPU tensors, not SM90, dtype not bf16/fp16, head dim not 64/128, an
+    attention mask, autograd, fused to_qkv, q/k norms other than RMSNorm(eps 1e-6) with weight,
+    tensor parallelism (the module docstring). Install with enable_fused_projection(model)."""
+
+    def __init__(self):
+        super().__init__()
+        self._block = None  # (key, UlyssesQKVAttention): the gathered weights of the module
+
+    def __call__(self, attn: FluxAttention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                 attention_mask: Optional[torch.Tensor] = None, image_rotary_emb=None) -> torch.Tensor:
+        why = _why_not_fused(self, attn, hidden_states, encoder_hidden_states, attention_mask)
+        if why is not None:
+            _counts["fallback"] += 1
+            if why not in _logged:
+                _logged.add(why)
+                logger.warning("FusedFluxAttnProcessor: %s -> diffusers' FluxAttnProcessor (projection in torch, "
+                               "then the attention backend); logged once", why)
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        _counts["fused"] += 1
+        cp = self._parallel_config.context_parallel_config
+        group = cp._ulysses_mesh.get_group()
+        impl = _backend_impl(self._attention_backend)
+        J = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
+        rows = J + hidden_states.shape[1]
+        shard_rows = _shard_rows(rows, group) if cp.ulysses_anything else None
+        mod = self._weights(attn, group)
+        rot = _split_rotary(image_rotary_emb, J, rows)
+        segments = [Segment(hidden_states.contiguous(), mod.proj, rot[1])]
+        if encoder_hidden_states is not None:
+            segments.insert(0, Segment(encoder_hidden_states.contiguous(), mod.joint_proj, rot[0]))
+        out = ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows).flatten(2, 3)
+        if encoder_hidden_states is None:
+            return out
+        text, image = out[:, :J], out[:, J:]
+        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
+        return image, attn.to_add_out(text.contiguous())
+
+    def _weights(self, attn: FluxAttention, group) -> UlyssesQKVAttention:
+        """The module's weights gathered for the group (built once; rebuilt when a weight changes)."""
+        joint = attn.added_kv_proj_dim is not None
+        layers = [attn.to_q, attn.to_k, attn.to_v] + ([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+                                                      if joint else [])
+        norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if joint else [])
+        tensors = [t for m in layers + norms for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+        key = (id(group), tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+        if self._block is None or self._block[0] != key:
+            extra = dict(add_q=attn.add_q_proj, add_k=attn.add_k_proj, add_v=attn.add_v_proj,
+                         norm_added_q=attn.norm_added_q, norm_added_k=attn.norm_added_k) if joint else {}
+            mod = UlyssesQKVAttention.from_linear(attn.to_q, attn.to_k, attn.to_v, head_dim=attn.head_dim,
+                                                  norm_q=attn.norm_q, norm_k=attn.norm_k, group=group, **extra)
+            self._block = (key, mod)
+        return self._block[1]
+
+
+def _split_rotary(image_rotary_emb, J: int, rows: int):
+    """diffusers' (cos, sin) over the rank's [text; image] rows -> (text's, image's) pairs (None, None
+    without RoPE)."""
+    if image_rotary_emb is None:
+        return None, None
+    if not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2:
+        raise ValueError(f"image_rotary_emb: expected None or a (cos, sin) pair, got {type(image_rotary_emb).__name__}")
+    cos, sin = image_rotary_emb
+    if cos.shape[0] != rows or sin.shape[0] != rows:
+        raise ValueError(f"image_rotary_emb: expected cos, sin of {rows} rows (the rank's text and image rows), got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    return (cos[:J], sin[:J]), (cos[J:], sin[J:])
+
+
+def _shard_rows(rows: int, group) -> Optional[list]:
+    """Every rank's rows (uneven shards of ulysses_anything) as shard_rows, None when all are equal."""
+    from fa_a2a import diffusers_backend
+
+    every = [q for q, _ in diffusers_backend._rows_per_rank(rows, rows, group)]
+    return every if len(set(every)) > 1 else None
+
+
+def enable_fused_projection(model):
+    """Install FusedFluxAttnProcessor on every FluxAttention of `model` whose processor is diffusers'
+    FluxAttnProcessor (others, e.g. IP-Adapter processors, are left as they are), keeping the
+    processor's attention backend and parallel config (so before or after set_attention_backend /
+    enable_parallelism / enable_ulysses). Returns the model; ValueError when no module qualifies."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, FluxAttention) and type(module.processor) in (FluxAttnProcessor, FusedFluxAttnProcessor):
+            old = module.processor
+            if type(old) is FluxAttnProcessor:
+                new = FusedFluxAttnProcessor()
+                new._attention_backend, new._parallel_config = old._attention_backend, old._parallel_config
+                module.set_processor(new)
+            n += 1
+    if n == 0:
+        raise ValueError(f"model: expected FluxAttention modules with diffusers' FluxAttnProcessor (a Flux "
+                         f"transformer), found none in {type(model).__name__}")
+    return model
