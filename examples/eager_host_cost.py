@@ -111,7 +111,7 @@ def one_process_cases(n: int) -> list[dict]:
     return rows
 
 
-def _rank_entry(rank, P, n, init, out):
+def _rank_entry(rank, P, n, init, out, profile):
     """One of P processes sharing GPU 0: host/eager medians, max over ranks (the slowest bounds the call)."""
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P,
@@ -126,6 +126,17 @@ def _rank_entry(rank, P, n, init, out):
     res = _measure(lambda: ulysses_attention(q, k, v, impl="fused"), n, n, barrier=dist.barrier, graph=False)
     # the same processes' host cost of one plain FA4 launch: what sharing the GPU does to launches
     fa = _measure(lambda: fa4_forward(q, k, v, o), n, n, barrier=dist.barrier, graph=False)
+    if profile and rank == 0:  # where the real-rank call's host time goes (enqueue behind a sleep kernel)
+        import cProfile
+        import pstats
+
+        torch.cuda._sleep(SLEEP_CYCLES)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            ulysses_attention(q, k, v, impl="fused")
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     vals = torch.tensor([res["host_us"], res["eager_us"], fa["host_us"], fa["eager_us"]], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -137,10 +148,10 @@ def _rank_entry(rank, P, n, init, out):
     dist.destroy_process_group()
 
 
-def real_rank_case(P: int, n: int) -> list[dict]:
+def real_rank_case(P: int, n: int, profile: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res.json")
-        mp.spawn(_rank_entry, args=(P, n, f"file://{os.path.join(tmp, 'init')}", out), nprocs=P, join=True)
+        mp.spawn(_rank_entry, args=(P, n, f"file://{os.path.join(tmp, 'init')}", out, profile), nprocs=P, join=True)
         with open(out) as f:
             op, fa = json.load(f)
         return [dict(case=f"{P} processes sharing the GPU, fused, S_loc = 128", **op),
@@ -152,12 +163,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--no-real-ranks", action="store_true", help="skip the processes-sharing-the-GPU case")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's real-rank calls")
+    ap.add_argument("--real-ranks-only", action="store_true", help="only the processes-sharing-the-GPU case")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    rows = one_process_cases(args.calls)
+    rows = [] if args.real_ranks_only else one_process_cases(args.calls)
     if not args.no_real_ranks:
-        rows += real_rank_case(2, args.calls)
+        rows += real_rank_case(2, args.calls, args.profile)
     print(f"{torch.cuda.get_device_name()}, bf16, H = {H}, D = {D}, {args.calls} calls per run, medians of 5")
     print(f"{'case':<44} {'host us/call':>12} {'eager us/call':>13} {'graph us/call':>13} {'eager/graph':>11}")
     for r in rows:
