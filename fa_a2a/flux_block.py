@@ -37,9 +37,10 @@ Memory: the block's weights are the module's q/k/v weights gathered in destinati
 with 6 and 38 single-stream blocks with 3 matrices of 3072 x 3072, bf16) 4.3 GB. Built at the
 first fused call of a module and rebuilt when a weight changes (data pointer or version).
 
-Inference only. CPU-tested (gloo, 2 ranks, fp32 tiny Flux): the fallback equals diffusers' native
-CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output split,
-output projections) with the block replaced by a torch reference of it, likewise.
+Inference only. CPU-tested (gloo, 2 and 3 ranks, fp32 tiny Flux): the fallback equals diffusers'
+native CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output
+split, output projections) with the block replaced by a torch reference of it, likewise. Not yet
+run on a GPU (tests/gpu/test_flux_block.py; the block's segments: tests/gpu/test_block.py).
 """
 
 from __future__ import annotations
