@@ -218,9 +218,10 @@ def _as_segments(x, proj, rotary, name: str) -> tuple:
     if not isinstance(x, (list, tuple)) or not x or not all(isinstance(s, Segment) for s in x):
         raise ValueError(f"{name}: expected a [B, rows, C] tensor or a non-empty list of Segment, got "
                          f"{type(x).__name__}")
-    if proj is not None or rotary is not None:
-        raise ValueError(f"proj: expected None with segments (each Segment has its own proj and rotary), got "
-                         f"{'proj' if proj is not None else 'rotary'}")
+    for arg, value in (("proj", proj), ("rotary", rotary)):
+        if value is not None:
+            raise ValueError(f"{arg}: expected None with segments (each Segment has its own proj and rotary), "
+                             f"got {type(value).__name__}")
     return tuple(x), tuple((f"{name}[{i}].x", f"{name}[{i}].proj", f"{name}[{i}].rotary") for i in range(len(x)))
 
 

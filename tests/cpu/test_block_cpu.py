@@ -295,6 +295,8 @@ def test_one_rank_argument_checks_and_module():
 
 SEG_BAD = [
     ("proj too", lambda s, p: dict(proj=p), "proj: expected None with segments"),
+    ("rotary too", lambda s, p: dict(rotary=[None, torch.empty(32, 64, device="cuda")]),
+     "rotary: expected None with segments"),
     ("rotary on one", lambda s, p: dict(xs=[[s[0], s[1]._replace(rotary=None)]] * 2),
      "xs\\[0\\]\\[0\\].rotary: expected a rotary on every segment or on none"),
     ("batch", lambda s, p: dict(xs=[[s[0], s[1]._replace(x=torch.empty(2, 28, 64, dtype=torch.bfloat16,
