@@ -17,6 +17,7 @@ _EXPORTS = {
     "PlatformModel": "fa_a2a.xstage",
     "register_diffusers_backend": "fa_a2a.diffusers_backend",
     "enable_ulysses": "fa_a2a.diffusers_backend",
+    "enable_fused_projection": "fa_a2a.flux_block",
 }
 
 __all__ = sorted(_EXPORTS)
