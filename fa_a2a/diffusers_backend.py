@@ -55,13 +55,18 @@ import torch
 
 from fa_a2a.problem import IMPLS, KERNEL_DTYPES, KERNEL_HEAD_DIMS
 
-__all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts"]
+__all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "rows_per_rank"]
 
 logger = logging.getLogger(__name__)
 
 _registered: dict[str, str] = {}  # backend name -> impl
 _counts: dict[str, collections.Counter] = {}
 _logged: set = set()
+
+
+def backend_impl(name: str):
+    """The impl ("fused", "serial", "nccl", "reference") a backend name was registered with, or None."""
+    return _registered.get(name)
 
 
 # ---- local attention (no communication) --------------------------------------------------------
@@ -113,7 +118,7 @@ def _local_backward_op(ctx, grad_out, *args, **kwargs):
 
 
 # ---- routing -------------------------------------------------------------------------------------
-def _rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
+def rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
     """(q rows, k rows) of every rank of the group (one small all-gather)."""
     import torch.distributed as dist
 
@@ -197,7 +202,7 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     if reason is None:
         group = cp._ulysses_mesh.get_group()
         if cp.ulysses_anything or key.shape[1] != query.shape[1]:
-            extra, reason = _shard_kwargs(_rows_per_rank(query.shape[1], key.shape[1], group), bool(is_causal))
+            extra, reason = _shard_kwargs(rows_per_rank(query.shape[1], key.shape[1], group), bool(is_causal))
     if reason is None:
         _count(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,

@@ -18,7 +18,7 @@ rows with to_q/k/v + norm_q/k, each with its rotary rows; the single-stream proc
 (to_q/k/v over the concatenated rows). Non-causal unmasked attention does not depend on the order
 of the keys, so the ranks' [text; image] rows are one sequence to the block, as they are to the
 backend. Uneven shards (ulysses_anything): every rank's row count is gathered as the backend does
-(diffusers_backend._rows_per_rank) and passed as shard_rows. The block's output is split back
+(diffusers_backend.rows_per_rank) and passed as shard_rows. The block's output is split back
 into text and image rows and goes through to_add_out and to_out (double-stream); the
 single-stream block gets the attention output as diffusers' processor returns it.
 
@@ -80,7 +80,7 @@ def _backend_impl(backend) -> Optional[str]:
 
     if backend is None:
         backend, _ = _AttentionBackendRegistry.get_active_backend()
-    return diffusers_backend._registered.get(getattr(backend, "value", backend))
+    return diffusers_backend.backend_impl(getattr(backend, "value", backend))
 
 
 def _norm_ok(norm) -> bool:
@@ -208,7 +208,7 @@ def _shard_rows(rows: int, group) -> Optional[list]:
     """Every rank's rows (uneven shards of ulysses_anything) as shard_rows, None when all are equal."""
     from fa_a2a import diffusers_backend
 
-    every = [q for q, _ in diffusers_backend._rows_per_rank(rows, rows, group)]
+    every = [q for q, _ in diffusers_backend.rows_per_rank(rows, rows, group)]
     return every if len(set(every)) > 1 else None
 
 
