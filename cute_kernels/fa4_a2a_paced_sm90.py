@@ -200,12 +200,7 @@ def fa4_a2a_paced_forward(q, k, v, out_windows, rank: int, pacer: torch.Tensor, 
             or pacer.device != q.device):
         raise ValueError(f"pacer: expected an int64 tensor [3] on {q.device} (make_pacer), got "
                          f"{getattr(pacer, 'dtype', type(pacer))} {tuple(getattr(pacer, 'shape', ()))}")
-    if timestamps is not None:
-        shape = (q.shape[0], H_loc, -(-q.shape[1] // tile_m), 7)
-        if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
-                or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
-                or timestamps.device != q.device):
-            raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
+    fused.check_timestamps(timestamps, q, tile_m)
     dst = out_windows.narrow(3, rank * H_loc, H_loc)
     compiled = compile_paced(q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, timestamps is not None)
     if not fused._is_fake(q):

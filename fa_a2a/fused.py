@@ -359,6 +359,16 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int) -> None
         raise ValueError("out_windows: the base address must be 16-byte aligned")
 
 
+def check_timestamps(timestamps: Optional[torch.Tensor], q: torch.Tensor, tile_m: int) -> None:
+    """The stamped debug build's buffer: None, or a contiguous int64 [B, H_loc, ceil(S / tile_m), 7]."""
+    if timestamps is None:
+        return
+    shape = (q.shape[0], q.shape[2], -(-q.shape[1] // tile_m), 7)
+    if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
+            or tuple(timestamps.shape) != shape or not timestamps.is_contiguous() or timestamps.device != q.device):
+        raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
+
+
 def fa4_a2a_launcher(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -410,13 +420,7 @@ def fa4_a2a_launcher(
         compiled = compile_fa4(*key, rotate=rotate, sm100=cfg)
         args = (q, k, v, dst, lse_dst, scale, seqused_k, rank if rotate else None)
     else:
-        if timestamps is not None:
-            B, S = q.shape[0], q.shape[1]
-            shape = (B, H_loc, -(-S // tile_m_for(D, causal)), 7)
-            if (not isinstance(timestamps, torch.Tensor) or timestamps.dtype != torch.int64
-                    or tuple(timestamps.shape) != shape or not timestamps.is_contiguous()
-                    or timestamps.device != q.device):
-                raise ValueError(f"timestamps: expected a contiguous int64 tensor {shape} on {q.device}")
+        check_timestamps(timestamps, q, tile_m_for(D, causal))
         compiled = compile_fa4(*key, timestamps=timestamps is not None, rotate=rotate)
         args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None)
     return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
