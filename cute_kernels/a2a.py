@@ -181,7 +181,6 @@ class PreA2A(_RowCopy):
         B, S_loc = mX.shape[0], mX.shape[1]
         P = const_expr(self.world_size)
         H_loc = mD.shape[3]
-        N = mD.shape[2]
         in_range, (v, j, d, s, b) = self._thread_coord(blk, tidx, (self.nvec, H_loc, P, S_loc, B))
         if in_range:
             row = rank * S_loc + s
