@@ -443,8 +443,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
     before graph capture).
     """
-    from fa_a2a.forward import window_plan
+    from fa_a2a.forward import emulated_transport, window_plan
     from fa_a2a.op import _group
+    from ulysses.transport import get_transport
 
     group, group_name, P, rank = _group(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name)
@@ -470,7 +471,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
                   if joint_x is not None else None)
     _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)] + [("joint", joint)])
     p, lay = problem, problem.layout
-    transport = _emulated(1, x0.device) if P == 1 else _real_transport(group)
+    transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
     attend = plan.attend_launch(rank, p.impl, p.causal, p.scale)  # compiles before the first barrier
     jproj = _rank_slice(joint_proj or p0, rank) if joint_x is not None else None
@@ -487,32 +488,11 @@ def _joint_result(out, joint_out):
     return joint_out if joint_out is not None else out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
 
 
-def _real_transport(group):
-    from ulysses.transport import get_transport
-
-    return get_transport(group)
-
-
-_emulated_transports: dict = {}
-
-
-def _emulated(world_size: int, device) -> object:
-    from ulysses.transport import EmulatedTransport
-
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (world_size, device)
-    if key not in _emulated_transports or _emulated_transports[key].closed:
-        _emulated_transports[key] = EmulatedTransport(world_size, device)
-    return _emulated_transports[key]
-
-
 def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     """The window plan the emulated block uses for (layout, B, D, dtype) (tests poison its windows)."""
-    from fa_a2a.forward import window_plan
+    from fa_a2a.forward import emulated_transport, window_plan
 
-    return window_plan(_emulated(world_size, device), layout, B, D, dtype)
+    return window_plan(emulated_transport(world_size, device), layout, B, D, dtype)
 
 
 def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
@@ -543,8 +523,8 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                    + [("joint", joint)])
     lay = p.layout
     device = calls[0].segments[0][0].device
-    transport = _emulated(P, device)
     plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, device)
+    transport = plan.transport
     for r, c in enumerate(calls):
         jproj = _rank_slice(joint_proj or c.segments[0][1], r) if c.joint_x is not None else None
         project((plan.dq, plan.dk, plan.dv), lay, r, c.segments, joint_x=c.joint_x, joint_proj=jproj,

@@ -273,9 +273,14 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
 _emulated: dict = {}
 
 
-def _emulated_transport(world_size: int, device: torch.device):
+def emulated_transport(world_size: int, device):
+    """The process's EmulatedTransport of P = world_size ranks on `device`, built once (the emulated
+    op and the emulated attention block share it, and so their window plans)."""
     from ulysses.transport import EmulatedTransport
 
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (world_size, device)
     if key not in _emulated or _emulated[key].closed:
         _emulated[key] = EmulatedTransport(world_size, device)
@@ -298,7 +303,7 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
         done = [_deliver(p.layout, r, (o[r], None if jo is None else jo.clone()), rows[r], outs[r], joint_outs[r])
                 for r in range(P)]
     else:
-        transport = _emulated_transport(P, qs[0].device)
+        transport = emulated_transport(P, qs[0].device)
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
