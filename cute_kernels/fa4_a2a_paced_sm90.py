@@ -19,7 +19,9 @@ between launches or CUDA-graph replays.
 
 Ordering is unchanged from the parent kernel (cute_kernels.fa4_a2a_sm90): the store is waited for
 only until it has read shared memory. Values are the parent's bit for bit; the TMA path only
-(S_loc a multiple of the tile rows), no LSE output, no rank rotation. Pacer state: make_pacer.
+(S_loc a multiple of the tile rows), no LSE output, no rank rotation. The pacer rides last in the
+parent's aux tensors (its `mPace` argument). Launch: fa_a2a.fused.fa4_a2a_forward(..., pacer=
+make_pacer(...)) (compile kind "a2a-paced").
 
 Measured (H200, 2026-12-03, bf16, D=128, H_loc=3, emulated P=8, rank 0; `examples/
 host_window_hiding.py OUT --variants fused --paced-host-gbps 44 48 52 --paced-hbm-gbps 1000
@@ -39,22 +41,17 @@ A first version claimed slots by a compare-and-swap loop (max(TAT, t) + dt): hos
 1000 GB/s (132 CTAs retrying one word at a wave's end); the two atomics here cost nothing there.
 """
 
-import contextlib
-import functools
 import inspect
 import math
-from typing import Optional
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, const_expr
+from cutlass import Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90, _nested_stride_alignment, rank_window_o
+from cute_kernels.fa4_a2a_sm90 import FlashAttentionA2AForwardSm90
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-from flash_attn.cute.utils import AuxData
 
 PACER_FIELDS = ("tat_ns", "dt_ns", "tau_ns")  # the pacer tensor, int64 [3]
 _MMA_SIGNATURE = inspect.signature(FlashAttentionForwardSm90.mma)
@@ -103,27 +100,6 @@ class FlashAttentionA2APacedForwardSm90(FlashAttentionA2AForwardSm90):
             raise ValueError("rotate: the paced kernel launches FA4's own scheduler, got rotate=True")
         super().__init__(*args, **kwargs)
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s, h_loc, d)
-        mK: cute.Tensor,  # (b, s, h_kv_loc, d)
-        mV: cute.Tensor,  # (b, s, h_kv_loc, dv)
-        mOWindows: cute.Tensor,  # (p, b, s_loc, h_loc, dv): this rank's head slice of every window
-        softmax_scale: Float32,
-        mSeqUsedK: Optional[cute.Tensor],  # (b,) valid keys, or None
-        mTimes: Optional[cute.Tensor],  # (b, h_loc, m_blocks, 7) int64 when timestamps
-        mPace: cute.Tensor,  # int64 [3]: PACER_FIELDS
-        stream: cuda.CUstream = None,
-    ):
-        # aux tensors: the parent's stamps first (its mma takes tensors[0]), the pacer last
-        tensors = [mTimes, mPace] if const_expr(self.timestamps) else [mPace]
-        with _nested_stride_alignment():
-            FlashAttentionForwardSm90.__call__(
-                self, mQ, mK, mV, rank_window_o(mOWindows), None, softmax_scale, mSeqUsedK=mSeqUsedK,
-                aux_data=AuxData(tensors, None), stream=stream,
-            )
-
     def mma(self, *args, **kwargs):
         self._pace = _MMA_SIGNATURE.bind(self, *args, **kwargs).arguments["aux_data"].tensors[-1]
         super().mma(*args, **kwargs)
@@ -155,54 +131,9 @@ def make_pacer(device, rate_gbps: float, tile_bytes: int, burst_tiles: int = 8) 
     return torch.tensor([0, dt, burst_tiles * dt], dtype=torch.int64, device=device)
 
 
-@functools.cache
-def compile_paced(dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool, has_seqused_k: bool,
-                  timestamps: bool = False):
-    """The compiled paced kernel of one key, from fake tensors (no GPU needed), as fa_a2a.fused
-    compiles the parent; launches on the current stream through TVM-FFI."""
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-    from flash_attn.cute.testing import active_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fa_a2a.fused import _example_tensors, _make_kernel
-
-    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
-        q, k, v, out, _, seqused, times = _example_tensors("a2a", dtype, head_dim, qhead_per_kvhead,
-                                                           has_seqused_k, False, timestamps)
-        pace = torch.empty(len(PACER_FIELDS), dtype=torch.int64, device="cuda")
-        tq, tk, tv, to = [to_cute_tensor(t) for t in (q, k, v, out)]
-        tsk = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
-        ttimes = to_cute_tensor(times, assumed_align=8)
-        tpace = to_cute_tensor(pace, assumed_align=8)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fa = _make_kernel(FlashAttentionA2APacedForwardSm90, dtype, head_dim, qhead_per_kvhead, causal,
-                      o_store="tma", timestamps=timestamps)
-    return cute.compile(fa, tq, tk, tv, to, 1.0, tsk, ttimes, tpace, stream, options="--enable-tvm-ffi")
-
-
-def fa4_a2a_paced_forward(q, k, v, out_windows, rank: int, pacer: torch.Tensor, *, causal: bool = False,
-                          softmax_scale: Optional[float] = None, seqused_k: Optional[torch.Tensor] = None,
-                          timestamps: Optional[torch.Tensor] = None) -> None:
-    """fa_a2a.fused.fa4_a2a_forward (TMA path, no LSE) with every O tile's store paced by `pacer`
-    (make_pacer; shared by every launch that gets it). SM90 only."""
-    from fa_a2a import fused
-
-    fused._check_qkv(q, k, v)
-    fused._check_seqused_k(seqused_k, q)
-    fused.check_windows(out_windows, q, rank)
-    if fused.device_arch(q) != 90:
-        raise ValueError("q: the paced kernel is SM90 only")
-    S_loc, D, H_loc = out_windows.shape[2], q.shape[-1], q.shape[2]
-    tile_m = fused.tile_m_for(D, causal)
-    if S_loc % tile_m:
-        raise ValueError(f"out_windows: S_loc a multiple of the tile rows {tile_m} expected (TMA path), got {S_loc}")
+def check_pacer(pacer, device) -> None:
+    """pacer: the int64 [3] state make_pacer returns, on `device`."""
     if (not isinstance(pacer, torch.Tensor) or pacer.dtype != torch.int64 or tuple(pacer.shape) != (3,)
-            or pacer.device != q.device):
-        raise ValueError(f"pacer: expected an int64 tensor [3] on {q.device} (make_pacer), got "
-                         f"{getattr(pacer, 'dtype', type(pacer))} {tuple(getattr(pacer, 'shape', ()))}")
-    fused.check_timestamps(timestamps, q, tile_m)
-    dst = out_windows.narrow(3, rank * H_loc, H_loc)
-    compiled = compile_paced(q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, timestamps is not None)
-    if not fused._is_fake(q):
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-        compiled(q, k, v, dst, scale, seqused_k, timestamps, pacer)
+            or pacer.device != device):
+        raise ValueError(f"pacer: expected an int64 tensor [3] on {device} (make_pacer), got "
+                         f"{getattr(pacer, 'dtype', type(pacer).__name__)} {tuple(getattr(pacer, 'shape', ()))}")

@@ -333,6 +333,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (padded sequences)
         mTimes: Optional[cute.Tensor] = None,  # (b, h_loc, m_blocks, 7) int64 when timestamps
         rank: Optional[Int32] = None,  # this source rank, when rotate
+        mPace: Optional[cute.Tensor] = None,  # int64 [3] store pacer (the paced subclass), or None
         stream: cuda.CUstream = None,
     ):
         mO = rank_window_o(mOWindows)
@@ -347,8 +348,13 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                     stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
                 ),
             )
-        # the stamps ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
-        aux_data = AuxData([mTimes], None) if const_expr(self.timestamps) else AuxData()
+        # the stamps and the pacer ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
+        aux_tensors = []
+        if const_expr(self.timestamps):
+            aux_tensors.append(mTimes)
+        if const_expr(mPace is not None):
+            aux_tensors.append(mPace)
+        aux_data = AuxData(aux_tensors, None) if const_expr(len(aux_tensors) > 0) else AuxData()
         rotation = contextlib.nullcontext()
         if const_expr(self.rotate):
             if const_expr(rank is None):
@@ -356,8 +362,9 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
             block_shift = rank_rotation_shift(rank, mOWindows.shape[0], mOWindows.shape[2], self.tile_m)
             rotation = _rank_rotated_sm90_scheduler(block_shift)
         with _nested_stride_alignment(), rotation:
-            super().__call__(
-                mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, aux_data=aux_data,
+            # FA4's __call__ named: the DSL re-executes this body, where super() would follow type(self)
+            FlashAttentionForwardSm90.__call__(
+                self, mQ, mK, mV, mO, mLSE, softmax_scale, mSeqUsedK=mSeqUsedK, aux_data=aux_data,
                 stream=stream,
             )
 

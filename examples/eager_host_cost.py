@@ -136,7 +136,11 @@ def _rank_entry(rank, P, n, init, out, profile):
         for _ in range(n):
             ulysses_attention(q, k, v, impl="fused")
         prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        stats = pstats.Stats(prof).stats  # {(file, line, function): (calls, ncalls, own s, cumulative s, callers)}
+        print(f"{'function (rank 0, per op call)':<64} {'calls':>6} {'own us':>7} {'cum us':>7}")
+        for (file, line, fn), (_, calls, own, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]:
+            print(f"{f'{os.path.basename(file)}:{line}({fn})'[:64]:<64} {calls / n:6.1f} {own / n * 1e6:7.1f} "
+                  f"{cum / n * 1e6:7.1f}")
     vals = torch.tensor([res["host_us"], res["eager_us"], fa["host_us"], fa["eager_us"]], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:

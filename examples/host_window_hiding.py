@@ -49,7 +49,7 @@ import statistics
 
 import torch
 
-from cute_kernels.fa4_a2a_paced_sm90 import fa4_a2a_paced_forward, make_pacer
+from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
 from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
 from fa_a2a.op import post_a2a
@@ -327,7 +327,7 @@ def main():
             pacers = {f"paced@{r:g}": make_pacer(q.device, r, tile_m * D * 2, args.paced_burst_tiles) for r in rates}
             runs = {name: (lambda q, k, v, w, kw=VARIANTS[name]: fa4_a2a_forward(q, k, v, w, 0, **kw))
                     for name in args.variants}
-            runs.update({name: (lambda q, k, v, w, p=p: fa4_a2a_paced_forward(q, k, v, w, 0, p))
+            runs.update({name: (lambda q, k, v, w, p=p: fa4_a2a_forward(q, k, v, w, 0, pacer=p))
                          for name, p in pacers.items()})
             for name, run in runs.items():
                 win.fill_(float("nan"))

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from ulysses.reference import local_attention as reference_attention
+
 from .problem import Problem
 
 __all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan"]
@@ -54,8 +56,6 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
         used = None if seqused_k is None else torch.full((q.shape[0],), seqused_k, dtype=torch.int32, device=q.device)
         return fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
                            softmax_scale=softmax_scale, seqused_k=used)
-    from ulysses.reference import local_attention as reference_attention
-
     o = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k)
     return o if o.dtype == q.dtype else o.to(q.dtype)
 
@@ -66,14 +66,15 @@ def _deliver(layout, rank: int, res, rows: int, out=None, joint_out=None):
     `joint_out` when given (the custom op's preallocated outputs); otherwise `o` must be fresh
     (not a window) and is returned without a copy where its layout allows."""
     o, jo = res
-    o = o[:, :rows]
+    if o.shape[1] != rows:
+        o = o[:, :rows]
     if out is None:
         out, joint_out = o.contiguous(), (None if jo is None else jo.contiguous())
     else:
         out.copy_(o)
         if joint_out is not None:
             joint_out.copy_(jo)
-    valid = layout.valid_rows(rank)
+    valid = layout.shard_rows[rank]  # layout.valid_rows(rank) without its range check
     if valid < rows:
         out[:, valid:].zero_()
     return out, joint_out
@@ -105,6 +106,7 @@ class WindowPlan:
         self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
         self._scratch: dict = {}
         self._launches: dict = {}
+        self._results: dict = {}
         self._warm()
 
     def _warm(self) -> None:
@@ -199,13 +201,15 @@ class WindowPlan:
     def finish(self, rank: int, rows: int, out=None, joint_out=None):
         """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
         H = self.layout.num_heads
+        if rank not in self._results:  # views of rank's windows without the padding heads
+            self._results[rank] = (self.out_w[rank][:, :, :H],
+                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
         if out is None:  # the windows are reused by the next call: copy out of them
             out = torch.empty(self.B, rows, H, self.D, dtype=self.dtype, device=self.transport.device)
             if self.layout.joint_len:
                 joint_out = torch.empty(self.B, self.layout.joint_len, H, self.D, dtype=self.dtype,
                                         device=self.transport.device)
-        jo = self.jout_w[rank][:, :, :H] if self.layout.joint_len else None
-        return _deliver(self.layout, rank, (self.out_w[rank][:, :, :H], jo), rows, out, joint_out)
+        return _deliver(self.layout, rank, self._results[rank], rows, out, joint_out)
 
 
 _plans: dict = {}
@@ -247,6 +251,26 @@ def _collective_pipeline(p: Problem, q, k, v, joint, group):
     return res if joint is not None else (res, None)
 
 
+_rank_calls: dict = {}
+
+
+def _rank_call(p: Problem, group, rank: int):
+    """(transport, plan, pre, attend) of rank's calls of p over group, looked up once per transport:
+    a steady-state call neither re-reads the transport's settings nor hashes the layout."""
+    key = (p, group.group_name, rank, torch.cuda.current_device())
+    call = _rank_calls.get(key)
+    if call is None or call[0].closed:
+        from ulysses.transport import get_transport
+
+        for stale in [k for k, c in _rank_calls.items() if c[0].closed]:
+            del _rank_calls[stale]
+        transport = get_transport(group)
+        plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+        call = _rank_calls[key] = (transport, plan, plan.pre_launch(rank),
+                                   plan.attend_launch(rank, p.impl, p.causal, p.scale))
+    return call
+
+
 def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=None):
     """One rank's call -> (out [B, rows of q, H, D], joint_out [B, J, H, D] or None); written into
     out / joint_out when they are given (the custom op's preallocated outputs)."""
@@ -255,11 +279,7 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
         return _deliver(p.layout, 0, _single_rank(p, q, k, v, joint), rows, out, joint_out)
     if p.impl in ("nccl", "reference"):
         return _deliver(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), rows, out, joint_out)
-    from ulysses.transport import get_transport
-
-    transport = get_transport(group)
-    plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
-    pre, attend = plan.pre_launch(rank), plan.attend_launch(rank, p.impl, p.causal, p.scale)
+    transport, plan, pre, attend = _rank_call(p, group, rank)
     if p.shard_rows is not None:
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
     pre(q, k, v, joint)

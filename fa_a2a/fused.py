@@ -208,7 +208,8 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
                 has_seqused_k: bool, has_lse: bool, timestamps: bool = False, rotate: bool = False,
                 sm100: Optional[Sm100Config] = None, extra_options: str = ""):
     """The compiled attention kernel of one key (the arguments are the key): kind "fa4" (FA4's own
-    forward) or "a2a-tma" / "a2a-st" (the rank-window subclass and its O path); for SM90, or for
+    forward), "a2a-tma" / "a2a-st" (the rank-window subclass and its O path) or "a2a-paced" (its
+    TMA path with the store pacer, SM90: cute_kernels.fa4_a2a_paced_sm90); for SM90, or for
     SM100 when `sm100` (FA4's SM100 configuration of the call) is given. timestamps: SM90's stamped
     debug build. rotate: the fused kernels' rank-rotated tile order (launched with the rank after
     the optional tensors). Compiled as FA4 compiles ahead of time, from fake tensors of the key's
@@ -227,8 +228,12 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         tlse = to_cute_tensor(example[4], assumed_align=4)
         tsk = to_cute_tensor(example[5], assumed_align=4, leading_dim=0)
         ttimes = to_cute_tensor(example[6], assumed_align=8)
+        paced = kind == "a2a-paced"
+        tpace = to_cute_tensor(torch.empty(3, dtype=torch.int64, device="cuda"), assumed_align=8) if paced else None
     if rotate and kind == "fa4":
         raise ValueError("rotate: only the fused kernels (kind 'a2a-*') have the rank-rotated order")
+    if paced and (rotate or sm100 is not None):
+        raise ValueError("kind: the paced kernel is SM90 only, without the rank-rotated order")
     rank = cutlass.Int32(0) if rotate else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi {extra_options}".strip()
@@ -253,9 +258,13 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         fa = _make_kernel(FlashAttentionForwardSm90, dtype, head_dim, qhead_per_kvhead, causal)
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, <_fa4_sm90_middle>, stream)
         return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm90_middle(tsk), stream, options=options)
-    fa = _make_kernel(FlashAttentionA2AForwardSm90, dtype, head_dim, qhead_per_kvhead, causal,
-                      o_store=kind.removeprefix("a2a-"), timestamps=timestamps, rotate=rotate)
-    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, stream=stream, options=options)
+    if paced:
+        from cute_kernels.fa4_a2a_paced_sm90 import FlashAttentionA2APacedForwardSm90 as kernel_cls
+    else:
+        kernel_cls = FlashAttentionA2AForwardSm90
+    fa = _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal,
+                      o_store="tma" if paced else kind.removeprefix("a2a-"), timestamps=timestamps, rotate=rotate)
+    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, tpace, stream=stream, options=options)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -383,6 +392,7 @@ def fa4_a2a_launcher(
     o_store: Optional[str] = None,
     timestamps: Optional[torch.Tensor] = None,
     rotate: bool = False,
+    pacer: Optional[torch.Tensor] = None,
 ) -> Callable[[], None]:
     """fa4_a2a_forward on these tensors, checked and compiled once: the returned function launches
     it on the current stream (no per-call checks; the op's window plan keeps one per rank)."""
@@ -409,7 +419,16 @@ def fa4_a2a_launcher(
         raise ValueError(f"o_store: {o_store!r} is not 'st', or 'tma' with S_loc a multiple of the tile rows")
     if rotate and causal:
         raise ValueError("rotate: the rank-rotated tile order is for non-causal attention, got causal=True")
-    key = (f"a2a-{o_store}", q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
+    kind = f"a2a-{o_store}"
+    if pacer is not None:
+        from cute_kernels.fa4_a2a_paced_sm90 import check_pacer
+
+        check_pacer(pacer, q.device)
+        if arch != 90 or o_store != "tma" or lse_dst is not None or rotate:
+            raise ValueError(f"pacer: the paced kernel is SM90's TMA path (S_loc a multiple of "
+                             f"{tile_m_for(D, causal)} rows, o_store 'tma') without lse_windows or rotate")
+        kind = "a2a-paced"
+    key = (kind, q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
     if arch == 100:
         if lse_dst is not None and not aligned:
             # FA4's SM100 LSE rows go out in 128-row tiles from the correction warps (see the kernel)
@@ -422,7 +441,7 @@ def fa4_a2a_launcher(
     else:
         check_timestamps(timestamps, q, tile_m_for(D, causal))
         compiled = compile_fa4(*key, timestamps=timestamps is not None, rotate=rotate)
-        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None)
+        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None, pacer)
     return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
 
 
@@ -440,6 +459,7 @@ def fa4_a2a_forward(
     o_store: Optional[str] = None,
     timestamps: Optional[torch.Tensor] = None,
     rotate: bool = False,
+    pacer: Optional[torch.Tensor] = None,
 ) -> None:
     """FA4 with the post-attention All-to-All fused into the output epilogue.
 
@@ -458,6 +478,8 @@ def fa4_a2a_forward(
     On SM100 (cute_kernels.fa4_a2a_sm100) lse_windows needs S_loc % 128 == 0.
     rotate: the rank-rotated tile order (rank r starts on rank r+1's rows; same output; non-causal
     only, ValueError otherwise): see cute_kernels.fa4_a2a_sm90.
+    pacer: every O tile's store paced grid-wide by this state (cute_kernels.fa4_a2a_paced_sm90.
+    make_pacer; shared by every launch that gets it): SM90's TMA path, no LSE, no rotation.
     """
     fa4_a2a_launcher(q, k, v, out_windows, rank, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
-                     lse_windows=lse_windows, o_store=o_store, timestamps=timestamps, rotate=rotate)()
+                     lse_windows=lse_windows, o_store=o_store, timestamps=timestamps, rotate=rotate, pacer=pacer)()

@@ -145,13 +145,14 @@ def ulysses_attention(
     """
     group, group_name, P, rank = _group(group)
     given_joint = joint is not None
-    if torch.compiler.is_compiling():  # trace: local checks only; the op's body agrees across ranks at run time
+    tracing = torch.compiler.is_compiling()
+    if tracing:  # local checks only; the op's body agrees across ranks at run time
         problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
     else:
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                                  rank=rank, group=group, group_name=group_name)
     check_no_grad(q, k, v, *(joint or ()))
-    if torch.compiler.is_compiling():
+    if tracing:
         out, joint_out = _outputs(q, joint)
         jq, jk, jv = joint if joint is not None else (None, None, None)
         _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,

@@ -232,11 +232,13 @@ _resolved: dict = {}
 def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name):
     """A hashable key of everything check_call looks at, or None when it cannot be built cheaply."""
     try:
-        tensors = (q, k, v) if joint is None else (q, k, v, *joint)
-        facts = tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in tensors)
+        facts = (q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device, k.stride(-1),
+                 v.shape, v.dtype, v.device, v.stride(-1))
+        if joint is not None:
+            facts += tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in joint)
         rows = tuple((type(n), n) for n in shard_rows) if isinstance(shard_rows, (list, tuple)) else shard_rows
         # typed: 1 == True == 1.0 in a dict key, but check_call refuses some of them
-        scalars = tuple((type(x), x) for x in (impl, causal, softmax_scale, seq_len))
+        scalars = (type(impl), impl, type(causal), causal, type(softmax_scale), softmax_scale, type(seq_len), seq_len)
         return (facts, joint is None, scalars, rows, world_size, rank, group_name)
     except (AttributeError, TypeError, ValueError):
         return None

@@ -9,8 +9,8 @@ Three forms of one computation, all built on ulysses.layout:
 The emulated and distributed forms run the same local attention on the same head-layout tensors,
 so their outputs are bit-identical.
 
-The local attention is softmax(q k^T * scale) v written out in fp32 (fp64 for fp64 inputs), padded
-keys masked, result cast back to the input dtype before the post-A2A.
+The local attention is torch SDPA in fp32 (fp64 for fp64 inputs) with the padded keys dropped,
+result cast back to the input dtype before the post-A2A.
 
 Collectives: gloo (torch 2.13, CPU) supports all_to_all_single, all_to_all and all_gather; the A2As
 here use all_to_all_single (also on NCCL), the joint outputs all_gather.
@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .layout import (UlyssesLayout, _check_rank_list, gather_heads, head_to_seq, seq_to_head,
                      take_heads)
@@ -60,24 +61,20 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
         raise ValueError(f"k heads ({Hk}) must divide q heads ({Hq})")
     dtype = dtype or _compute_dtype(q.dtype)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    keep = None
+    q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
     if seqused_k is not None:
         if not 1 <= seqused_k <= Nk:
             raise ValueError(f"seqused_k must be in [1, {Nk}], got {seqused_k}")
-        keep = (torch.arange(Nk, device=q.device) < seqused_k).expand(Nq, Nk)
-    if causal:
-        rows = torch.arange(Nq, device=q.device)[:, None]
-        tri = torch.arange(Nk, device=q.device)[None, :] <= rows
-        keep = tri if keep is None else keep & tri
-    # Written out (not torch SDPA, whose CPU flash kernel turns a NaN query row into zeros): a NaN
-    # in q reaches its output row, a NaN in an unmasked key or value every row, on every path.
-    q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
+        # masked keys dropped, not masked: a NaN in a padding key or value row cannot leak
+        k, v = k[:, :seqused_k], v[:, :seqused_k]
     if Hq != Hk:
         k, v = (x.repeat_interleave(Hq // Hk, dim=2) for x in (k, v))
-    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hq, Nq, Nk]
-    if keep is not None:
-        scores.masked_fill_(~keep, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v.transpose(1, 2)).transpose(1, 2)
+    # torch SDPA in `dtype` (is_causal is top-left aligned)
+    q = q.transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale)
+    # SDPA's CPU kernel turns a NaN query row into zeros (torch 2.13, fewer than 8 keys): add 0 * the
+    # row's sum, so that a NaN in q reaches its output row on every path (tests/cpu/test_reliability.py)
+    return o.add_(q.sum(-1, keepdim=True), alpha=0).transpose(1, 2)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):

@@ -1,6 +1,6 @@
-"""CPU tier: the paced fused kernel (cute_kernels.fa4_a2a_paced_sm90) compiles for sm_90a with fake
-tensors, its PTX holds the pacer (compare-and-swap on the slot word, %globaltimer), and bad
-arguments are refused."""
+"""CPU tier: the paced fused kernel (fa4_a2a_forward(..., pacer=), cute_kernels.fa4_a2a_paced_sm90)
+compiles for sm_90a with fake tensors, its PTX holds the pacer (atomic max and add on the slot word,
+%globaltimer), and bad arguments are refused."""
 
 import pytest
 import torch
@@ -19,46 +19,51 @@ def _inputs(P=4, B=1, H_loc=3, D=128, dtype=torch.bfloat16, S_loc=None):
 
 
 @pytest.mark.parametrize("D,dtype,stamps", [(128, torch.bfloat16, False), (64, torch.float16, True)])
-def test_paced_compiles(D, dtype, stamps):
+def test_paced_compiles(D, dtype, stamps, monkeypatch):
+    kinds, compile_fa4 = [], fused.compile_fa4
+
+    def spy(kind, *key, **kw):
+        kinds.append(kind)
+        return compile_fa4(kind, *key, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy)
     with FakeTensorMode():
         q, windows, pacer = _inputs(D=D, dtype=dtype)
         ts = None
         if stamps:
             ts = torch.empty(1, q.shape[2], q.shape[1] // fused.tile_m_for(D), 7, dtype=torch.int64, device="cuda")
-        paced.fa4_a2a_paced_forward(q, q, q, windows, 1, pacer, timestamps=ts)
-    assert paced.compile_paced.cache_info().currsize >= 1
+        fused.fa4_a2a_forward(q, q, q, windows, 1, pacer=pacer, timestamps=ts)
+    assert kinds == ["a2a-paced"]
 
 
 def test_ptx_has_the_pacer(tmp_path):
-    import cutlass.cute as cute
-
-    with FakeTensorMode():
-        from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-
-        q, windows, pacer = _inputs()
-        dst = windows.narrow(3, 0, q.shape[2])
-        tq, to = to_cute_tensor(q), to_cute_tensor(dst)
-        tpace = to_cute_tensor(pacer, assumed_align=8)
-    fa = fused._make_kernel(paced.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    cute.compile(fa, tq, tq, tq, to, 1.0, None, None, tpace, stream,
-                 options=f"--enable-tvm-ffi --keep-ptx --dump-dir={tmp_path}")
-    ptx = "\n".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    key = ("a2a-paced", torch.bfloat16, 128, 1, False, False, False)
+    ptx = fused.compile_fa4(*key, extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
     assert "red.relaxed.gpu.global.max.s64" in ptx and "atom.relaxed.gpu.global.add.u64" in ptx
     assert "%globaltimer" in ptx
     assert "cp.async.bulk.tensor" in ptx  # the TMA store it paces
+    plain = fused.compile_fa4("a2a-tma", *key[1:], extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert "%globaltimer" not in plain  # the unpaced build stays without the pacer
 
 
 def test_refusals():
     with FakeTensorMode():
         q, windows, pacer = _inputs()
-        with pytest.raises(ValueError, match="pacer"):
-            paced.fa4_a2a_paced_forward(q, q, q, windows, 0, torch.empty(3, dtype=torch.int32, device="cuda"))
-        with pytest.raises(ValueError, match="pacer"):
-            paced.fa4_a2a_paced_forward(q, q, q, windows, 0, torch.empty(2, dtype=torch.int64, device="cuda"))
+        for bad in (torch.empty(3, dtype=torch.int32, device="cuda"), torch.empty(2, dtype=torch.int64, device="cuda"),
+                    torch.empty(3, dtype=torch.int64), "pacer"):
+            with pytest.raises(ValueError, match="pacer: expected an int64 tensor"):
+                fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=bad)
         q2, w2, _ = _inputs(S_loc=fused.tile_m_for(128) + 64)
-        with pytest.raises(ValueError, match="out_windows"):
-            paced.fa4_a2a_paced_forward(q2, q2, q2, w2, 0, pacer)
+        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
+            fused.fa4_a2a_forward(q2, q2, q2, w2, 0, pacer=pacer)
+        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
+            fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=pacer, rotate=True)
+        P, B, S_loc, H, _ = windows.shape
+        lse = torch.empty(P, B, H, S_loc, dtype=torch.float32, device="cuda")
+        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
+            fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=pacer, lse_windows=lse)
+    with pytest.raises(ValueError, match="kind: the paced kernel is SM90 only"):
+        fused.compile_fa4("a2a-paced", torch.bfloat16, 128, 1, False, False, False, rotate=True)
     with pytest.raises(ValueError, match="o_store"):
         fused._make_kernel(paced.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, o_store="st")
     with pytest.raises(ValueError, match="rotate"):

@@ -1,10 +1,10 @@
-"""GPU tier: the paced fused kernel (cute_kernels.fa4_a2a_paced_sm90) writes the same windows as the
-unpaced one, bit for bit, into HBM and pinned host memory, and its pacer really spaces the stores."""
+"""GPU tier: the paced fused kernel (fa4_a2a_forward(..., pacer=), cute_kernels.fa4_a2a_paced_sm90)
+writes the same windows as the unpaced one, bit for bit, into HBM and pinned host memory, and its pacer really spaces the stores."""
 
 import pytest
 import torch
 
-from cute_kernels.fa4_a2a_paced_sm90 import fa4_a2a_paced_forward, make_pacer
+from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
 from fa_a2a.fused import fa4_a2a_forward, tile_m_for
 from ulysses.transport import tensor_from_address
 
@@ -35,7 +35,7 @@ def test_paced_equals_unpaced(host, P, B, H_loc, D, dtype, kv_heads):
     pacer = make_pacer(q.device, 40.0, tile_m_for(D) * D * q.element_size())
     for rank in range(P):
         fa4_a2a_forward(q, k, v, ref, rank)
-        fa4_a2a_paced_forward(q, k, v, out, rank, pacer)
+        fa4_a2a_forward(q, k, v, out, rank, pacer=pacer)
     torch.cuda.synchronize()
     assert not torch.isnan(ref).any()
     assert torch.equal(out, ref)
@@ -49,11 +49,11 @@ def test_pacer_spaces_the_stores():
     out = torch.empty(P, 1, S_loc, P * H_loc, D, device="cuda", dtype=torch.bfloat16)
     n_tiles = P * S_loc // tile_m_for(D) * H_loc
     pacer = make_pacer(q.device, 1.0, tile_m_for(D) * D * 2, burst_tiles=2)
-    fa4_a2a_paced_forward(q, q, q, out, 0, pacer)  # compile, and a TAT in the past for the next launch
+    fa4_a2a_forward(q, q, q, out, 0, pacer=pacer)  # compile, and a TAT in the past for the next launch
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    fa4_a2a_paced_forward(q, q, q, out, 0, pacer)
+    fa4_a2a_forward(q, q, q, out, 0, pacer=pacer)
     b.record()
     torch.cuda.synchronize()
     dt_us = pacer[1].item() / 1e3

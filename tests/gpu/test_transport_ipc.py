@@ -198,17 +198,21 @@ def test_vmm_setup_failures_reach_every_rank_and_free_memory():
 def _multigpu_check(P, group, rank):
     import fa_a2a.fused as fused
     from tests.multigpu.test_multigpu import check_ranks, drop_remote_tiles
+    from ulysses.transport import close_transports
 
     faulthandler.dump_traceback_later(HARD_S, exit=True)
     case = (lambda P: (1, P * 256, 2 * P, P, 128, 0, False),)
     assert check_ranks(P, group, rank, impls=("fused", "serial"), cases=case)
-    real = fused.fa4_a2a_forward
-    fused.fa4_a2a_forward = drop_remote_tiles(real)
+    # a fresh transport, so that the window plan prepares its launches again with the broken launcher
+    dist.barrier(group=group)
+    close_transports()
+    real = fused.fa4_a2a_launcher
+    fused.fa4_a2a_launcher = drop_remote_tiles(real)
     try:
         with pytest.raises(AssertionError, match="fused"):
             check_ranks(P, group, rank, impls=("fused",), cases=case)
     finally:
-        fused.fa4_a2a_forward = real
+        fused.fa4_a2a_launcher = real
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -53,13 +53,19 @@ def _poison_own_windows(transport, rank: int) -> None:
     transport.host_barrier()
 
 
-def drop_remote_tiles(fused_forward):
-    """A broken fused epilogue for tests: its O tiles reach this rank's own window only."""
+def drop_remote_tiles(fused_launcher):
+    """A broken fused epilogue for tests, in place of fa_a2a.fused.fa4_a2a_launcher: its launches
+    leave O tiles in this rank's own window only."""
 
     def broken(q, k, v, out_windows, rank, **kwargs):
         scratch = torch.empty_like(out_windows, memory_format=torch.contiguous_format)
-        fused_forward(q, k, v, scratch, rank, **kwargs)
-        out_windows[rank].copy_(scratch[rank])
+        launch = fused_launcher(q, k, v, scratch, rank, **kwargs)
+
+        def run():
+            launch()
+            out_windows[rank].copy_(scratch[rank])
+
+        return run
 
     return broken
 
