@@ -33,7 +33,9 @@ __all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "conti
 def contiguous16(t: torch.Tensor) -> torch.Tensor:
     """t itself when the A2A kernels can read it (16-byte base and strides), else a copy."""
     es = t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1]):
+    if t.data_ptr() % 16 == 0 and (
+            (t.is_contiguous() and t.shape[-1] * es % 16 == 0)  # the common case, one call into torch
+            or (t.stride(-1) == 1 and all((s * es) % 16 == 0 for s in t.stride()[:-1]))):
         return t
     return t.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned base
 
@@ -200,16 +202,16 @@ class WindowPlan:
 
     def finish(self, rank: int, rows: int, out=None, joint_out=None):
         """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
-        H = self.layout.num_heads
-        if rank not in self._results:  # views of rank's windows without the padding heads
-            self._results[rank] = (self.out_w[rank][:, :, :H],
-                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
+        key = (rank, rows)
+        if key not in self._results:  # views of rank's windows without the padding heads
+            H = self.layout.num_heads
+            self._results[key] = (self.out_w[rank][:, :rows, :H],
+                                  self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
+        o, jo = self._results[key]
         if out is None:  # the windows are reused by the next call: copy out of them
-            out = torch.empty(self.B, rows, H, self.D, dtype=self.dtype, device=self.transport.device)
-            if self.layout.joint_len:
-                joint_out = torch.empty(self.B, self.layout.joint_len, H, self.D, dtype=self.dtype,
-                                        device=self.transport.device)
-        return _deliver(self.layout, rank, self._results[rank], rows, out, joint_out)
+            o = o.clone(memory_format=torch.contiguous_format)
+            jo = None if jo is None else jo.clone(memory_format=torch.contiguous_format)
+        return _deliver(self.layout, rank, (o, jo), rows, out, joint_out)
 
 
 _plans: dict = {}

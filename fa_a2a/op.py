@@ -43,7 +43,8 @@ def _group(group):
         if not (dist.is_available() and dist.is_initialized()):
             return None, "", 1, 0
         group = dist.group.WORLD
-    return group, group.group_name, dist.get_world_size(group), dist.get_rank(group)
+    # the group's own size and rank (= dist.get_world_size / get_rank(group), without their lookups)
+    return group, group.group_name, group.size(), group.rank()
 
 
 def _outputs(q, joint):

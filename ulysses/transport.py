@@ -181,6 +181,7 @@ class Transport:
         self.error_host = (torch.zeros(n, world_size, dtype=torch.int32, pin_memory=True)
                            if device.type == "cuda" else None)
         self._error_host_np = self.error_host.numpy() if self.error_host is not None else None
+        self._no_error = bytes(self._error_host_np.nbytes) if self.error_host is not None else b""
         self.signal = self.windows("__signal__", (world_size,), torch.int32)
 
     # ---- backend hooks ---------------------------------------------------------------------
@@ -196,7 +197,7 @@ class Transport:
         """Raise if this transport is closed or has failed (a barrier timeout seen by the host)."""
         if self.closed:
             raise RuntimeError(f"{what}: this transport is closed")
-        if self._failure is None and self._error_host_np is not None and self._error_host_np.any():
+        if self._failure is None and self._error_host_np is not None and self._error_host_np.tobytes() != self._no_error:
             self._failure = self._timeout_error(self.error_host)
         f = self._failure
         if isinstance(f, BarrierTimeoutError):
