@@ -359,3 +359,34 @@ def test_attention_launches_compile_before_the_first_barrier_and_line_ranks_up(m
     plan.attend_launch(1, "serial", False, 0.125)
     assert events[7:] == ["prepare fa4", "prepare post", "prepare post", "host barrier"]
     transport.close()
+
+
+def _check_subgroup_rank(P, group, rank):
+    """The op's group resolution reads size and rank off the ProcessGroup: for ranks 1 and 2 of three
+    they are the group's (2; 0 and 1), as dist.get_world_size / get_rank(group) say."""
+    from fa_a2a.op import _group
+
+    sub = dist.new_group([1, 2])  # every rank takes part in creating it
+    if rank in (1, 2):
+        got = _group(sub)
+        assert got[1:] == (sub.group_name, 2, rank - 1) == (sub.group_name, dist.get_world_size(sub),
+                                                             dist.get_rank(sub))
+    assert _group(None)[2:] == (3, rank)  # the default group
+
+
+def test_group_size_and_rank_of_a_subgroup():
+    run_on_gloo_groups(_check_subgroup_rank, (3,))
+
+
+def test_contiguous16_keeps_what_the_kernels_can_read():
+    from fa_a2a.forward import contiguous16
+
+    x = torch.randn(2, 8, 4, 16)
+    assert contiguous16(x) is x  # contiguous, 16-byte base and rows
+    v = x.transpose(1, 2)  # strided, every stride a multiple of 16 bytes
+    assert contiguous16(v) is v
+    for copied in (x[..., 1:9],  # base 4 bytes past an aligned one
+                   x[..., ::2],  # last dim not unit-stride
+                   torch.randn(2, 8, 4, 3)):  # 12-byte rows
+        c = contiguous16(copied)
+        assert c is not copied and torch.equal(c, copied) and c.is_contiguous() and c.data_ptr() % 16 == 0
