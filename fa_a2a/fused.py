@@ -222,13 +222,13 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
     from flash_attn.cute.testing import active_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    paced = kind == "a2a-paced"
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         example = _example_tensors(kind, dtype, head_dim, qhead_per_kvhead, has_seqused_k, has_lse, timestamps)
         tq, tk, tv, to = [to_cute_tensor(t) for t in example[:4]]
         tlse = to_cute_tensor(example[4], assumed_align=4)
         tsk = to_cute_tensor(example[5], assumed_align=4, leading_dim=0)
         ttimes = to_cute_tensor(example[6], assumed_align=8)
-        paced = kind == "a2a-paced"
         tpace = to_cute_tensor(torch.empty(3, dtype=torch.int64, device="cuda"), assumed_align=8) if paced else None
     if rotate and kind == "fa4":
         raise ValueError("rotate: only the fused kernels (kind 'a2a-*') have the rank-rotated order")
