@@ -43,6 +43,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from cute_kernels.compile_cache import disk_cache
+
 
 def _vec_elems(dtype) -> int:
     return 128 // dtype.width
@@ -270,7 +272,7 @@ def _fake(dtype, shape, div):
     return make_fake_tensor(dtype, shape, divisibility=div)
 
 
-@functools.cache
+@disk_cache
 def compile_pre_a2a(torch_dtype, head_dim: int, world_size: int, has_joint: bool, extra_options: str = ""):
     """The compiled PreA2A for (dtype, D, P, joint); fake tensors, so no GPU is needed.
 
@@ -291,7 +293,7 @@ def compile_pre_a2a(torch_dtype, head_dim: int, world_size: int, has_joint: bool
     )
 
 
-@functools.cache
+@disk_cache
 def compile_post_a2a(torch_dtype, head_dim: int, world_size: int, broadcast: bool = False,
                      extra_options: str = ""):
     """The compiled PostA2A for (dtype, D, P, broadcast); see compile_pre_a2a."""

@@ -108,6 +108,8 @@ from quack.gemm_tvm_ffi_utils import (
 )
 from quack.rounding import RoundingMode
 
+from cute_kernels.compile_cache import load_or_compile
+
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 EPS = 1e-6  # HeadRstd's eps in quack's qk epilogues
@@ -337,11 +339,15 @@ def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
             alpha=None, beta=None, mRowVecBroadcast=row, mColVecBroadcast=None,
             add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None,
         )
-    compiled = compile_gemm_kernel(
-        cls, cdt, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
-        config.pingpong, True, False, False, (9, 0), mA, mB, mD, None, epi,
-        make_fake_scheduler_args(False, False, l), None,
-    )
+    # the GEMM itself goes through the disk cache (the arguments are its key); the epilogue
+    # classes and ops above are rebuilt per process (cheap)
+    compiled, _ = load_or_compile(
+        "compile_projection", (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch),
+        lambda: compile_gemm_kernel(
+            cls, cdt, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
+            config.pingpong, True, False, False, (9, 0), mA, mB, mD, None, epi,
+            make_fake_scheduler_args(False, False, l), None,
+        ))
     return _Kernel(compiled, cls.EpilogueArguments, tuple(call_ops),
                    config.cluster_m * config.cluster_n)
 

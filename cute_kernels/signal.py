@@ -40,6 +40,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
+from cute_kernels.compile_cache import disk_cache
+
 MAX_WORLD_SIZE = 32
 
 
@@ -115,7 +117,7 @@ class BarrierKernel:
 
 
 # ---- torch side: cached compile + launch -------------------------------------------------------
-@functools.cache
+@disk_cache
 def compile_barrier(world_size: int, num_local: int = 1, extra_options: str = ""):
     """The compiled BarrierKernel for (world_size, num_local); fake tensors, so no GPU is needed.
 

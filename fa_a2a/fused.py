@@ -19,6 +19,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from cute_kernels.compile_cache import disk_cache
+
 # What the kernels take (fa_a2a.problem and the diffusers backend check calls against these).
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
@@ -203,7 +205,7 @@ def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has
     return q, k, torch.empty_like(k), out, lse, seqused, times
 
 
-@functools.cache
+@disk_cache
 def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
                 has_seqused_k: bool, has_lse: bool, timestamps: bool = False, rotate: bool = False,
                 sm100: Optional[Sm100Config] = None, extra_options: str = ""):

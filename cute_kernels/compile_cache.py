@@ -1,0 +1,198 @@
+"""Compiled kernels kept on disk, shared by the processes of a machine.
+
+Every compile function of this project (compile_fa4, compile_pre_a2a / compile_post_a2a,
+compile_barrier, the QKV projection's GEMM) compiles through the CuTe DSL with TVM-FFI, and a
+TVM-FFI compiled function can be exported as an object file and loaded back in another process:
+the facility FlashAttention-4 (flash_attn.cute.cache_utils) and quack (quack.cache) use for their
+own kernels. The on-disk side here is FA4's JITPersistentCache: one `<sha256>.o` per key, loaded
+under a shared file lock, exported under an exclusive one into a temporary file that is renamed
+into place (P ranks starting at once may all compile a cold key, one export lands, the others see
+it; an entry that fails to load is recompiled and replaced). Loading an entry takes milliseconds
+where compiling FA4's forward takes seconds.
+
+What is ours is the key and the switch:
+
+- key: the compile function's qualified name and all its arguments (defaults applied, so a
+  call with and without a default argument share an entry), the DSL's compile settings (its own
+  cache key: the target arch, the compiler options, debug/lineinfo, ...), FA4's FLASH_ATTENTION_*
+  variables, and a fingerprint of everything else that changes the generated code: the Python
+  code that runs while compiling (cute_kernels, fa_a2a/fused.py and fa_a2a/xstage.py, FA4's
+  CuTe package, quack), the versions of the CuTe DSL, TVM-FFI, FA4, quack and torch, and the
+  Python version. A change to any of them is a miss (old entries stay on disk under the old
+  fingerprint's folder and can be deleted).
+- folder: $FA_A2A_CACHE_DIR, else $XDG_CACHE_HOME/fa_a2a, else ~/.cache/fa_a2a.
+- switch: FA_A2A_CACHE=0 turns the disk off (compiles are then cached in memory only, per
+  process, as before); read at every miss, so it can change during a process.
+- a call with a non-empty `extra_options` argument (e.g. "--keep-ptx --dump-dir=DIR") always
+  compiles: its point is the compiler's side effects, which a load would skip.
+
+A loaded entry is the bare TVM-FFI function (positional arguments only, all of them passed):
+every launcher here calls its compiled kernel that way.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import inspect
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+ENV_DIR = "FA_A2A_CACHE_DIR"
+ENV_SWITCH = "FA_A2A_CACHE"
+_PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi", "flash-attn-4", "quack-kernels", "torch")
+
+
+class CacheInfo(NamedTuple):
+    """functools.cache's counters, plus how many of the misses were loaded from disk."""
+
+    hits: int
+    misses: int
+    maxsize: None
+    currsize: int
+    loads: int
+
+
+def enabled() -> bool:
+    """Whether compiles go through the disk cache (FA_A2A_CACHE: unset or 1 = on, 0 = off)."""
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH}: expected 0 (off) or 1 (on), got {value!r}")
+    return value == "1"
+
+
+def cache_dir() -> Path:
+    """The cache folder (not created here)."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fa_a2a"
+
+
+def _source_roots() -> tuple:
+    """The Python code that runs while compiling: this package (the kernels), fa_a2a's compile
+    functions (fused.py) and what they import from fa_a2a (xstage.py: FA4's tile geometry), FA4's
+    CuTe package and quack. A compile function that starts using another fa_a2a module must add
+    it here."""
+    import flash_attn.cute
+    import quack
+
+    here = Path(__file__).resolve().parent
+    return (here, here.parent / "fa_a2a" / "fused.py", here.parent / "fa_a2a" / "xstage.py",
+            Path(flash_attn.cute.__file__).resolve().parent, Path(quack.__file__).resolve().parent)
+
+
+@functools.cache
+def source_fingerprint(roots: tuple) -> str:
+    """sha256 over the Python version, the versions of _PACKAGES and the .py files of `roots`
+    (files, or folders searched recursively: name, length and bytes of each). Computed once per
+    process per `roots`."""
+    h = hashlib.sha256(f"py{sys.version_info.major}.{sys.version_info.minor}".encode())
+    for name in _PACKAGES:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        h.update(f"{name}={version};".encode())
+    for root in map(Path, roots):
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for src in files:
+            data = src.read_bytes()
+            h.update(f"{root.name}/{src.relative_to(root).as_posix()}:{len(data)}:".encode())
+            h.update(data)
+    return h.hexdigest()
+
+
+def _compile_settings() -> str:
+    """What besides the arguments and the sources changes the generated code: the DSL's own
+    compile-cache key (arch included) and FA4's FLASH_ATTENTION_* variables."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    fa4 = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("FLASH_ATTENTION_") and "_CACHE_" not in k)
+    return CuTeDSL._get_dsl().envar.cache_key_str() + repr(fa4)
+
+
+@functools.cache
+def _store(path: Path):
+    from flash_attn.cute.cache_utils import JITPersistentCache
+
+    return JITPersistentCache(path)
+
+
+def entry_folder(name: str) -> Path:
+    """Where the entries of compile function `name` live under the current fingerprint."""
+    return cache_dir() / source_fingerprint(_source_roots())[:32] / name
+
+
+def load_or_compile(name: str, key: tuple, compile: Callable[[], Any]) -> tuple:
+    """(compiled function of `key`, whether it was loaded from disk): the disk entry of (name,
+    key) if there is a loadable one, else compile() (a TVM-FFI compiled function), exported for
+    the next process. With the cache off (FA_A2A_CACHE=0), or when the folder cannot be created
+    (warned once), compile() alone."""
+    if not enabled():
+        return compile(), False
+    try:
+        settings = _compile_settings()
+    except Exception:  # e.g. no GPU and no CUTE_DSL_ARCH: let the compile report it
+        return compile(), False
+    folder = entry_folder(name)
+    try:
+        store = _store(folder)
+    except OSError as e:
+        _warn_once(f"fa_a2a compile cache: cannot use {folder} ({e}); compiling in memory only "
+                   f"(set {ENV_DIR}, or {ENV_SWITCH}=0)")
+        return compile(), False
+    full_key = (name, key, settings)
+    if full_key in store:  # loads the entry (shared lock) into the store's memory
+        return store[full_key], True
+    compiled = compile()
+    store[full_key] = compiled  # exports (exclusive lock, temporary file renamed into place)
+    return compiled, False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def disk_cache(fn: Callable) -> Callable:
+    """functools.cache for a compile function, backed by the disk cache (see the module
+    docstring). The arguments, defaults applied, are the key; they must be hashable and
+    picklable. A non-empty `extra_options` argument bypasses the disk. cache_info() /
+    cache_clear() as functools.cache's (cache_clear empties the memory, not the disk)."""
+    signature = inspect.signature(fn)
+    memory: dict = {}
+    counts = {"hits": 0, "misses": 0, "loads": 0}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple(bound.arguments.values())
+        if key in memory:
+            counts["hits"] += 1
+            return memory[key]
+        counts["misses"] += 1
+        if bound.arguments.get("extra_options"):
+            result = fn(*args, **kwargs)
+        else:
+            result, loaded = load_or_compile(fn.__qualname__, key, lambda: fn(*args, **kwargs))
+            counts["loads"] += loaded
+        memory[key] = result
+        return result
+
+    def cache_info() -> CacheInfo:
+        return CacheInfo(counts["hits"], counts["misses"], None, len(memory), counts["loads"])
+
+    def cache_clear() -> None:
+        memory.clear()
+        counts.update(hits=0, misses=0, loads=0)
+
+    wrapper.cache_info = cache_info
+    wrapper.cache_clear = cache_clear
+    return wrapper
