@@ -111,6 +111,20 @@ def _pipe_dir() -> str:
     return os.environ.get(PIPE_VAR) or DEFAULT_PIPE_DIR
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's (a system daemon)
+        return True
+    try:  # an exited daemon nobody reaped yet (a container's init may never) is a zombie: gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _daemon_pid(pipe_dir: str) -> Optional[int]:
     """The pid of the control daemon serving pipe_dir, if it is alive."""
     try:
@@ -118,13 +132,7 @@ def _daemon_pid(pipe_dir: str) -> Optional[int]:
             pid = int(f.read().strip())
     except (OSError, ValueError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:  # alive, another user's (a system daemon)
-        pass
-    return pid
+    return pid if _alive(pid) else None
 
 
 def mps_reachable() -> bool:
@@ -209,7 +217,7 @@ def _stop(binary: str) -> None:
         logger.warning("MPS daemon in %s: quit got %s", pipe_dir,
                        "no answer" if res is None else f"exit {res.returncode}: {res.stderr.strip()}")
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while pid is not None and _daemon_pid(pipe_dir) is not None:
+    while pid is not None and _alive(pid):
         if time.monotonic() > deadline:
             logger.warning("MPS control daemon (pid %d) still runs %g s after quit (clients still "
                            "connected?); its directories are removed", pid, STOP_TIMEOUT_S)

@@ -1,22 +1,42 @@
-"""Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it)."""
+"""Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it).
 
+Rank processes on one GPU run under a private CUDA MPS daemon where one can start (their kernels
+then run at once instead of time-slicing the GPU); elsewhere, or with FA_A2A_TEST_MPS=0, they
+time-slice it (a warning says why where MPS was expected to start)."""
+
+import contextlib
 import datetime
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fa_a2a.mps import MpsUnavailableError, mps_available, mps_daemon
+
 
 def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None):
     """Spawn max(sizes) processes; for each P in sizes, ranks < P of a new gloo group run
     check(P, group, rank) (a module-level function). With cuda=True every process uses GPU 0
-    (ranks sharing one GPU). teardown(), if given, runs on every rank after the last size."""
+    (ranks sharing one GPU), under MPS where it can start: fa_a2a.mps.mps_reachable() in check says
+    which. teardown(), if given, runs on every rank after the last size."""
     world = max(sizes)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        if cuda:
+            _enter_mps(stack)
         args = (check, tuple(sizes), world, cuda, timeout_s, teardown, os.path.join(tmp, "init"))
         mp.spawn(_worker, args=args, nprocs=world, join=True)
+
+
+def _enter_mps(stack: contextlib.ExitStack) -> None:
+    if os.environ.get("FA_A2A_TEST_MPS") == "0" or not mps_available():
+        return
+    try:
+        stack.enter_context(mps_daemon())
+    except MpsUnavailableError as e:
+        warnings.warn(f"rank processes time-slice the GPU: {e}")
 
 
 def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):

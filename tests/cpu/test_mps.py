@@ -234,6 +234,29 @@ def test_bad_thread_percentage(clean_env, bad):
             pytest.fail("the block must not run")
 
 
+# ------------------------------------------------------------------------------ the test launcher
+def test_launcher_runs_gpu_ranks_under_mps_where_it_can(fake_control, monkeypatch):
+    import contextlib
+
+    from tests import multiproc
+
+    monkeypatch.setattr(multiproc, "mps_available", lambda: True)
+    with contextlib.ExitStack() as stack:
+        multiproc._enter_mps(stack)
+        assert mps.mps_reachable()  # the processes spawned now are its clients
+    assert fake_control() == ["start", "get_server_list", "quit"] and mps.PIPE_VAR not in os.environ
+    monkeypatch.setenv("FA_A2A_TEST_MPS", "0")
+    with contextlib.ExitStack() as stack:
+        multiproc._enter_mps(stack)
+        assert not mps.mps_reachable()
+    monkeypatch.delenv("FA_A2A_TEST_MPS")
+    monkeypatch.setenv("FAKE_MPS_START_EXIT", "1")  # MPS expected but it cannot start: time-sliced, said
+    with pytest.warns(UserWarning, match="^rank processes time-slice the GPU: the MPS control daemon did not start"):
+        with contextlib.ExitStack() as stack:
+            multiproc._enter_mps(stack)
+            assert not mps.mps_reachable()
+
+
 # ------------------------------------------------------------------------------ command line
 def _cli(args, tmp_path, env_extra=None, **kw):
     """python -m fa_a2a.mps args; its pipe directory without a daemon (not CUDA's default)."""
