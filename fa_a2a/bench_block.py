@@ -50,39 +50,43 @@ import math
 import os
 import time
 
+from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_HIDDEN, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[576, 1024, 4096], help="S_loc values")
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
-    ap.add_argument("--trials", type=int, default=11)
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m fa_a2a.bench_block", description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
+                    help="S_loc values")
+    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
+    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")
+    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
+    ap.add_argument("--hidden", type=int_in(1, MAX_HIDDEN), default=3072)
+    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=20, help="calls per captured graph")
+    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=11)
     ap.add_argument("--out", default=None, help="directory for bench_block.json")
     ap.add_argument("--compile-chain", action="store_true", help="also time the unfused chain with the torch "
                     "part under torch.compile (methods unfused-c, chain-c)")
     ap.add_argument("--platform", default=None, help="platform model JSON (python -m fa_a2a.calibrate) for "
                     "the design test; default: the paper's 8xB200 calibration")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("seqlens", "world_size", "heads", "hidden", "calls", "trials"):
-        v = getattr(args, name)
-        if any(x < 1 for x in (v if isinstance(v, list) else [v])):
-            raise SystemExit(f"--{name.replace('_', '-')}: positive ints expected, got {v}")
     if args.heads % args.world_size:
-        raise SystemExit(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
+        ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
 
     from fa_a2a.bench import load_platform
 
     try:
         platform, platform_source = load_platform(args.platform)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        ap.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (SM90)")
+        raise SystemExit("python -m fa_a2a.bench_block: needs a CUDA GPU (SM90); nothing measured")
     from cute_kernels import qkv_a2a_sm90 as K
     from fa_a2a import block
     from fa_a2a.forward import window_plan

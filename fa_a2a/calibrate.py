@@ -87,6 +87,7 @@ from typing import Optional
 
 import numpy as np
 
+from fa_a2a.cli import MAX_WORLD_SIZE, float_in, int_in
 from fa_a2a.xstage import (
     GB,
     KiB,
@@ -733,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory over PCIe, a one-GPU proxy for a slow peer, NOT NVLink; peer: another GPU's HBM "
                         "mapped with CUDA VMM (NVLink between GPUs of an HGX board; needs >= 2 GPUs with peer "
                         "access)")
-    p.add_argument("--peer", type=int, default=None,
+    p.add_argument("--peer", type=int_in(0, MAX_WORLD_SIZE - 1), default=None,
                    help="with --dest peer: the GPU whose memory is written (default: the next GPU after the "
                         "current one)")
     p.add_argument("--spread", action="store_true",
@@ -743,13 +744,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="smaller sweeps (under a minute on an H200)")
     p.add_argument("--mode", choices=("vector", "bulk"), default="vector",
                    help="store instruction: 16-byte st.global.v4 (default) or cp.async.bulk from smem")
-    p.add_argument("--threads", type=int, default=256,
+    p.add_argument("--threads", type=int_in(32, 1024), default=256,
                    help="threads per producer CTA, a multiple of 32 in [32, 1024] (default 256)")
-    p.add_argument("--sigma-us", type=float, default=None,
-                   help="FA4 Q-loop time per KV tile in us; measured with FA4 when omitted")
+    p.add_argument("--sigma-us", type=float_in(0, 1e6), default=None,
+                   help="FA4 Q-loop time per KV tile in us, at most 1e6; measured with FA4 when omitted")
     p.add_argument("--no-fa", action="store_true", help="skip the FA4 sigma measurement")
-    p.add_argument("--min-fit-volume-mib", type=float, default=4.0,
-                   help="zero-gap points with V below this are left out of the R fit (default 4)")
+    p.add_argument("--min-fit-volume-mib", type=float_in(0, 1 << 20, lo_inclusive=True), default=4.0,
+                   help="zero-gap points with V below this are left out of the R fit (default 4, at most 2^20)")
     return p
 
 
@@ -760,14 +761,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"{flag}: only with --dest peer, got --dest {args.dest}")
     if args.peer is not None and args.spread:
         raise ValueError(f"--peer: not with --spread (which writes into every GPU), got --peer {args.peer}")
-    if args.peer is not None and args.peer < 0:
-        raise ValueError(f"--peer: expected a GPU index >= 0, got {args.peer}")
-    if args.threads % 32 or not 32 <= args.threads <= 1024:
+    if args.threads % 32:
         raise ValueError(f"--threads: expected a multiple of 32 in [32, 1024], got {args.threads}")
-    if args.sigma_us is not None and not (args.sigma_us > 0 and math.isfinite(args.sigma_us)):
-        raise ValueError(f"--sigma-us: expected a positive finite number, got {args.sigma_us}")
-    if not (args.min_fit_volume_mib >= 0 and math.isfinite(args.min_fit_volume_mib)):
-        raise ValueError(f"--min-fit-volume-mib: expected a finite number >= 0, got {args.min_fit_volume_mib}")
 
 
 def main(argv=None) -> int:

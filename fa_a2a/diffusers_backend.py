@@ -254,13 +254,37 @@ def _register_with_cache_dit(name: str, fn) -> None:
                                   bridge_to_diffusers=False)(cache_dit_attention)
 
 
+def _require_accelerator(caller: str) -> None:
+    """diffusers' enable_parallelism computes `rank % torch.accelerator.device_count()`: without a GPU
+    it dies in a ZeroDivisionError. Refuse before that, saying what is needed."""
+    if torch.accelerator.device_count() == 0:
+        raise RuntimeError(f"{caller}: diffusers' context parallelism needs a GPU (torch.accelerator.device_count() "
+                           "is 0 here); on CPU use fa_a2a.ulysses_attention(impl='reference' or 'nccl') on a gloo "
+                           "group (fa_a2a.diffusers_backend.cpu_testbed() lets diffusers' CP run there for tests)")
+
+
+def _foreign_backend(name: str) -> Optional[str]:
+    """The library that already registers an attention backend `name` (diffusers, cache-dit), or None."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    if name in AttentionBackendName._value2member_map_:
+        return "diffusers"
+    if importlib.util.find_spec("cache_dit") is not None:
+        from cache_dit.attention.backends.register import _AttnBackend
+
+        if name in _AttnBackend._value2member_map_:
+            return "cache-dit"
+    return None
+
+
 def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused") -> str:
     """Register the fa-a2a attention backend with diffusers (and cache-dit, if installed); returns name.
 
-    name: the backend name for `model.set_attention_backend(name)` (lower case; not one of
-    diffusers' own). impl: the Ulysses op's impl, "fused" | "serial" | "nccl" | "reference".
-    Idempotent: registering a name again with the same impl does nothing more; another impl under
-    a registered name is refused (register a second name instead).
+    name: the backend name for `model.set_attention_backend(name)` (lower case; not a backend that
+    diffusers or cache-dit already has, such as "native", "sage3", "ffpa"). impl: the Ulysses op's
+    impl, "fused" | "serial" | "nccl" | "reference". Idempotent: registering a name again with the
+    same impl does nothing more; another impl under a registered name is refused (register a second
+    name instead). Refused (RuntimeError) without a GPU: diffusers' enable_parallelism needs one.
     """
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -273,8 +297,10 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused") -> str
             raise ValueError(f"impl: backend {name!r} is registered with impl {_registered[name]!r}, got {impl!r} "
                              "(register another name for another impl)")
         return name
-    if name in AttentionBackendName._value2member_map_:
-        raise ValueError(f"name: {name!r} is already a diffusers attention backend; choose another name")
+    owner = _foreign_backend(name)
+    if owner is not None:
+        raise ValueError(f"name: {name!r} is already a {owner} attention backend; choose another name")
+    _require_accelerator("register_diffusers_backend")
     fn = _make_backend(name, impl)
     member = _enum_member(AttentionBackendName, name)
     _AttentionBackendRegistry._backends[member] = fn
@@ -307,6 +333,7 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
         raise ValueError(f"model: {type(model).__name__} has no _cp_plan (diffusers' context-parallel plan)")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("model: torch.distributed must be initialized before enable_ulysses")
+    _require_accelerator("enable_ulysses")
     if ulysses_degree is None:
         ulysses_degree = mesh["ulysses"].size() if mesh is not None else dist.get_world_size()
     if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
@@ -345,3 +372,39 @@ def gather_cuda_over_gloo() -> None:
     import diffusers.hooks.context_parallel as cp_hooks
 
     cp_hooks.EquipartitionSharder.unshard = classmethod(_gather_through_host)
+
+
+def _all_gather_anything_padded(tensor, dim, group):
+    """diffusers' _all_gather_anything (uneven shards along dim) through equal-size buffers: gloo's
+    all_gather takes equal sizes only. Pads every shard to the longest, gathers, trims."""
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64)
+    dist.all_gather_into_tensor(sizes, torch.tensor([tensor.shape[dim]]), group=group)
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, int(sizes.max()) - tensor.shape[dim]]
+    padded = torch.nn.functional.pad(tensor, pad)
+    parts = [torch.empty_like(padded) for _ in range(len(sizes))]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, int(n)) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def cpu_testbed() -> None:
+    """Let diffusers' context parallelism run in CPU processes over gloo: a testbed switch (the CPU
+    tests, examples/dit_inference.py --device cpu), not for production runs; it changes no
+    arithmetic. diffusers 0.42.1 assumes a GPU in four places, answered here as a CPU run needs:
+    enable_parallelism divides by torch.accelerator.device_count() (0 without a GPU: answered 1,
+    which also lets register_diffusers_backend / enable_ulysses through); ulysses_anything's size
+    gather places its tensors on torch.accelerator.current_accelerator() (cuda on a CUDA build of
+    torch even without a GPU: answered None, as a CPU build of torch does); its output gather of
+    uneven shards is an all_gather of unequal tensors, which gloo refuses (padded, gathered,
+    trimmed); its hooks call logger.warning_once (added when transformers is imported). Process-wide
+    and not undone; on a machine with a GPU only the last two apply."""
+    import diffusers.hooks.context_parallel as cp_hooks
+
+    if torch.accelerator.device_count() == 0:
+        torch.accelerator.device_count = lambda: 1
+        torch.accelerator.current_accelerator = lambda check_available=False: None
+    cp_hooks._all_gather_anything = _all_gather_anything_padded
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = logging.Logger.warning

@@ -11,13 +11,15 @@ parallelism_config=ParallelismConfig(ulysses_size=P, attention_backend=name))`) 
 installed; also ring degree P (diffusers' templated ring over the backend's local op) and
 enable_ulysses applied twice (refused).
 
-Test shims make diffusers' CP run on a CPU torch with gloo (none changes the arithmetic):
-torch.accelerator.device_count() is 0 there (diffusers divides by it); gloo's all_gather refuses
-the uneven shards of ulysses_anything's output gather (padded, gathered, trimmed here); and
-diffusers' CP hooks call logger.warning_once, which exists once transformers is imported.
+The spawned ranks call fa_a2a.diffusers_backend.cpu_testbed(), which lets diffusers' CP run on a
+machine without a GPU, with either build of torch (CPU or CUDA), over gloo (it changes no
+arithmetic); the single-process tests answer torch.accelerator.device_count() with 1 the same way.
+Also: registration refused without a GPU, for a name another library registers, and for another
+impl under a registered name.
 """
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -97,32 +99,6 @@ MODELS = {
 }
 
 
-# ---- shims for diffusers' CP on a CPU torch with gloo ------------------------------------------------------
-def _gather_anything_padded(tensor, dim, group):
-    """diffusers' _all_gather_anything through equal-size buffers (gloo needs them)."""
-    import torch.distributed as dist
-
-    tensor = tensor.contiguous()
-    P = dist.get_world_size(group)
-    sizes = torch.empty(P, dtype=torch.int64)
-    dist.all_gather_into_tensor(sizes, torch.tensor([tensor.shape[dim]]), group=group)
-    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, int(sizes.max()) - tensor.shape[dim]]
-    parts = [torch.empty_like(torch.nn.functional.pad(tensor, pad)) for _ in range(P)]
-    dist.all_gather(parts, torch.nn.functional.pad(tensor, pad), group=group)
-    return torch.cat([p.narrow(dim, 0, int(n)) for p, n in zip(parts, sizes)], dim=dim)
-
-
-def _cpu_shims():
-    import logging
-
-    import diffusers.hooks.context_parallel as cp_hooks
-
-    torch.accelerator.device_count = lambda: 1
-    cp_hooks._all_gather_anything = _gather_anything_padded
-    if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP calls it; transformers adds it on import
-        logging.Logger.warning_once = logging.Logger.warning
-
-
 class _RecordRows:
     """Wraps the backend's call of the Ulysses op and records the q rows of each call."""
 
@@ -152,7 +128,7 @@ def _expect_rows(shape, J, P, rank):
 
 
 def _check_models(P, group, rank):
-    _cpu_shims()
+    backend.cpu_testbed()
     record = _RecordRows()
     names = {impl: backend.register_diffusers_backend(f"fa_a2a_{impl}", impl) for impl in ("reference", "nccl")}
     torch.set_grad_enabled(False)
@@ -212,6 +188,13 @@ def _check_ring(P, rank):
 def _check_applied_twice():
     torch.manual_seed(0)
     model = _flux().eval()
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 0  # no GPU: refused before diffusers divides by it
+    try:
+        with pytest.raises(RuntimeError, match=r"^enable_ulysses: .*needs a GPU"):
+            backend.enable_ulysses(model, impl="reference")
+    finally:
+        torch.accelerator.device_count = count
     backend.enable_ulysses(model, impl="reference")
     for again in (lambda: backend.enable_ulysses(model, impl="reference"),
                   lambda: backend.enable_ulysses(model, impl="nccl")):
@@ -231,7 +214,7 @@ def _check_cache_dit(P, group, rank):
     import cache_dit
     from cache_dit import ParallelismConfig
 
-    _cpu_shims()
+    backend.cpu_testbed()
     record = _RecordRows()
     name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
     torch.set_grad_enabled(False)
@@ -257,7 +240,41 @@ def test_models_match_single_device_under_cache_dit_cp():
 
 
 # ---- single process ------------------------------------------------------------------------------------------
-def test_registration_is_idempotent_and_refuses_conflicts():
+@pytest.fixture
+def one_accelerator(monkeypatch):
+    """What cpu_testbed answers diffusers in the spawned ranks, undone after the test."""
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+
+
+def test_registration_refused_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"^register_diffusers_backend: diffusers' context parallelism needs a GPU"):
+        backend.register_diffusers_backend("fa_a2a_no_gpu", "reference")
+    assert backend.backend_impl("fa_a2a_no_gpu") is None
+
+
+def test_registration_refuses_other_libraries_backends(one_accelerator):
+    """A name diffusers or cache-dit already registers would silently replace that backend."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = dict(_AttentionBackendRegistry._backends)
+    for name in ("native", "flash", "_native_cudnn"):
+        with pytest.raises(ValueError, match=f"name: '{name}' is already a diffusers attention backend"):
+            backend.register_diffusers_backend(name, "reference")
+    if importlib.util.find_spec("cache_dit") is not None:
+        from cache_dit.attention.backends.register import _AttnBackendRegistry
+
+        cache_before = dict(_AttnBackendRegistry._backends)
+        for name in ("sage3", "ffpa", "ffpa_fp8", "_sdpa_cudnn"):
+            with pytest.raises(ValueError, match=f"name: '{name}' is already a (cache-dit|diffusers) attention"):
+                backend.register_diffusers_backend(name, "reference")
+        assert _AttnBackendRegistry._backends == cache_before
+    assert _AttentionBackendRegistry._backends == before
+    assert backend.register_diffusers_backend("fa_a2a", "fused") == "fa_a2a"  # fa-a2a's own: idempotent
+    assert backend.register_diffusers_backend("fa_a2a", "fused") == "fa_a2a"
+
+
+def test_registration_is_idempotent_and_refuses_conflicts(one_accelerator):
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     assert backend.register_diffusers_backend("fa_a2a_reference", "reference") == "fa_a2a_reference"
@@ -275,7 +292,7 @@ def test_registration_is_idempotent_and_refuses_conflicts():
         backend.register_diffusers_backend("FA_A2A", "reference")
 
 
-def test_without_parallel_config_the_backend_is_local_attention():
+def test_without_parallel_config_the_backend_is_local_attention(one_accelerator):
     torch.manual_seed(0)
     model = _flux().eval()
     x = _flux_inputs(*EVEN, torch.Generator().manual_seed(1))

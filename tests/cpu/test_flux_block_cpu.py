@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from fa_a2a import block, diffusers_backend as backend, flux_block  # noqa: E402
-from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _cpu_shims, _flux, _flux_inputs  # noqa: E402
+from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _flux, _flux_inputs  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def _rows(n, P):
 def _check(P, group, rank):
     from diffusers import ContextParallelConfig
 
-    _cpu_shims()
+    backend.cpu_testbed()
     name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
     torch.set_grad_enabled(False)
     for anything, (shape, J) in ((False, EVEN), (True, UNEVEN)):
@@ -157,9 +157,11 @@ def _config(ulysses, ring=1):
                                                                                ring_degree=ring))
 
 
-def test_fallback_reasons():
+def test_fallback_reasons(monkeypatch):
     """The reasons that send a call to diffusers' processor (all shared by the ranks)."""
     from diffusers.models.attention_dispatch import AttentionBackendName
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # registration needs a GPU's count
 
     attn = _flux().transformer_blocks[0].attn
     x, e = torch.randn(1, 8, attn.query_dim), torch.randn(1, 2, attn.query_dim)
