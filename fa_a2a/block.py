@@ -144,18 +144,48 @@ def _layout_heads(num_heads: int, num_kv_heads: int, world_size: int):
 def block_weights(chain: TorchQKV, world_size: int):
     """chain's weights gathered in destination order for P = world_size ranks (the layout's head
     map: padding heads, GQA replication), as the fused projection takes them."""
-    from cute_kernels.qkv_a2a_sm90 import QKVWeights
-
     if chain.across_heads:
         raise ValueError("chain: per-head q/k norms expected (an RMSNorm across heads cannot be fused), "
                          "got across_heads=True")
     H, Hk, D = chain.num_heads, chain.num_kv_heads, chain.head_dim
-    wq, wk, wv = chain.weight.split([H * D, Hk * D, Hk * D])
     b = (None,) * 3 if chain.bias is None else chain.bias.split([H * D, Hk * D, Hk * D])
-    qi, ki = _layout_heads(H, Hk, world_size)
-    return QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=world_size, bq=b[0], bk=b[1], bv=b[2],
-                                  q_norm_weight=chain.q_norm, k_norm_weight=chain.k_norm,
-                                  q_head_index=qi, kv_head_index=ki)
+    return _gather_weights(chain.weight.split([H * D, Hk * D, Hk * D]), b, chain.q_norm, chain.k_norm, D, world_size)
+
+
+def _gather_weights(w, b, q_norm, k_norm, D: int, world_size: int):
+    """(W_q, W_k, W_v), (b_q, b_k, b_v) or Nones in nn.Linear form -> QKVWeights in destination
+    order for world_size ranks (the layout's head map)."""
+    from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+    qi, ki = _layout_heads(w[0].shape[0] // D, w[1].shape[0] // D, world_size)
+    return QKVWeights.from_linear(*w, head_dim=D, world_size=world_size, bq=b[0], bk=b[1], bv=b[2],
+                                  q_norm_weight=q_norm, k_norm_weight=k_norm, q_head_index=qi, kv_head_index=ki)
+
+
+def _share_weights(proj, layers: Sequence[nn.Linear], names: Sequence[str]) -> None:
+    """Point the weights and biases of layers (q, k, v nn.Linear, proj gathered from them) at their
+    rows of proj, so that the layers and the fused projection hold one copy: the layers compute as
+    before (the same values; their Parameter objects stay). Each of q/k/v's heads must lie in order
+    at the start of its destination block: padding heads at the end are fine, GQA replication of
+    KV heads is not (ValueError, nothing changed)."""
+    H, Hk, q_index, kv_index = proj.head_map
+    rows = []
+    for t, (layer, name, heads, index) in enumerate(zip(layers, names, (H, Hk, Hk), (q_index, kv_index, kv_index))):
+        if [h for r in index for h in r][:heads] != list(range(heads)):
+            raise ValueError(f"share_weights: expected {name}'s heads in order at the start of its destination "
+                             f"block (no GQA replication), got the head map {index}")
+        w = layer.weight
+        if (not isinstance(w, nn.Parameter) or w.shape != (heads * proj.head_dim, proj.weight.shape[1])
+                or w.dtype != proj.weight.dtype or w.device != proj.weight.device):
+            raise ValueError(f"{name}: expected an nn.Parameter weight [{heads * proj.head_dim}, "
+                             f"{proj.weight.shape[1]}] {proj.weight.dtype} on {proj.weight.device} (the one "
+                             f"proj was gathered from), got {type(w).__name__} {tuple(w.shape)} {w.dtype} on {w.device}")
+        lo = proj.column_range(t)[0]
+        rows.append(slice(lo, lo + heads * proj.head_dim))
+    for layer, r in zip(layers, rows):
+        layer.weight.data = proj.weight[r]
+        if layer.bias is not None and proj.bias is not None and proj.bias.dtype == layer.bias.dtype:
+            layer.bias.data = proj.bias[r]
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -191,6 +221,77 @@ def _check_no_grad(named) -> None:
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name}: requires grad, but fa-a2a has no backward yet: call it under "
                                  "torch.no_grad() / torch.inference_mode(), or pass detached tensors")
+
+
+def _world_size(group, world_size) -> int:
+    """UlyssesQKVAttention's P: world_size, default the group's size (1 without a process group)."""
+    from fa_a2a.op import _group
+
+    if world_size is None:
+        return _group(group)[2]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int or None, got {world_size!r}")
+    return world_size
+
+
+def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
+    """from_linear's checks of one q/k/v group, named as the caller passed them (names: q, k, v,
+    q norm, k norm) -> ((H, H_kv), (b_q, b_k, b_v) or None, (q, k norm weights) or Nones, eps)."""
+    from .problem import KERNEL_DTYPES
+
+    for name, m in zip(names, layers):
+        if not isinstance(m, nn.Linear):
+            raise ValueError(f"{name}: expected an nn.Linear, got {type(m).__name__}")
+    q, k, v = layers
+    w = q.weight
+    if not across_heads and w.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{names[0]}: expected bfloat16/float16 weights (the fused projection's; across_heads=True "
+                         f"runs the torch chain), got {w.dtype}")
+    for name, m in zip(names[1:3], (k, v)):
+        if m.weight.dtype != w.dtype or m.weight.device != w.device:
+            raise ValueError(f"{name}: expected {names[0]}'s {w.dtype} on {w.device}, got {m.weight.dtype} on "
+                             f"{m.weight.device}")
+        if m.in_features != q.in_features:
+            raise ValueError(f"{name}: expected in_features = {q.in_features} ({names[0]}'s), got {m.in_features}")
+    for name, m in zip(names, layers):
+        if m.out_features % D:
+            raise ValueError(f"{name}: expected out_features a multiple of head_dim = {D}, got {m.out_features}")
+    if v.out_features != k.out_features:
+        raise ValueError(f"{names[2]}: expected out_features = {k.out_features} ({names[1]}'s), got {v.out_features}")
+    H, Hk = q.out_features // D, k.out_features // D
+    if H % Hk:
+        raise ValueError(f"{names[1]}: expected a head count (out_features / head_dim) dividing {names[0]}'s {H}, "
+                         f"got {Hk}")
+    with_bias = [n for n, m in zip(names, layers) if m.bias is not None]
+    if len(with_bias) not in (0, 3):
+        raise ValueError(f"{', '.join(names[:3])}: expected a bias on all three or on none, got one on "
+                         f"{', '.join(with_bias)} only")
+    for name, m in zip(names, layers):
+        if m.bias is not None and (m.bias.dtype != w.dtype or m.bias.device != w.device):
+            raise ValueError(f"{name}: expected its bias in {w.dtype} on {w.device}, got {m.bias.dtype} on "
+                             f"{m.bias.device}")
+    bias = tuple(m.bias.detach() for m in layers) if with_bias else None
+    nq_name, nk_name = names[3:]
+    if (norms[0] is None) != (norms[1] is None):
+        raise ValueError(f"{nq_name}, {nk_name}: both or neither expected")
+    if norms[0] is None:
+        return (H, Hk), bias, (None, None), EPS
+    weights, eps = [], []
+    for name, n, heads in ((nq_name, norms[0], H), (nk_name, norms[1], Hk)):
+        t = n.weight if isinstance(n, nn.Module) else n
+        size = heads * D if across_heads else D
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (size,) or t.device != w.device:
+            got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected an RMSNorm or a weight tensor, [{size}] on {w.device} ("
+                             f"{'across heads' if across_heads else 'per head'}), got {got}")
+        e = getattr(n, "eps", EPS) if isinstance(n, nn.Module) else EPS
+        if not across_heads and e != EPS:
+            raise ValueError(f"{name}: expected eps {EPS} (the fused epilogue's), got {e}")
+        weights.append(t.detach())
+        eps.append(e)
+    if eps[0] != eps[1]:
+        raise ValueError(f"{nk_name}: expected {nq_name}'s eps {eps[0]}, got {eps[1]}")
+    return (H, Hk), bias, tuple(weights), eps[0]
 
 
 def _stand_in(x: torch.Tensor, rows: int, heads: int, D: int) -> torch.Tensor:
@@ -548,14 +649,45 @@ class UlyssesQKVAttention(nn.Module):
     with norms across heads (Wan) the torch chain runs first and then the attention-only fused op
     (fa_a2a.ulysses_attention): correct, not fused. The module holds the weights in the form its
     path uses (the gathered QKVWeights, or the chain's); it has no parameters (inference only).
+    Either chain (a TorchQKV; gathered here when its norms are per head) or proj (QKVWeights
+    already gathered for world_size ranks: block_weights) with joint_chain / joint_proj alike.
     """
 
-    def __init__(self, chain: TorchQKV, *, joint_chain: Optional[TorchQKV] = None, group=None,
-                 world_size: Optional[int] = None, impl: str = "fused", causal: bool = False,
-                 softmax_scale: Optional[float] = None, config="auto", one_launch: bool = False):
+    def __init__(self, chain: Optional[TorchQKV] = None, *, joint_chain: Optional[TorchQKV] = None, proj=None,
+                 joint_proj=None, group=None, world_size: Optional[int] = None, impl: str = "fused",
+                 causal: bool = False, softmax_scale: Optional[float] = None, config="auto",
+                 one_launch: bool = False):
         super().__init__()
-        from fa_a2a.op import _group
+        from cute_kernels.qkv_a2a_sm90 import QKVWeights
 
+        if (chain is None) == (proj is None):
+            raise ValueError(f"chain, proj: expected exactly one (a TorchQKV, or a QKVWeights from block_weights), "
+                             f"got {type(chain).__name__} and {type(proj).__name__}")
+        if impl not in KERNEL_IMPLS:
+            raise ValueError(f"impl: expected one of {KERNEL_IMPLS}, got {impl!r}")
+        self.group = group
+        self.world_size = _world_size(group, world_size)
+        self.impl, self.causal, self.softmax_scale = impl, causal, softmax_scale
+        self.config, self.one_launch = config, one_launch
+        if proj is not None:
+            if joint_chain is not None:
+                raise ValueError("joint_chain: expected None with proj (pass joint_proj), got a TorchQKV")
+            for name, p in (("proj", proj), ("joint_proj", joint_proj)):
+                if p is None and name == "joint_proj":
+                    continue
+                if not isinstance(p, QKVWeights) or p.head_map is None or p.world_size != self.world_size:
+                    raise ValueError(f"{name}: expected a QKVWeights gathered for world_size = {self.world_size} "
+                                     f"(block_weights), got {type(p).__name__} of world_size "
+                                     f"{getattr(p, 'world_size', None)}")
+            if joint_proj is not None and (joint_proj.head_map[:2], joint_proj.head_dim) != (proj.head_map[:2],
+                                                                                           proj.head_dim):
+                raise ValueError(f"joint_proj: expected proj's heads {proj.head_map[:2]} and head dim {proj.head_dim}, "
+                                 f"got {joint_proj.head_map[:2]} and {joint_proj.head_dim}")
+            self.fused, self.chain, self.joint_chain = True, None, None
+            self.proj, self.joint_proj = proj, joint_proj
+            return
+        if joint_proj is not None:
+            raise ValueError("joint_proj: expected None with chain (pass joint_chain), got a QKVWeights")
         if not isinstance(chain, TorchQKV):
             raise ValueError(f"chain: expected a TorchQKV, got {type(chain).__name__}")
         if joint_chain is not None and (not isinstance(joint_chain, TorchQKV) or joint_chain.across_heads
@@ -563,15 +695,6 @@ class UlyssesQKVAttention(nn.Module):
                                                                   joint_chain.head_dim)
                                         != (chain.num_heads, chain.num_kv_heads, chain.head_dim)):
             raise ValueError("joint_chain: expected a TorchQKV with chain's heads, head dim and norm kind")
-        if impl not in KERNEL_IMPLS:
-            raise ValueError(f"impl: expected one of {KERNEL_IMPLS}, got {impl!r}")
-        self.group = group
-        _, _, P, _ = _group(group)
-        self.world_size = P if world_size is None else world_size
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size: expected a positive int or None, got {world_size!r}")
-        self.impl, self.causal, self.softmax_scale = impl, causal, softmax_scale
-        self.config, self.one_launch = config, one_launch
         self.fused = not chain.across_heads
         self.chain, self.joint_chain = chain, joint_chain
         self.proj = self.joint_proj = None
@@ -584,32 +707,57 @@ class UlyssesQKVAttention(nn.Module):
     def from_linear(cls, to_q: nn.Linear, to_k: nn.Linear, to_v: nn.Linear, *, head_dim: int,
                     norm_q=None, norm_k=None, across_heads: bool = False, add_q: Optional[nn.Linear] = None,
                     add_k: Optional[nn.Linear] = None, add_v: Optional[nn.Linear] = None,
-                    norm_added_q=None, norm_added_k=None, **kwargs) -> "UlyssesQKVAttention":
+                    norm_added_q=None, norm_added_k=None, share_weights: bool = False,
+                    **kwargs) -> "UlyssesQKVAttention":
         """From a DiT attention's layers (diffusers names: to_q/to_k/to_v, norm_q/norm_k; Flux's
-        double-stream text projections add_q_proj/add_k_proj/add_v_proj, norm_added_q/k). norm_*:
+        double-stream text projections add_q/add_k/add_v (add_q_proj, ...), norm_added_q/k). norm_*:
         RMSNorm modules (their .weight and .eps) or weight tensors; across_heads: Wan's norms over
-        all heads (fallback path)."""
-        def chain_of(q, k, v, nq, nk):
-            if not all(isinstance(m, nn.Linear) for m in (q, k, v)):
-                raise ValueError("to_q, to_k, to_v: expected nn.Linear layers")
-            bias = None
-            if q.bias is not None:
-                bias = torch.cat([q.bias, k.bias, v.bias]).detach()
-            eps = getattr(nq, "eps", EPS) if nq is not None else EPS
-            eps = EPS if eps is None else eps
-            w = lambda n: None if n is None else (n.weight if isinstance(n, nn.Module) else n).detach()  # noqa: E731
-            if (nq is None) != (nk is None):
-                raise ValueError("norm_q, norm_k: both or neither expected")
-            if not across_heads and eps != EPS:
-                raise ValueError(f"norm_q: expected eps {EPS} (the fused epilogue's), got {eps}")
-            return TorchQKV(torch.cat([q.weight, k.weight, v.weight]).detach(), bias, w(nq), w(nk),
-                            q.out_features // head_dim, k.out_features // head_dim, head_dim, across_heads, eps)
-
-        chain = chain_of(to_q, to_k, to_v, norm_q, norm_k)
-        joint = None
+        all heads (fallback path). kwargs: the constructor's (group, world_size, impl, ...).
+        share_weights (per-head norms only): the layers' weights and biases become views of the
+        gathered weights (the same values, one copy in memory instead of two; their Parameter objects
+        stay); a later in-place change of a layer's weight then reaches the module's weights too,
+        but a new tensor assigned to a layer does not (rebuild the module then: fa_a2a.flux_block
+        does). Needs each of q/k/v's heads in order at the start of its destination block: no GQA
+        replication (H_kv < H with H_kv not a multiple of the ranks)."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+        for name, flag in (("across_heads", across_heads), ("share_weights", share_weights)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {flag!r}")
+        if share_weights and across_heads:
+            raise ValueError("share_weights: expected False with across_heads=True (the torch chain holds the "
+                             "weights concatenated), got True")
+        joint = (add_q, add_k, add_v, norm_added_q, norm_added_k)
+        joint_names = ("add_q", "add_k", "add_v", "norm_added_q", "norm_added_k")
+        if (add_q is None) != (add_k is None) or (add_q is None) != (add_v is None):
+            raise ValueError(f"add_q, add_k, add_v: expected all three or none, got "
+                             f"{[type(m).__name__ for m in joint[:3]]}")
+        if add_q is None and (norm_added_q is not None or norm_added_k is not None):
+            raise ValueError("norm_added_q, norm_added_k: expected None without add_q/add_k/add_v")
+        groups = [(("to_q", "to_k", "to_v", "norm_q", "norm_k"), (to_q, to_k, to_v, norm_q, norm_k))]
         if add_q is not None:
-            joint = chain_of(add_q, add_k, add_v, norm_added_q, norm_added_k)
-        return cls(chain, joint_chain=joint, **kwargs)
+            groups.append((joint_names, joint))
+        world_size = None if across_heads else _world_size(kwargs.get("group"), kwargs.get("world_size"))
+        made = []
+        for names, (q, k, v, nq, nk) in groups:
+            heads, bias, norms, eps = _check_linears(names, (q, k, v), (nq, nk), head_dim, across_heads)
+            if made and heads != made[0][0]:
+                raise ValueError(f"{names[0]}, {names[1]}: expected to_q's and to_k's heads {made[0][0]}, got {heads}")
+            w = [m.weight.detach() for m in (q, k, v)]
+            b = (None,) * 3 if bias is None else bias
+            if across_heads:
+                made.append((heads, TorchQKV(torch.cat(w), None if bias is None else torch.cat(bias), *norms,
+                                             *heads, head_dim, True, eps)))
+                continue
+            proj = _gather_weights(w, b, *norms, head_dim, world_size)
+            del w, b
+            if share_weights:  # before the next group's gathering: one layer's copy at a time
+                _share_weights(proj, (q, k, v), names[:3])
+            made.append((heads, proj))
+        built = [m for _, m in made]
+        if across_heads:
+            return cls(built[0], joint_chain=built[1] if len(built) > 1 else None, **kwargs)
+        return cls(proj=built[0], joint_proj=built[1] if len(built) > 1 else None, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, impl={self.impl!r}, fused_projection={self.fused}, "

@@ -33,9 +33,12 @@ split by tensor parallelism. Every fact is the same on all ranks, so all ranks t
 each reason is logged once and `route_counts()` counts the calls per path.
 
 Memory: the block's weights are the module's q/k/v weights gathered in destination order
-(UlyssesQKVAttention.from_linear), a copy beside the Linears: for Flux.1 (19 double-stream blocks
-with 6 and 38 single-stream blocks with 3 matrices of 3072 x 3072, bf16) 4.3 GB. Built at the
-first fused call of a module and rebuilt when a weight changes (data pointer or version).
+(UlyssesQKVAttention.from_linear, attention_weights), and the module's Linears are made views of
+them (their Parameter objects stay, with the same values): one copy of the attention weights
+(for Flux.1: 19 double-stream blocks with 6 and 38 single-stream blocks with 3 matrices of 3072 x
+3072, bf16, 4.3 GB), not two. Built at the first fused call of a module; rebuilt when a weight
+changes (data pointer or version: model.to(...), load_state_dict, an in-place update), which
+gathers the current values into a new buffer and moves the views there.
 
 Inference only. CPU-tested (gloo, 2 and 3 ranks, fp32 tiny Flux): the fallback equals diffusers'
 native CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output
@@ -55,7 +58,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAt
 from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, ulysses_qkv_attention
 from fa_a2a.problem import KERNEL_DTYPES, KERNEL_HEAD_DIMS, KERNEL_IMPLS
 
-__all__ = ["FusedFluxAttnProcessor", "enable_fused_projection", "route_counts"]
+__all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "route_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,20 +177,43 @@ class FusedFluxAttnProcessor(FluxAttnProcessor):
         return image, attn.to_add_out(text.contiguous())
 
     def _weights(self, attn: FluxAttention, group) -> UlyssesQKVAttention:
-        """The module's weights gathered for the group (built once; rebuilt when a weight changes)."""
-        joint = attn.added_kv_proj_dim is not None
-        layers = [attn.to_q, attn.to_k, attn.to_v] + ([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
-                                                      if joint else [])
-        norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if joint else [])
-        tensors = [t for m in layers + norms for t in (m.weight, getattr(m, "bias", None)) if t is not None]
-        key = (id(group), tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors))
+        """The module's weights gathered for the group (built once; rebuilt when a weight changes).
+        The module's Linears then hold views of them (attention_weights): one copy."""
+        key = (id(group), _weight_facts(attn))
         if self._block is None or self._block[0] != key:
-            extra = dict(add_q=attn.add_q_proj, add_k=attn.add_k_proj, add_v=attn.add_v_proj,
-                         norm_added_q=attn.norm_added_q, norm_added_k=attn.norm_added_k) if joint else {}
-            mod = UlyssesQKVAttention.from_linear(attn.to_q, attn.to_k, attn.to_v, head_dim=attn.head_dim,
-                                                  norm_q=attn.norm_q, norm_k=attn.norm_k, group=group, **extra)
-            self._block = (key, mod)
+            self._block = None  # the old gathered weights go as the Linears move to the new ones
+            mod = attention_weights(attn, group=group)
+            self._block = ((id(group), _weight_facts(attn)), mod)  # (the Linears' pointers changed)
         return self._block[1]
+
+
+def _layers(attn: FluxAttention) -> tuple:
+    """attn's (q, k, v Linears, q/k norms) groups: the image rows' (to_*), the text rows' (add_*)."""
+    groups = [((attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))]
+    if attn.added_kv_proj_dim is not None:
+        groups.append(((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), (attn.norm_added_q, attn.norm_added_k)))
+    return tuple(groups)
+
+
+def _weight_facts(attn: FluxAttention) -> tuple:
+    """What the gathered weights depend on: every weight's and bias's pointer, version, dtype and device."""
+    modules = [m for layers, norms in _layers(attn) for m in layers + norms]
+    tensors = [t for m in modules for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+
+
+def attention_weights(attn: FluxAttention, **kwargs) -> UlyssesQKVAttention:
+    """attn's q/k/v projections (and the text rows' add_*) as the fused block's weights in
+    destination order (UlyssesQKVAttention.from_linear with share_weights): the Linears' weights
+    and biases become views of them, so the model and the block hold one copy. kwargs: group or
+    world_size (the ranks the weights are gathered for)."""
+    (layers, norms), *text = _layers(attn)
+    extra = {}
+    if text:
+        (tq, tk, tv), (tnq, tnk) = text[0]
+        extra = dict(add_q=tq, add_k=tk, add_v=tv, norm_added_q=tnq, norm_added_k=tnk)
+    return UlyssesQKVAttention.from_linear(*layers, head_dim=attn.head_dim, norm_q=norms[0], norm_k=norms[1],
+                                           share_weights=True, **extra, **kwargs)
 
 
 def _split_rotary(image_rotary_emb, J: int, rows: int):
