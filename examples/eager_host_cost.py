@@ -7,12 +7,14 @@ Per case, bf16, D = 128, after warm-up:
 - eager us/call: wall time of N back-to-back eager calls, GPU work included (max(host, GPU)).
 - graph us/call: the same N calls captured in one CUDA graph, replay time / N (the GPU time).
 Cases: one rank (P = 1, no torch.distributed), P emulated ranks in one process
-(ulysses_attention_emulated: all P ranks' work per call), and P processes sharing the GPU
-(the real-rank path: VMM windows, in-stream barriers; a gloo group for the host side). With
-processes sharing one GPU the eager wall time is not a speed result (their contexts time-slice);
-the host column is.
+(ulysses_attention_emulated: all P ranks' work per call), and P rank processes (the real-rank
+path: VMM windows, in-stream barriers; a gloo group for the host side), 2 spawned here or P under
+torchrun (only that case then), each on GPU local_rank % device_count. Processes sharing one GPU
+time-slice it unless an MPS daemon runs (`python -m fa_a2a.mps -- ...`; the case name says
+"MPS"): time-sliced, their eager wall time is not a speed result, the host column is.
 
     python examples/eager_host_cost.py [--json OUT.json] [--calls 50]
+    python -m fa_a2a.mps -- torchrun --nproc-per-node=2 examples/eager_host_cost.py
 """
 
 from __future__ import annotations
@@ -111,16 +113,16 @@ def one_process_cases(n: int) -> list[dict]:
     return rows
 
 
-def _rank_entry(rank, P, n, init, out, profile):
-    """One of P processes sharing GPU 0: host/eager medians, max over ranks (the slowest bounds the call)."""
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=120))
+def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
+    """This rank's part of the P-process case (process group initialised, device current):
+    host/eager medians, max over ranks (the slowest bounds the call); the rows on rank 0."""
     from fa_a2a import ulysses_attention
+    from fa_a2a.mps import mps_reachable
     from ulysses.transport import close_transports
 
     from fa_a2a.fused import fa4_forward
 
+    rank = dist.get_rank()
     q, k, v = _inputs(P, 128, 1, rank)[0]
     o = torch.empty_like(q)
     res = _measure(lambda: ulysses_attention(q, k, v, impl="fused"), n, n, barrier=dist.barrier, graph=False)
@@ -143,13 +145,30 @@ def _rank_entry(rank, P, n, init, out, profile):
                   f"{cum / n * 1e6:7.1f}")
     vals = torch.tensor([res["host_us"], res["eager_us"], fa["host_us"], fa["eager_us"]], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump([dict(host_us=vals[0].item(), eager_us=vals[1].item(), graph_us=None),
-                       dict(host_us=vals[2].item(), eager_us=vals[3].item(), graph_us=None)], f)
     dist.barrier()
     close_transports()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    where = f"{P} processes on {min(P, torch.cuda.device_count())} GPU(s){', MPS' if mps_reachable() else ''}"
+    return [dict(case=f"{where}, fused, S_loc = 128", host_us=vals[0].item(), eager_us=vals[1].item(), graph_us=None),
+            dict(case=f"{where}, fa4_forward, S = 128", host_us=vals[2].item(), eager_us=vals[3].item(),
+                 graph_us=None)]
+
+
+def _rank_entry(rank, P, n, init, out, profile):
+    """One of P spawned rank processes."""
+    from fa_a2a.mps import rank_device
+
+    rank_device(rank, local_world_size=P)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        rows = _real_rank_rows(P, n, profile)
+        if rows is not None:
+            with open(out, "w") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
 
 
 def real_rank_case(P: int, n: int, profile: bool = False) -> list[dict]:
@@ -157,9 +176,19 @@ def real_rank_case(P: int, n: int, profile: bool = False) -> list[dict]:
         out = os.path.join(tmp, "res.json")
         mp.spawn(_rank_entry, args=(P, n, f"file://{os.path.join(tmp, 'init')}", out, profile), nprocs=P, join=True)
         with open(out) as f:
-            op, fa = json.load(f)
-        return [dict(case=f"{P} processes sharing the GPU, fused, S_loc = 128", **op),
-                dict(case=f"{P} processes sharing the GPU, fa4_forward, S = 128", **fa)]
+            return json.load(f)
+
+
+def torchrun_case(n: int, profile: bool) -> list[dict] | None:
+    """This process is one of torchrun's ranks: the real-rank case with P = WORLD_SIZE."""
+    from fa_a2a.mps import rank_device
+
+    rank_device()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        return _real_rank_rows(dist.get_world_size(), n, profile)
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -170,18 +199,26 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's real-rank calls")
     ap.add_argument("--real-ranks-only", action="store_true", help="only the processes-sharing-the-GPU case")
     args = ap.parse_args()
+    under_torchrun = "WORLD_SIZE" in os.environ
+    if under_torchrun and args.no_real_ranks:
+        ap.error("--no-real-ranks: under torchrun only the real-rank case runs")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    rows = [] if args.real_ranks_only else one_process_cases(args.calls)
-    if not args.no_real_ranks:
-        rows += real_rank_case(2, args.calls, args.profile)
+    if under_torchrun:
+        rows = torchrun_case(args.calls, args.profile)
+        if rows is None:  # not rank 0
+            return
+    else:
+        rows = [] if args.real_ranks_only else one_process_cases(args.calls)
+        if not args.no_real_ranks:
+            rows += real_rank_case(2, args.calls, args.profile)
     print(f"{torch.cuda.get_device_name()}, bf16, H = {H}, D = {D}, {args.calls} calls per run, medians of 5")
-    print(f"{'case':<44} {'host us/call':>12} {'eager us/call':>13} {'graph us/call':>13} {'eager/graph':>11}")
+    print(f"{'case':<50} {'host us/call':>12} {'eager us/call':>13} {'graph us/call':>13} {'eager/graph':>11}")
     for r in rows:
         g = r["graph_us"]
         ratio = f"{r['eager_us'] / g:.2f}" if g else "-"
         gs = f"{g:.1f}" if g else "-"
-        print(f"{r['case']:<44} {r['host_us']:>12.1f} {r['eager_us']:>13.1f} {gs:>13} {ratio:>11}")
+        print(f"{r['case']:<50} {r['host_us']:>12.1f} {r['eager_us']:>13.1f} {gs:>13} {ratio:>11}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), calls=args.calls, rows=rows), f, indent=1)
