@@ -53,7 +53,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from .problem import KERNEL_IMPLS, agree, check_call, check_tensor
+from .problem import KERNEL_IMPLS, agree_call, check_call, check_tensor
+from .problem import signature_fields, signature_word
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
@@ -551,26 +552,31 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     group, group_name, P, rank = _group(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
-    problem = _resolved.get(key) if key is not None else None
-    if problem is None:  # a new signature: every check, agreed across the ranks
-        error = None
-        try:
+    collective = P > 1 and group is not None
+    entry = _resolved.get(key) if key is not None else None
+    error = None
+    try:  # checks (once per signature; grad every call), then the agreement of this call with every rank
+        if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank).problem
-        except ValueError as e:
-            if P == 1 or group is None:
-                raise
-            error = str(e)
-        if P > 1:
-            agree(problem, error, group)
-        if key is not None:
-            _resolved[key] = problem
-    segs = _rank_segments(x, proj, rotary)
+            fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
+            entry = (problem, fields, fields and signature_word(fields))
+            if key is not None:
+                _resolved[key] = entry
+        problem, fields, word = entry
+        segs = _rank_segments(x, proj, rotary)
+        _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
+                       + [("joint", joint)])
+    except ValueError as e:
+        if not collective:
+            raise
+        error, fields, word = str(e), None, 0
+    if collective:
+        agree_call(fields, word, error, group)
     x0, p0 = segs[0][:2]
     joint_x = joint if joint is not None and joint.shape[1] else None
     joint_rope = (rope_table(joint_rotary, joint.shape[1], p0.head_dim, x0.device, "joint_rotary")
                   if joint_x is not None else None)
-    _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)] + [("joint", joint)])
     p, lay = problem, problem.layout
     transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)

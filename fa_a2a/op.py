@@ -139,8 +139,9 @@ def ulysses_attention(
     row count, the same on every rank; rank r passes and gets back shard_rows[r] rows, the next
     ones of the sequence after those of ranks < r (not with causal=True).
     group=None: the default group (a single process without torch.distributed is P = 1).
-    Every argument except the tensors' data must be the same on every rank: the first call of a
-    signature checks that across ranks (every rank raises the same ValueError otherwise).
+    Every argument except the tensors' data must be the same on every rank, and joint's data too:
+    every call checks the arguments across ranks before any data moves (every rank raises the
+    same ValueError otherwise; fa_a2a.problem says how, FA_A2A_CHECK_JOINT=1 checks joint's data).
     The first call per shape allocates the rank windows (collective, host-synchronous): make it
     before CUDA-graph capture. No backward: inputs that require grad are refused under grad mode.
     """
@@ -149,10 +150,10 @@ def ulysses_attention(
     tracing = torch.compiler.is_compiling()
     if tracing:  # local checks only; the op's body agrees across ranks at run time
         problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
-    else:
+        check_no_grad(q, k, v, *(joint or ()))
+    else:  # checks (grad included) and the agreement of this call with every rank
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                                  rank=rank, group=group, group_name=group_name)
-    check_no_grad(q, k, v, *(joint or ()))
     if tracing:
         out, joint_out = _outputs(q, joint)
         jq, jk, jv = joint if joint is not None else (None, None, None)

@@ -1,16 +1,20 @@
-"""The one home of the op's argument checks: a call's signature, validated once and agreed by all ranks.
+"""The one home of the op's argument checks: a call's signature, validated once and agreed on every call.
 
 `resolve` turns one rank's call of `ulysses_attention` into a `Problem` (the layout plus every
-fact the ranks must share). A new signature is checked in full, then, on a group of several
-ranks, agreed with the others: each rank sends its signature (or its own ValueError) to all, and
-every rank raises the same ValueError naming the first argument that differs and the ranks'
-values, before any data moves. The result is cached per signature, so a steady-state call (and a
-CUDA-graph replay, which never reaches Python) pays a dict lookup.
+fact the ranks must share). A new signature is checked in full locally and cached, so a
+steady-state call pays a dict lookup for its checks. Then, on a group of several ranks, EVERY
+call is agreed before any data moves (`agree_call`): each rank publishes one word, a hash of its
+signature (cached with it) or ERROR_WORD when its own checks refused the call (a bad argument,
+inputs that require grad), through the group's host channel (ulysses.channel: a shared-memory
+slot per rank, a few microseconds, no collective). Equal words: the call goes on. Otherwise every
+rank sends its signature fields (or its error) to all, and every rank raises the same ValueError
+naming the first argument that differs and each rank's value - never a wrong answer, never a
+hang. A rank that stops calling makes the others raise TimeoutError after FA_A2A_TIMEOUT_S.
+CUDA-graph replays never reach Python: they replay the signature agreed at capture.
 
-Limit of a per-signature check: a rank that changes its signature alone after the ranks agreed on
-an earlier one enters the agreement while the others, whose signatures are cached, go on to move
-data; they meet no more (the fused/serial paths then fail within the transport's timeout, naming
-the missing rank; nccl/reference wait for the process group's timeout).
+Joint (text) tokens must hold the same data on every rank (they are replicated, not sent):
+FA_A2A_CHECK_JOINT=1 adds a checksum of their data to the word (a device synchronization per
+call: a debugging aid, off by default).
 
 Error grammar, here and in the kernels' launch checks: "arg: what was expected, got what came".
 """
@@ -18,7 +22,9 @@ Error grammar, here and in the kernels' launch checks: "arg: what was expected, 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
 from typing import Optional
 
 import torch
@@ -27,7 +33,7 @@ from fa_a2a.fused import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS 
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
-           "check_joint", "check_rank", "check_no_grad"]
+           "check_joint", "check_rank", "check_no_grad", "agree_call", "signature_fields", "signature_word"]
 
 IMPLS = ("fused", "serial", "nccl", "reference")
 EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
@@ -46,6 +52,7 @@ class Problem:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    device_type: str
     joint_len: int
     causal: bool
     softmax_scale: Optional[float]
@@ -59,13 +66,17 @@ class Problem:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def agreed_fields(self) -> tuple:
-        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
+        """(name, value) of every field the ranks must share, in the order a disagreement is named:
+        the arguments that explain the others first (shard_rows before the row count it sets)."""
+        return tuple((name, getattr(self, name)) for name in _ARGUMENT if hasattr(self, name))
 
 
-# Argument that carries each agreed field, for the cross-rank error message.
-_ARGUMENT = dict(impl="impl", batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)",
-                 head_dim="q (D)", dtype="q (dtype)", joint_len="joint (J rows; 0 = no joint)", causal="causal",
-                 softmax_scale="softmax_scale", seq_len="seq_len", shard_rows="shard_rows", world_size="world size")
+# Argument that carries each agreed field, for the cross-rank error message (and the order of the check).
+_ARGUMENT = dict(entry="entry point", group="group (process group)", world_size="world size", impl="impl",
+                 device_type="q (device type)", dtype="q (dtype)", shard_rows="shard_rows", seq_len="seq_len",
+                 batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
+                 joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale",
+                 joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)")
 
 
 # ---- local checks ------------------------------------------------------------------------------------
@@ -198,31 +209,62 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
             raise ValueError(f"causal: expected False with uneven shard_rows (keys are compacted), got True "
                              f"with shard_rows={list(shard_rows)}")
     scale = None if softmax_scale is None else float(softmax_scale)
-    problem = Problem(impl, B, layout.seq_loc, H, k.shape[2], D, q.dtype, J, causal, scale, seq_len, shard_rows,
-                      world_size, layout)
+    problem = Problem(impl, B, layout.seq_loc, H, k.shape[2], D, q.dtype, q.device.type, J, causal, scale, seq_len,
+                      shard_rows, world_size, layout)
     return problem, joint
 
 
-# ---- cross-rank agreement ---------------------------------------------------------------------------
-def agree(problem: Optional[Problem], error: Optional[str], group) -> None:
-    """Collective over `group`: every rank raises the same ValueError if any rank's call was invalid
-    (its own message) or if the ranks' signatures differ (the first differing argument, all values)."""
-    import torch.distributed as dist
+# ---- cross-rank agreement, every call ----------------------------------------------------------------
+def signature_fields(problem: Problem, entry: str, group_name: str, joint) -> dict:
+    fields = dict(problem.agreed_fields(), entry=entry, group=group_name)
+    if joint is not None and os.environ.get("FA_A2A_CHECK_JOINT", "0") not in ("", "0"):
+        digest = hashlib.blake2b(digest_size=8)
+        for t in joint:
+            digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        fields["joint_data"] = digest.hexdigest()
+    return fields
 
-    P = dist.get_world_size(group)
-    mine = ("error", error) if error is not None else ("ok", problem.agreed_fields())
-    everyone = [None] * P
-    dist.all_gather_object(everyone, mine, group=group)
+
+def signature_word(fields: dict) -> int:
+    """A deterministic non-zero 47-bit hash of the fields (Python's hash() differs between processes)."""
+    from ulysses.channel import WORD_BITS
+
+    h = int.from_bytes(hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).digest(), "little")
+    return (h & ((1 << WORD_BITS) - 1)) or 1
+
+
+def _disagreement(everyone: list, error: Optional[str]) -> ValueError:
+    """The ValueError a rank raises from every rank's ("error", message) / ("ok", fields): its own
+    error if it has one, else the first failed rank's (prefixed with that rank), else the first
+    differing argument with every rank's value (the same text on every rank)."""
+    P = len(everyone)
     failed = [(r, msg) for r, (kind, msg) in enumerate(everyone) if kind == "error"]
     if failed:
         r, msg = failed[0]
-        raise ValueError(msg if error is not None else f"rank {r} of {P}: {msg}")
-    fields = [dict(sig) for _, sig in everyone]
-    for name, _ in everyone[0][1]:
-        values = [f[name] for f in fields]
+        return ValueError(error if error is not None else f"rank {r} of {P}: {msg}")
+    fields = [msg for _, msg in everyone]
+    for name in _ARGUMENT:
+        values = [f.get(name) for f in fields]
         if any(x != values[0] for x in values[1:]):
             shown = ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(values))
-            raise ValueError(f"{_ARGUMENT[name]}: expected the same value on every rank, got {shown}")
+            return ValueError(f"{_ARGUMENT[name]}: expected the same value on every rank, got {shown}")
+    return ValueError(f"the ranks' calls differ in a field that is not named (signature words differ): {fields}")
+
+
+def agree_call(fields: Optional[dict], word: int, error: Optional[str], group) -> None:
+    """Every call on a group of several ranks, before any data moves: every rank raises the same
+    ValueError if any rank's call was invalid (its own message) or the ranks' signatures differ
+    (the first differing argument, all values). fields / word: this rank's signature
+    (signature_fields, signature_word), ignored when `error` is given."""
+    from ulysses.channel import ERROR_WORD, get_channel
+
+    channel = get_channel(group)
+    mine = ERROR_WORD if error is not None else word
+    words = channel.exchange(mine)
+    if all(w == words[0] for w in words) and words[0] != ERROR_WORD:
+        return
+    message = ("error", error) if error is not None else ("ok", fields)
+    raise _disagreement(channel.gather_messages(message), error)
 
 
 # ---- per-signature cache --------------------------------------------------------------------------
@@ -245,43 +287,52 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
 
 
 def _lookup(key, joint):
-    """(key, (Problem, joint tuple or None)) for a cached signature, (key, None) for a new one, and
-    (None, None) for an unhashable argument (e.g. a list as seq_len: check_call names it)."""
+    """(key, cached entry) for a cached signature, (key, None) for a new one, and (None, None) for
+    an unhashable argument (e.g. a list as seq_len: check_call names it)."""
     if key is None:
         return None, None
     try:
         hit = _resolved.get(key)
     except TypeError:
         return None, None
-    return key, None if hit is None else (hit[0], tuple(joint) if hit[1] else None)
+    return key, hit
 
 
-def _remember(key, problem: Problem, joint):
+def _remember(key, entry):
     if key is not None:
-        _resolved[key] = (problem, joint is not None)
-    return problem, joint
+        _resolved[key] = entry
+    return entry
 
 
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
             group=None, group_name: str = ""):
-    """Validate (once per signature), agree across `group` when it has several ranks, cache.
+    """Validate (once per signature) and refuse inputs that require grad, then, on a group of
+    several ranks, agree this call with every rank (every call; see the module docstring).
 
     Returns (Problem, joint tuple or None)."""
     key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
     key, hit = _lookup(key, joint)
-    if hit is not None:
-        return hit
-    problem = joint_out = error = None
+    collective = world_size > 1 and group is not None
+    error = None
     try:
-        problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
-                                        shard_rows, rank)
+        if hit is None:
+            problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
+                                            shard_rows, rank)
+            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out) if collective else None
+            hit = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
+        problem, has_joint, fields, word = hit
+        joint_out = tuple(joint) if has_joint else None
+        check_no_grad(q, k, v, *(joint_out or ()))
+        if collective and "joint_data" in fields:  # debugging aid: this call's joint data
+            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out)
+            word = signature_word(fields)
     except ValueError as e:
-        if world_size == 1 or group is None:
+        if not collective:
             raise
-        error = str(e)
-    if world_size > 1 and group is not None:
-        agree(problem, error, group)
-    return _remember(key, problem, joint_out)
+        error, fields, word = str(e), None, 0
+    if collective:
+        agree_call(fields, word, error, group)
+    return problem, joint_out
 
 
 def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None):
@@ -298,7 +349,7 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
                        "emulated") for r in range(P)]
     key, hit = _lookup(None if None in keys else tuple(keys), joint)
     if hit is not None:
-        return hit
+        return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
     for r in range(P):
         check_tensor(qs[r], f"qs[{r}]")
@@ -310,4 +361,5 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
             raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
                              f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
                              f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")
-    return _remember(key, problem, joint_out)
+    _remember(key, (problem, joint_out is not None, None, None))
+    return problem, joint_out

@@ -1,0 +1,187 @@
+"""One word per rank per call, exchanged among the ranks of a process group on the host.
+
+fa_a2a agrees every call's signature across the ranks through this (fa_a2a.problem.agree_call):
+each rank publishes a 47-bit word (a hash of its call's signature, or ERROR_WORD when its own
+checks refused the call) and reads every other rank's, before any data moves.
+
+Ranks of one host share a small memory-mapped file (/dev/shm where it exists): int64 slots [2, P].
+Call c of rank r stores (word << 16 | c mod 2^16) at [c % 2, r] with one aligned 8-byte store
+(atomic on x86-64 and AArch64), then spins until every [c % 2, s] carries c mod 2^16. Rank s
+cannot overwrite row c % 2 again (its call c + 2) before every rank has published call c + 1,
+which a rank does only after it has read call c: two rows suffice. One store and one read of P
+words per call: a few microseconds of host time, no collective, no GPU synchronization.
+Ranks on several hosts (or where the file cannot be shared) fall back to an all_gather of one
+int64 over the group.
+
+The set-up, and the exchange of full messages when words differ (`gather_messages`), go through
+the default group's key-value store, keyed by the group's global ranks: ranks that call with
+different process-group objects over the same ranks still meet there and are told so.
+Waits end after `timeout_s` with TimeoutError naming the ranks that never arrived (a rank that
+stopped calling, or that calls over another group of other ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import pickle
+import socket
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["ERROR_WORD", "WORD_BITS", "Channel", "get_channel", "close_channels"]
+
+WORD_BITS = 47
+ERROR_WORD = 0  # signature words are never 0 (see fa_a2a.problem)
+_TAG = 0xFFFF
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class Channel:
+    """The word exchange of one group's ranks (collective construction: every rank of the group at once)."""
+
+    def __init__(self, group, timeout_s: float):
+        import torch.distributed as dist
+
+        self.group = group  # the all_gather fallback's group (several hosts)
+        self.world_size, self.rank = group.size(), group.rank()
+        self.timeout_s = float(timeout_s)
+        self.global_ranks = tuple(dist.get_process_group_ranks(group))
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
+        self.calls = 1  # tags start at 1: the file's initial zeros match no call
+        self._slots = self._map_shared()
+        self.kind = "shared memory" if self._slots is not None else "all_gather"
+
+    # ---- set-up (through the store) ------------------------------------------------------------------
+    def _wait(self, keys: list) -> None:
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # the store's own timeout error type differs between torch versions
+            missing = [k for k in keys if not self.store.check([k])]
+            raise TimeoutError(f"fa_a2a: ranks did not meet within {self.timeout_s:.0f} s on group ranks "
+                               f"{list(self.global_ranks)} (waiting for {missing[:4]}): {e}") from None
+
+    def _map_shared(self) -> Optional[np.ndarray]:
+        P, r, pre = self.world_size, self.rank, self.prefix
+        self.store.set(f"{pre}/host/{r}", _host_id())
+        path = ""
+        if r == 0:
+            self._wait([f"{pre}/host/{s}" for s in range(P)])
+            hosts = {self.store.get(f"{pre}/host/{s}") for s in range(P)}
+            if len(hosts) == 1:
+                fd, path = tempfile.mkstemp(prefix="fa_a2a_channel_", dir=_shm_dir())
+                os.ftruncate(fd, 2 * P * 8)
+                os.close(fd)
+            self.store.set(f"{pre}/path", path)
+        else:
+            self._wait([f"{pre}/path"])
+            path = self.store.get(f"{pre}/path").decode()
+        mm = None
+        if path:
+            try:
+                with open(path, "r+b") as f:
+                    mm = mmap.mmap(f.fileno(), 2 * P * 8)
+            except OSError:
+                mm = None
+        self.store.set(f"{pre}/opened/{r}", b"1" if mm is not None else b"0")
+        self._wait([f"{pre}/opened/{s}" for s in range(P)])
+        everyone = all(self.store.get(f"{pre}/opened/{s}") == b"1" for s in range(P))
+        self.store.set(f"{pre}/done/{r}", b"1")
+        if r == 0 and path:
+            self._wait([f"{pre}/done/{s}" for s in range(P)])
+            os.unlink(path)  # the mappings stay valid; nothing is left behind in the file system
+        if not everyone:
+            return None
+        self._mmap = mm
+        return np.frombuffer(mm, dtype=np.int64).reshape(2, P)
+
+    # ---- per call ----------------------------------------------------------------------------------------
+    def exchange(self, word: int) -> list:
+        """Publish this rank's word of the next call and return every rank's (rank order)."""
+        if not 0 <= word < 1 << WORD_BITS:
+            raise ValueError(f"word: expected an int in [0, 2**{WORD_BITS}), got {word!r}")
+        c = self.calls
+        self.calls += 1
+        if self._slots is None:
+            return self._all_gather(word)
+        tag = c & _TAG
+        row = self._slots[c & 1]
+        row[self.rank] = (word << 16) | tag
+        vals = row.tolist()
+        spins, deadline = 0, None
+        while any((v & _TAG) != tag for v in vals):
+            spins += 1
+            if spins > 2000:  # past ~1 ms: yield the core, and start the clock
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    late = [s for s, v in enumerate(vals) if (v & _TAG) != tag]
+                    raise TimeoutError(
+                        f"fa_a2a: rank(s) {late} of {self.world_size} did not reach call {c} over group ranks "
+                        f"{list(self.global_ranks)} within {self.timeout_s:.0f} s (they stopped calling, or call "
+                        "with another process group); set FA_A2A_TIMEOUT_S to wait longer")
+                time.sleep(1e-5)
+            vals = row.tolist()
+        return [v >> 16 for v in vals]
+
+    def _all_gather(self, word: int) -> list:
+        import torch
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(self.group))
+        device = "cpu" if ("gloo" in backend or "cpu" in backend) else torch.device("cuda", torch.cuda.current_device())
+        out = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, torch.tensor([word], dtype=torch.int64, device=device), group=self.group)
+        return out.tolist()
+
+    def gather_messages(self, message) -> list:
+        """Every rank's (picklable) message, through the store: after an exchange whose words
+        differ, which every rank sees, so every rank calls this at the same call."""
+        key = f"{self.prefix}/msg/{self.calls}"
+        self.store.set(f"{key}/{self.rank}", pickle.dumps(message))
+        self._wait([f"{key}/{s}" for s in range(self.world_size)])
+        return [pickle.loads(self.store.get(f"{key}/{s}")) for s in range(self.world_size)]
+
+
+_channels: dict = {}
+
+
+def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
+    """The channel of the group's ranks, built at the first call over them (collective over those
+    ranks). Every group over the same global ranks shares it: ranks that call over different
+    group objects still meet, and the signature (which names the group) tells them apart."""
+    import torch.distributed as dist
+
+    key = (group.group_name, id(dist.distributed_c10d._get_default_store()))
+    ch = _channels.get(key)
+    if ch is None:
+        ranks_key = (tuple(dist.get_process_group_ranks(group)), key[1])
+        ch = _channels.get(ranks_key)
+        if ch is None:
+            if timeout_s is None:
+                timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", "30"))
+            ch = _channels[ranks_key] = Channel(group, timeout_s)
+        _channels[key] = ch
+    return ch
+
+
+def close_channels() -> None:
+    """Forget every channel (after destroy_process_group; the next call builds a new one)."""
+    _channels.clear()
