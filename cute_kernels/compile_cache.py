@@ -48,7 +48,7 @@ _PACKAGES = ("nvidia-cutlass-dsl", "apache-tvm-ffi", "flash-attn-4", "quack-kern
 
 
 class CacheInfo(NamedTuple):
-    """functools.cache's counters, plus how many of the misses were loaded from disk."""
+    """functools.cache's counters, plus how many of the misses the disk cache served (not compiled)."""
 
     hits: int
     misses: int

@@ -1,0 +1,198 @@
+"""The compile cache on disk (cute_kernels.compile_cache): kernels compiled for sm_90a against fake
+tensors (no GPU) are stored, found again by fresh processes (also two racing for one entry),
+keyed by arguments and sources, and skipped with the switch off. Whether a loaded entry launches
+is checked on a GPU by examples/first_call_time.py."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cute_kernels import compile_cache as C
+from cute_kernels.signal import compile_barrier
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One fresh process: the barrier first (the first compile or load of a process pays one-time
+# costs), then the timed kernel. Prints "<barrier loads> <post_a2a loads> <post_a2a seconds>".
+_CHILD = """
+import time, torch
+from cute_kernels.a2a import compile_post_a2a
+from cute_kernels.signal import compile_barrier
+compile_barrier(3, 1)
+t = time.perf_counter()
+compile_post_a2a(torch.bfloat16, 64, 3, True)
+dt = time.perf_counter() - t
+print(compile_barrier.cache_info().loads, compile_post_a2a.cache_info().loads, dt)
+"""
+
+
+def _child(cache: Path) -> subprocess.Popen:
+    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1", PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _result(proc: subprocess.Popen) -> tuple:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    barrier, post, seconds = out.split()[-3:]
+    return int(barrier), int(post), float(seconds)
+
+
+def _entries(cache: Path, pattern: str = "*") -> list:
+    return sorted(p.relative_to(cache) for p in cache.rglob(pattern) if p.is_file())
+
+
+def test_racing_processes_store_one_entry_that_a_fresh_process_loads(tmp_path):
+    racers = [_child(tmp_path), _child(tmp_path)]  # start at once on an empty cache
+    raced = [_result(p) for p in racers]
+    objects = _entries(tmp_path, "*.o")
+    assert [p.parent.name for p in objects] == ["compile_barrier", "compile_post_a2a"], objects
+    assert all((tmp_path / p).stat().st_size > 0 for p in objects)
+    assert not [p for p in _entries(tmp_path) if p.suffix not in (".o", ".lock")], "temporary files left"
+    compiled = [seconds for _, loads, seconds in raced if loads == 0]
+    assert compiled, "neither racer compiled compile_post_a2a"
+
+    barrier, post, warm = _result(_child(tmp_path))
+    assert (barrier, post) == (1, 1), "the fresh process compiled instead of loading"
+    assert warm < min(compiled) / 5, f"load {warm:.3f} s, compile {min(compiled):.3f} s"
+
+
+def _fresh_barrier():
+    """compile_barrier with its own memory (same name, so the same disk entries)."""
+    return C.disk_cache(compile_barrier.__wrapped__)
+
+
+def test_keys_follow_the_arguments_with_defaults_applied(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    fn = _fresh_barrier()
+    fn(2, 1)
+    fn(2)  # same key: the default num_local = 1
+    fn(2, num_local=1, extra_options="")
+    assert fn.cache_info()[:2] == (2, 1)
+    fn(3, 1)
+    assert len(_entries(tmp_path, "*.o")) == 2
+    again = _fresh_barrier()
+    again(3)
+    assert again.cache_info().loads == 1
+
+
+def test_keys_follow_the_compile_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    settings = C._compile_settings()
+    assert "arch='sm_90a'" in settings
+    _fresh_barrier()(2, 1)
+    monkeypatch.setattr(C, "_compile_settings", lambda: settings.replace("sm_90a", "sm_100a"))
+    other = _fresh_barrier()
+    other(2, 1)  # same arguments, another target: compiled, a second entry
+    assert other.cache_info().loads == 0 and len(_entries(tmp_path, "*.o")) == 2
+
+
+def test_fingerprint_follows_the_sources(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    src = tmp_path / "pkg" / "kernel.py"
+    src.write_text("X = 1\n")
+    one = tmp_path / "one.py"
+    one.write_text("Y = 1\n")
+    base = C.source_fingerprint((tmp_path / "pkg", one))
+    src.write_text("X = 2\n")
+    assert C.source_fingerprint((tmp_path / "pkg", one)) == base  # cached for the process
+    C.source_fingerprint.cache_clear()
+    edited = C.source_fingerprint((tmp_path / "pkg", one))
+    one.write_text("Y = 2\n")
+    C.source_fingerprint.cache_clear()
+    assert len({base, edited, C.source_fingerprint((tmp_path / "pkg", one))}) == 3
+    (tmp_path / "pkg" / "new.py").write_text("")
+    C.source_fingerprint.cache_clear()
+    assert C.source_fingerprint((tmp_path / "pkg", one)) not in {base, edited}
+    C.source_fingerprint.cache_clear()
+
+
+def test_project_sources_are_in_the_fingerprint():
+    roots = C._source_roots()
+    names = {Path(r).name for r in roots}
+    assert {"cute_kernels", "fused.py", "xstage.py", "cute", "quack"} <= names
+    assert all(Path(r).exists() for r in roots)
+
+
+def test_unloadable_entry_is_recompiled_and_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    _fresh_barrier()(2, 1)
+    (entry,) = [tmp_path / p for p in _entries(tmp_path, "*.o")]
+    good = entry.read_bytes()
+    entry.write_bytes(good[:100])  # a truncated write
+    C._store.cache_clear()  # a fresh process's store
+    fn = _fresh_barrier()
+    fn(2, 1)
+    assert fn.cache_info().loads == 0
+    assert entry.stat().st_size == len(good)
+    C._store.cache_clear()
+    again = _fresh_barrier()
+    again(2, 1)
+    assert again.cache_info().loads == 1
+
+
+def test_switch_off_and_extra_options_skip_the_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "0")
+    fn = _fresh_barrier()
+    fn(2, 1)
+    assert fn.cache_info().misses == 1 and not list(tmp_path.iterdir())
+
+    calls = []
+
+    @C.disk_cache
+    def compile_thing(n, extra_options=""):
+        calls.append(n)
+        return n
+
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    monkeypatch.setattr(C, "load_or_compile", lambda *a: pytest.fail("extra_options went to the disk"))
+    assert compile_thing(1, "--keep-ptx") == 1 and compile_thing(1, "--keep-ptx") == 1
+    assert calls == [1]
+
+
+def test_bad_switch_and_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_SWITCH, "yes")
+    with pytest.raises(ValueError, match="FA_A2A_CACHE: expected 0 .* got 'yes'"):
+        C.enabled()
+    monkeypatch.delenv(C.ENV_SWITCH)
+    assert C.enabled()
+    monkeypatch.delenv(C.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert C.cache_dir() == tmp_path / "fa_a2a"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(C.ENV_DIR, str(blocker))  # a file where the folder should be
+    fn = _fresh_barrier()
+    with pytest.warns(RuntimeWarning, match="compiling in memory only"):
+        fn(2, 1)
+    assert fn.cache_info().loads == 0 and blocker.is_file()
+
+
+def test_unhashable_argument_is_refused():
+    with pytest.raises(TypeError):
+        _fresh_barrier()([2], 1)
+
+
+def test_projection_gemm_goes_through_the_disk(tmp_path, monkeypatch):
+    """compile_projection keeps its in-memory lru_cache; its GEMM is a disk entry."""
+    import cute_kernels.qkv_a2a_sm90 as K
+
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    args = (torch.float16, 128, 64, None, False, False, K.GemmConfig(tile_n=128), False)
+    first = K.compile_projection.__wrapped__(*args)
+    assert [p.parent.name for p in _entries(tmp_path, "*.o")] == ["compile_projection"]
+    t = time.perf_counter()
+    again = K.compile_projection.__wrapped__(*args)
+    assert time.perf_counter() - t < 1.0
+    assert again.epi_type is first.epi_type and again.cluster_size == first.cluster_size
