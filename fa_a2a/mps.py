@@ -62,7 +62,7 @@ def _check_count(name: str, value, minimum: int) -> int:
     return value
 
 
-def rank_device(local_rank: Optional[int] = None, *, local_world_size: Optional[int] = None):
+def rank_device(local_rank: Optional[int] = None, *, local_world_size: Optional[int] = None) -> "torch.device":
     """cuda:(local_rank % device_count), made current. local_rank defaults to $LOCAL_RANK (0 if
     unset), local_world_size to $LOCAL_WORLD_SIZE (unset: not known, nothing logged). With more
     local ranks than GPUs, logs once per process (logger "fa_a2a") which ranks share this GPU and
@@ -100,10 +100,10 @@ def _log_shared_gpu(index: int, n_gpus: int, local_world_size: int) -> None:
     if mps_reachable():
         logger.info("%s under the MPS daemon of %s: their kernels run concurrently", where, _pipe_dir())
     else:
+        env = f"{PIPE_VAR}={os.environ[PIPE_VAR]}" if PIPE_VAR in os.environ else f"{PIPE_VAR} unset"
         logger.warning("%s and no MPS daemon is reachable from this process's environment (%s): they "
                        "time-slice the GPU, so their timings say nothing about separate GPUs. Run them "
-                       "under `python -m fa_a2a.mps -- ...`", where, PIPE_VAR + " unset"
-                       if PIPE_VAR not in os.environ else f"{PIPE_VAR}={os.environ[PIPE_VAR]}")
+                       "under `python -m fa_a2a.mps -- ...`", where, env)
 
 
 # ------------------------------------------------------------------------------ the MPS daemon
