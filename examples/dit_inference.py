@@ -20,11 +20,14 @@ How the P ranks run:
                                      collectives. "nccl" and "diffusers" are skipped (they need
                                      NCCL, which refuses two ranks on one GPU). diffusers' gather
                                      of the model output goes through host memory (gloo).
-  python examples/dit_inference.py --device cpu --nproc 2 --impls reference,nccl,diffusers
-                                     a CPU smoke test of the wiring (fp32, gloo).
+  python examples/dit_inference.py --device cpu --nproc 2
+                                     a CPU smoke test of the wiring (fp32, gloo, impls reference,
+                                     nccl, diffusers): what runs by default on a machine without a
+                                     CUDA GPU (fa_a2a.diffusers_backend.cpu_testbed() lets diffusers'
+                                     context parallelism run there, --ulysses-anything included).
 On ranks sharing one GPU the latencies are those of time-shared kernels: they check the code
 path, they do not predict multi-GPU speed. --ulysses-anything lets P not divide the token
-counts (those calls take diffusers' templated path with FA4 as the local attention).
+counts (uneven shards: the op takes them as shard_rows).
 
 Measured (NVIDIA H200, 2026-12-03, `--model flux --nproc 2 --impls fused,serial --steps 3`: tiny
 Flux, 4096 image + 512 text tokens, bf16, 2 processes sharing the GPU): max error of the final
@@ -43,8 +46,7 @@ import socket
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
+from fa_a2a.cli import MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
 
 # Per model: the diffusers class, presets (tiny: 4 heads x 128; small: 24 heads x 128, a few blocks),
 # and the default token grid (image/video latents after patching; text tokens).
@@ -71,40 +73,75 @@ MODELS = {
 FA_IMPLS = ("fused", "serial", "nccl", "reference")
 
 
+CPU_IMPLS = ("reference", "nccl", "diffusers")  # what runs on CPU (gloo); fused and serial need SM90
+MAX_GRID = 1 << 12  # latent frames, rows, columns
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="flux")
     ap.add_argument("--pretrained", default=None, help="path (or hub id) of the transformer's weights; default random")
     ap.add_argument("--size", choices=("tiny", "small"), default="tiny", help="preset of the random model")
-    ap.add_argument("--nproc", type=int, default=2, help="ranks P when not under torchrun (default 2)")
-    ap.add_argument("--frames", type=int, default=None, help="latent frames (Wan)")
-    ap.add_argument("--height", type=int, default=None, help="latent token rows")
-    ap.add_argument("--width", type=int, default=None, help="latent token columns")
-    ap.add_argument("--text-len", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4, help="denoising steps (transformer calls) timed")
-    ap.add_argument("--impls", default="fused,serial,nccl,diffusers",
-                    help="comma-separated: fused, serial, nccl, reference, diffusers")
+    ap.add_argument("--nproc", type=int_in(2, MAX_WORLD_SIZE), default=2,
+                    help="ranks P when not under torchrun (default 2)")
+    ap.add_argument("--frames", type=int_in(1, MAX_GRID), default=None, help="latent frames (Wan)")
+    ap.add_argument("--height", type=int_in(1, MAX_GRID), default=None, help="latent token rows")
+    ap.add_argument("--width", type=int_in(1, MAX_GRID), default=None, help="latent token columns")
+    ap.add_argument("--text-len", type=int_in(1, MAX_SEQLEN), default=None)
+    ap.add_argument("--batch", type=int_in(1, 1024), default=1)
+    ap.add_argument("--steps", type=int_in(1, MAX_REPEATS), default=4, help="denoising steps (transformer calls) timed")
+    ap.add_argument("--impls", default=None, help="comma-separated: fused, serial, nccl, reference, diffusers "
+                    "(default fused,serial,nccl,diffusers on a GPU, reference,nccl,diffusers on CPU)")
     ap.add_argument("--ulysses-anything", action="store_true", help="allow token counts P does not divide")
     ap.add_argument("--no-fp32-ref", action="store_true", help="skip the fp32 single-device run")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="default: cuda when a CUDA GPU is present, else cpu")
+    ap.add_argument("--seed", type=int_in(0, 2 ** 63 - 1), default=0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     spec = MODELS[args.model]
     for name in ("frames", "height", "width", "text_len"):
         if getattr(args, name) is None:
             setattr(args, name, spec[name])
-    for name in ("nproc", "frames", "height", "width", "text_len", "batch", "steps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}: must be >= 1")
     if args.model != "wan" and args.frames != 1:
         ap.error("--frames: only Wan takes video latents")
-    args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [s for s in args.impls if s not in FA_IMPLS + ("diffusers",)]
-    if bad or not args.impls:
-        ap.error(f"--impls: unknown {bad or 'empty list'}")
-    return args
+    if args.frames * args.height * args.width > MAX_SEQLEN:
+        ap.error(f"--frames x --height x --width: at most {MAX_SEQLEN} latent tokens expected, "
+                 f"got {args.frames * args.height * args.width}")
+    if args.impls is not None:
+        args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+        bad = [s for s in args.impls if s not in FA_IMPLS + ("diffusers",)]
+        if bad or not args.impls:
+            ap.error(f"--impls: a comma-separated list of {', '.join(FA_IMPLS + ('diffusers',))} expected, "
+                     f"got {bad or 'an empty list'}")
+        if args.device == "cpu" and set(args.impls) - set(CPU_IMPLS):
+            ap.error(f"--impls: with --device cpu only {','.join(CPU_IMPLS)} run (fused and serial need an SM90 GPU), "
+                     f"got {','.join(args.impls)}")
+    return ap, args
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # a bad flag is refused before torch and diffusers load
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def pick_device(ap, args) -> None:
+    """--device / --impls left out: a CUDA GPU when there is one, else the CPU with the impls that run
+    there (said in one line). Asked for explicitly: cuda without a GPU, or a GPU impl on CPU, is refused."""
+    has_gpu = torch.cuda.is_available()
+    if args.device == "cuda" and not has_gpu:
+        ap.error("--device cuda: no CUDA GPU found (--device cpu, or leave it out, for the CPU smoke test)")
+    if args.device is None:
+        args.device = "cuda" if has_gpu else "cpu"
+        if args.device == "cpu" and args.impls is not None and set(args.impls) - set(CPU_IMPLS):
+            ap.error(f"--impls: no CUDA GPU found, and only {','.join(CPU_IMPLS)} run on CPU "
+                     f"(fused and serial need an SM90 GPU), got {','.join(args.impls)}")
+    if args.impls is None:
+        args.impls = list(CPU_IMPLS) if args.device == "cpu" else ["fused", "serial", "nccl", "diffusers"]
+        if not has_gpu:
+            print(f"no CUDA GPU: running on CPU (fp32, gloo) with impls {','.join(args.impls)}", flush=True)
 
 
 def build_model(args, device, dtype):
@@ -182,12 +219,10 @@ def run(rank, world_size, args, device, group_backend):
 
     from fa_a2a.diffusers_backend import register_diffusers_backend, route_counts
 
-    import logging
+    if device.type == "cpu":
+        from fa_a2a.diffusers_backend import cpu_testbed
 
-    if not hasattr(logging.Logger, "warning_once"):  # diffusers' CP hooks call it; transformers adds it on import
-        logging.Logger.warning_once = logging.Logger.warning
-    if device.type == "cpu" and torch.accelerator.device_count() == 0:
-        torch.accelerator.device_count = lambda: 1  # diffusers divides by it; 0 on a CPU-only torch
+        cpu_testbed()  # diffusers' CP assumes a GPU; this answers it as a CPU run needs (no arithmetic changes)
     if device.type == "cuda" and group_backend == "gloo":
         from fa_a2a.diffusers_backend import gather_cuda_over_gloo
 
@@ -296,12 +331,8 @@ def _spawned(rank, world_size, port, args):
         dist.destroy_process_group()
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (SM90 for the fused and serial impls); --device cpu for a smoke test")
-    if args.device == "cpu" and set(args.impls) - {"reference", "nccl", "diffusers"}:
-        raise SystemExit("--device cpu: only --impls reference,nccl,diffusers run on CPU")
+def main(ap, args):
+    pick_device(ap, args)
     t0 = time.time()
     if "WORLD_SIZE" in os.environ:  # torchrun
         world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -323,8 +354,6 @@ def main(argv=None):
         finally:
             dist.destroy_process_group()
     else:
-        if args.nproc < 2:
-            raise SystemExit("--nproc: Ulysses needs P >= 2 ranks")
         import torch.multiprocessing as mp
 
         with socket.socket() as s:
@@ -336,4 +365,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

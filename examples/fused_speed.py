@@ -18,29 +18,42 @@ import math
 import os
 import statistics
 
-import torch
-
-from fa_a2a.fused import fa4_a2a_forward, fa4_forward
-from graphs import median, time_graphs
+from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, float_in, int_in
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--heads-per-rank", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--trials", type=int, default=15)
-    ap.add_argument("--target-ms", type=float, default=25.0, help="length of one replay (sets the calls per graph)")
+    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[8192, 16384, 32768, 65536],
+                    help="M, multiples of --world-size")
+    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
+    ap.add_argument("--heads-per-rank", type=int_in(1, MAX_HEADS), default=3)
+    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
+    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=15)
+    ap.add_argument("--target-ms", type=float_in(0, 1e4), default=25.0,
+                    help="length of one replay in ms (sets the calls per graph)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for M in args.seqlens:
+        if M % args.world_size:
+            ap.error(f"--seqlens: multiples of --world-size {args.world_size} expected, got {M}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # a bad flag is refused before torch and the kernels load
+
+import torch  # noqa: E402
+
+from fa_a2a.fused import fa4_a2a_forward, fa4_forward  # noqa: E402
+from graphs import median, time_graphs  # noqa: E402
+
+
+def main(args):
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (SM90)")
+        raise SystemExit("examples/fused_speed.py: needs a CUDA GPU (SM90); nothing measured")
     P, H_loc, D = args.world_size, args.heads_per_rank, args.head_dim
     rows = []
     for M in args.seqlens:
-        if M % P:
-            raise SystemExit(f"--seqlens: {M} is not divisible by --world-size {P}")
         S_loc = M // P
         q, k, v = (torch.randn(1, M, H_loc, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
@@ -92,4 +105,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

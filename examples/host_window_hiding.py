@@ -47,21 +47,60 @@ import json
 import math
 import statistics
 
-import torch
+from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, float_in, int_in
 
-from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
-from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS
-from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
-from fa_a2a.op import post_a2a
-from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual
-from graphs import capture, input_sets_needed, median, round_up, time_graphs
-from ulysses.transport import tensor_from_address
-
-VARIANTS = {
+VARIANTS = {  # the unpaced O-store paths
     "fused": dict(o_store="tma"),
     "fused-st": dict(o_store="st"),
 }
+MAX_GBPS = 1e4  # store rates, GB/s
+MAX_CTAS = 1024  # storing CTAs (more than any GPU's SMs)
 
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    seqlen = int_in(1, MAX_SEQLEN)
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("--seqlens", type=seqlen, nargs="*", default=[8192, 16384, 32768],
+                    help="sequence lengths of the timing table (none: probes only)")
+    ap.add_argument("--dests", nargs="+", default=["hbm", "host"], choices=["hbm", "host"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--stamp-seqlens", type=seqlen, nargs="*", default=[8192])
+    ap.add_argument("--hbm-only-seqlens", type=seqlen, nargs="*", default=[],
+                    help="extra sequence lengths timed with windows in HBM only (the <= 1.01 check)")
+    ap.add_argument("--paced-host-gbps", type=float_in(0, MAX_GBPS), nargs="*", default=[],
+                    help="paced variants with host windows: grid-wide O store rates, GB/s")
+    ap.add_argument("--paced-hbm-gbps", type=float_in(0, MAX_GBPS), nargs="*", default=[],
+                    help="paced variants with HBM windows: grid-wide O store rates, GB/s")
+    ap.add_argument("--paced-burst-tiles", type=int_in(1, 1 << 16), default=8,
+                    help="the pacer's burst tolerance, in tiles")
+    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
+    ap.add_argument("--heads-per-rank", type=int_in(1, MAX_HEADS), default=3)
+    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
+    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=7)
+    ap.add_argument("--platform", help="a calibrated platform model (python -m fa_a2a.calibrate --dest host): "
+                    "print the Burst-Gap model's T_fused (T_FA4 + E_res) beside the host rows")
+    ap.add_argument("--contention", action="store_true", help="run the contention probe too")
+    ap.add_argument("--pace", action="store_true", help="run the pacing probe too (paced writers, see above)")
+    ap.add_argument("--pace-fractions", type=float_in(0, 1), nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9],
+                    help="writer rates of the pacing probe, as fractions of its zero-gap rate into host memory")
+    ap.add_argument("--pace-ctas", type=int_in(1, MAX_CTAS), nargs="+", default=[1, 2, 4, 8, 16, 33],
+                    help="storing-CTA counts of the pacing probe's zero-gap writers")
+    return ap, ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    PARSER, ARGS = parse_args()  # a bad flag is refused before torch and the kernels load
+
+import torch  # noqa: E402
+
+from cute_kernels.fa4_a2a_paced_sm90 import make_pacer  # noqa: E402
+from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS  # noqa: E402
+from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
+from fa_a2a.op import post_a2a  # noqa: E402
+from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual  # noqa: E402
+from graphs import capture, input_sets_needed, median, round_up, time_graphs  # noqa: E402
+from ulysses.transport import tensor_from_address  # noqa: E402
 
 def make_windows(dest, P, S_loc, H, D, dtype, keep):
     """[P, 1, S_loc, H, D] windows in HBM or in pinned host memory (wrapped as a CUDA tensor)."""
@@ -267,36 +306,9 @@ def pace_probe(n_sms, D, dt, tile_m, fractions, ctas_list, replays=3):
     return dict(r0_GBps=r0 / 1e3, ns_per_gap_iter=ns_per_iter, rows=rows)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="JSON file to write")
-    ap.add_argument("--seqlens", type=int, nargs="*", default=[8192, 16384, 32768],
-                    help="sequence lengths of the timing table (none: probes only)")
-    ap.add_argument("--dests", nargs="+", default=["hbm", "host"], choices=["hbm", "host"])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--stamp-seqlens", type=int, nargs="*", default=[8192])
-    ap.add_argument("--hbm-only-seqlens", type=int, nargs="*", default=[],
-                    help="extra sequence lengths timed with windows in HBM only (the <= 1.01 check)")
-    ap.add_argument("--paced-host-gbps", type=float, nargs="*", default=[],
-                    help="paced variants with host windows: grid-wide O store rates, GB/s")
-    ap.add_argument("--paced-hbm-gbps", type=float, nargs="*", default=[],
-                    help="paced variants with HBM windows: grid-wide O store rates, GB/s")
-    ap.add_argument("--paced-burst-tiles", type=int, default=8, help="the pacer's burst tolerance, in tiles")
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--heads-per-rank", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--platform", help="a calibrated platform model (python -m fa_a2a.calibrate --dest host): "
-                    "print the Burst-Gap model's T_fused (T_FA4 + E_res) beside the host rows")
-    ap.add_argument("--contention", action="store_true", help="run the contention probe too")
-    ap.add_argument("--pace", action="store_true", help="run the pacing probe too (paced writers, see above)")
-    ap.add_argument("--pace-fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9],
-                    help="writer rates of the pacing probe, as fractions of its zero-gap rate into host memory")
-    ap.add_argument("--pace-ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 33],
-                    help="storing-CTA counts of the pacing probe's zero-gap writers")
-    args = ap.parse_args()
+def main(parser, args):
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (SM90)")
+        raise SystemExit("examples/host_window_hiding.py: needs a CUDA GPU (SM90); nothing measured")
     P, H_loc, D, dt = args.world_size, args.heads_per_rank, args.head_dim, torch.bfloat16
     H = P * H_loc
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -307,7 +319,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for M in args.seqlens + args.hbm_only_seqlens:
         if M % (P * tile_m):
-            raise SystemExit(f"--seqlens: {M} is not a multiple of P * tile_m = {P * tile_m}")
+            parser.error(f"--seqlens: multiples of P * tile_m = {P * tile_m} expected, got {M}")
         S_loc = M // P
         set_bytes = 4 * M * H_loc * D * 2
         sets = [[torch.randn(1, M, H_loc, D, device="cuda", dtype=dt) for _ in range(4)]
@@ -418,4 +430,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(PARSER, ARGS)

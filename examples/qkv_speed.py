@@ -21,22 +21,47 @@ configurations (--configs) are timed for fused/plain at every shape.
 import argparse
 import json
 import os
+import re
 import time
 
-import torch
-
-from cute_kernels import qkv_a2a_sm90 as K
-from graphs import median, time_graphs
+from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_HIDDEN, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
 
 
-def parse_config(text):
-    """'192x128c1x2' (pingpong) or '128x192c2x1coop' -> GemmConfig."""
-    tiles, rest = text.split("c", 1)
-    coop = rest.endswith("coop")
-    rest = rest.removesuffix("coop")
-    tm, tn = (int(v) for v in tiles.split("x"))
-    cm, cn = (int(v) for v in rest.split("x"))
-    return K.GemmConfig(tm, tn, cm, cn, not coop)
+def tile_config(text):
+    """argparse type: '192x128c1x2' (pingpong) or '128x192c2x1coop' -> (text, GemmConfig's fields)."""
+    m = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(coop)?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a tile configuration such as 192x128c1x2 or 128x192c2x1coop, "
+                                         f"got {text!r}")
+    return text, (*(int(g) for g in m.groups()[:4]), m.group(5) is None)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
+                    help="S_loc values")
+    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
+    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")
+    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
+    ap.add_argument("--hidden", type=int_in(1, MAX_HIDDEN), default=3072)
+    ap.add_argument("--configs", type=tile_config, nargs="*", default=[tile_config("192x128c1x2"), tile_config("128x128c2x1")])
+    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=20, help="calls per captured graph")
+    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=11)
+    ap.add_argument("--start-after", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.heads % args.world_size:
+        ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # a bad flag is refused before torch and the kernels load
+
+import torch  # noqa: E402
+
+from cute_kernels import qkv_a2a_sm90 as K  # noqa: E402
+from graphs import median, time_graphs  # noqa: E402
 
 
 def windows_for(P, S_loc, heads, D, dtype):
@@ -47,24 +72,10 @@ def windows_for(P, S_loc, heads, D, dtype):
     return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[576, 1024, 4096], help="S_loc values")
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--configs", nargs="*", default=["192x128c1x2", "128x128c2x1"])
-    ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
-    ap.add_argument("--trials", type=int, default=11)
-    ap.add_argument("--start-after", default=None)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def main(args):
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (SM90)")
+        raise SystemExit("examples/qkv_speed.py: needs a CUDA GPU (SM90); nothing measured")
     P, H, D, C, dtype = args.world_size, args.heads, args.head_dim, args.hidden, torch.bfloat16
-    if H % P:
-        raise SystemExit(f"--heads {H} must be divisible by --world-size {P}")
     rank = min(3, P - 1)
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
@@ -74,7 +85,7 @@ def main():
     norm_w = K.QKVWeights.from_linear(wq, wk, wv, head_dim=D, world_size=P, bq=bq, bk=bk, bv=bv,
                                       q_norm_weight=r(D) * 0.2 + 1, k_norm_weight=r(D) * 0.2 + 1)
     weight_t = plain_w.weight.t()
-    configs = {"default": None, **{c: parse_config(c) for c in args.configs}}
+    configs = {"default": None, **{text: K.GemmConfig(*fields) for text, fields in args.configs}}
 
     def methods_for(S_loc):
         """The timed callables of one shape (their own tensors: closures bind this call's locals)."""
@@ -159,4 +170,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
