@@ -118,22 +118,44 @@ class FlashAttentionA2APacedForwardSm90(FlashAttentionA2AForwardSm90):
                          m_block, head_idx, batch_idx)
 
 
+MAX_RATE_GBPS = 1e6  # 1 PB/s: past any link (100000 already never waits on an H200's HBM)
+MAX_TILE_BYTES = 2**30
+MAX_BURST_TILES = 2**20
+MAX_DT_NS = 10**9  # one tile a second at the slowest: the tile time and TAT stay far inside int64
+
+
 def make_pacer(device, rate_gbps: float, tile_bytes: int, burst_tiles: int = 8) -> torch.Tensor:
     """Pacer state for `rate_gbps` (GB/s, 1e9 bytes) of `tile_bytes` tiles with a burst tolerance of
-    `burst_tiles` tiles: int64 [3] = (TAT 0, dt ns, tau ns) on `device`."""
-    if not (isinstance(rate_gbps, (int, float)) and math.isfinite(rate_gbps) and rate_gbps > 0):
-        raise ValueError(f"rate_gbps: expected a positive finite number, got {rate_gbps!r}")
-    if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes <= 0:
-        raise ValueError(f"tile_bytes: expected a positive int, got {tile_bytes!r}")
-    if isinstance(burst_tiles, bool) or not isinstance(burst_tiles, int) or burst_tiles < 0:
-        raise ValueError(f"burst_tiles: expected an int >= 0, got {burst_tiles!r}")
-    dt = max(1, round(tile_bytes / rate_gbps))  # bytes / (GB/s) = ns
-    return torch.tensor([0, dt, burst_tiles * dt], dtype=torch.int64, device=device)
+    `burst_tiles` tiles: int64 [3] = (TAT 0, dt ns, tau ns) on `device`. Bounds: 0 < rate_gbps <=
+    1e6 with at most 1 s per tile (dt = tile_bytes / rate_gbps ns <= 1e9), 1 <= tile_bytes <= 2**30,
+    0 <= burst_tiles <= 2**20 (bools refused). check_pacer takes only a state made here and not
+    written since (its dt and tau are checked here, not read back from the device on every launch)."""
+    if isinstance(rate_gbps, bool) or not isinstance(rate_gbps, (int, float)) or not (
+            math.isfinite(rate_gbps) and 0 < rate_gbps <= MAX_RATE_GBPS):
+        raise ValueError(f"rate_gbps: expected a number in (0, {MAX_RATE_GBPS:g}] GB/s, got {rate_gbps!r}")
+    if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or not 1 <= tile_bytes <= MAX_TILE_BYTES:
+        raise ValueError(f"tile_bytes: expected an int in [1, 2**30], got {tile_bytes!r}")
+    if isinstance(burst_tiles, bool) or not isinstance(burst_tiles, int) or not 0 <= burst_tiles <= MAX_BURST_TILES:
+        raise ValueError(f"burst_tiles: expected an int in [0, 2**20], got {burst_tiles!r}")
+    dt = tile_bytes / rate_gbps  # bytes / (GB/s) = ns
+    if dt > MAX_DT_NS:
+        raise ValueError(f"rate_gbps: expected at least tile_bytes / 1e9 = {tile_bytes / MAX_DT_NS:g} GB/s (at most "
+                         f"1 s per tile of {tile_bytes} bytes), got {rate_gbps!r}")
+    dt = max(1, round(dt))
+    with torch.inference_mode(False):  # a tensor with a version counter, also made under inference mode
+        pacer = torch.tensor([0, dt, burst_tiles * dt], dtype=torch.int64, device=device)
+    pacer._fa_a2a_pacer_version = pacer._version
+    return pacer
 
 
 def check_pacer(pacer, device) -> None:
-    """pacer: the int64 [3] state make_pacer returns, on `device`."""
+    """pacer: the int64 [3] state make_pacer returns, on `device`, not written by torch since (the
+    kernel's own atomics on TAT do not count): its dt and tau were bounded there."""
     if (not isinstance(pacer, torch.Tensor) or pacer.dtype != torch.int64 or tuple(pacer.shape) != (3,)
-            or pacer.device != device):
+            or pacer.device != torch.device(device)):
         raise ValueError(f"pacer: expected an int64 tensor [3] on {device} (make_pacer), got "
-                         f"{getattr(pacer, 'dtype', type(pacer).__name__)} {tuple(getattr(pacer, 'shape', ()))}")
+                         f"{getattr(pacer, 'dtype', type(pacer).__name__)} {tuple(getattr(pacer, 'shape', ()))} on "
+                         f"{getattr(pacer, 'device', None)}")
+    if getattr(pacer, "_fa_a2a_pacer_version", None) != pacer._version:
+        raise ValueError("pacer: expected the state make_pacer returned, unchanged since (its dt and tau are "
+                         "checked there), got a tensor built or written elsewhere")

@@ -749,6 +749,9 @@ class UlyssesQKVAttention(nn.Module):
             heads, bias, norms, eps = _check_linears(names, (q, k, v), (nq, nk), head_dim, across_heads)
             if made and heads != made[0][0]:
                 raise ValueError(f"{names[0]}, {names[1]}: expected to_q's and to_k's heads {made[0][0]}, got {heads}")
+            if made and (q.weight.dtype, q.weight.device) != (to_q.weight.dtype, to_q.weight.device):
+                raise ValueError(f"{names[0]}: expected to_q's {to_q.weight.dtype} on {to_q.weight.device}, got "
+                                 f"{q.weight.dtype} on {q.weight.device}")
             w = [m.weight.detach() for m in (q, k, v)]
             b = (None,) * 3 if bias is None else bias
             if across_heads:

@@ -202,9 +202,9 @@ def _weight_facts(attn: FluxAttention) -> tuple:
     return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
 
 
-def attention_weights(attn: FluxAttention, **kwargs) -> UlyssesQKVAttention:
+def attention_weights(attn: FluxAttention, share_weights: bool = True, **kwargs) -> UlyssesQKVAttention:
     """attn's q/k/v projections (and the text rows' add_*) as the fused block's weights in
-    destination order (UlyssesQKVAttention.from_linear with share_weights): the Linears' weights
+    destination order (UlyssesQKVAttention.from_linear): with share_weights the Linears' weights
     and biases become views of them, so the model and the block hold one copy. kwargs: group or
     world_size (the ranks the weights are gathered for)."""
     (layers, norms), *text = _layers(attn)
@@ -213,7 +213,7 @@ def attention_weights(attn: FluxAttention, **kwargs) -> UlyssesQKVAttention:
         (tq, tk, tv), (tnq, tnk) = text[0]
         extra = dict(add_q=tq, add_k=tk, add_v=tv, norm_added_q=tnq, norm_added_k=tnk)
     return UlyssesQKVAttention.from_linear(*layers, head_dim=attn.head_dim, norm_q=norms[0], norm_k=norms[1],
-                                           share_weights=True, **extra, **kwargs)
+                                           share_weights=share_weights, **extra, **kwargs)
 
 
 def _split_rotary(image_rotary_emb, J: int, rows: int):
