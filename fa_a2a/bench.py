@@ -45,14 +45,19 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from fa_a2a.xstage import GB, US, FaTiles, PlatformModel, fused_residual
 
 DEFAULT_SEQLENS = (8192, 16384, 32768, 49152, 65536)
 QUICK_SEQLENS = (8192, 16384)
+CALL_SEQLENS = (4608, 16384)  # the whole-call benchmark under torchrun (fa_a2a.bench_call), --quick too
 DEFAULT_WORLD_SIZE = 8
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": 2, "fp16": 2}  # name -> bytes per element (torch is imported after the arguments are parsed)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 DESTS = ("hbm", "host")
 EAGER_TRIALS = 3
 NA_REAL = "n/a (needs real ranks)"
@@ -85,16 +90,20 @@ class _Point:
     def __init__(self, cfg: "BenchConfig", M: int, dest: str, ctx: dict, gen: torch.Generator):
         self.cfg, self.M, self.dest = cfg, M, dest
         self.dev, self.group, self.rank = ctx["device"], ctx["group"], ctx["rank"]
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = torch_dtype(cfg.dtype)
         self.S_loc = M // cfg.world_size
         self.gen = gen
         self.keep = []  # pinned host buffers behind host windows: alive as long as the point
 
     def randn(self, *shape):
+        import torch
+
         return torch.randn(*shape, device=self.dev, dtype=self.dtype, generator=self.gen)
 
     def windows(self, name: str) -> torch.Tensor:
         """[P, B, S_loc, H, D] output windows of all ranks, filled with random values."""
+        import torch
+
         cfg, P, H_loc = self.cfg, self.cfg.world_size, self.cfg.heads_local
         shape = (P, cfg.batch, self.S_loc, cfg.heads, cfg.head_dim)
         if cfg.real_ranks:  # peer buffers mapped at one stride (collective)
@@ -124,6 +133,8 @@ class _Point:
 # the method; the output is the tensor it writes (NaN-poisoned before the timed replays and
 # checked after them), or None to check the call's return value on an eager call after the run.
 def _build_fa(pt, s):
+    import torch
+
     from fa_a2a.fused import fa4_forward
 
     o = torch.empty_like(s["q"])
@@ -138,6 +149,8 @@ def _build_a2a(pt, s):
 
 
 def _build_serial(pt, s):
+    import torch
+
     from fa_a2a.fused import fa4_forward
     from fa_a2a.op import post_a2a
 
@@ -154,6 +167,8 @@ def _build_fused(pt, s):
 
 
 def _nccl_buffers(pt):
+    import torch
+
     cfg = pt.cfg
     send = torch.empty(cfg.world_size, cfg.batch, pt.S_loc, cfg.heads_local, cfg.head_dim, device=pt.dev,
                        dtype=pt.dtype)
@@ -169,6 +184,8 @@ def _build_a2a_nccl(pt, s):
 
 
 def _build_serial_nccl(pt, s):
+    import torch
+
     from fa_a2a.fused import fa4_forward
     from ulysses.reference import dist_head_to_seq
 
@@ -258,14 +275,37 @@ class BenchConfig:
     plots: bool
     num_sms: int
     fa_tflops: float
+    mps_share: Optional[float] = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of every rank, when given
+    per_kernel: bool = False  # torchrun: the kernel methods instead of the whole call
+
+    @property
+    def whole_call(self) -> bool:
+        """torchrun runs the whole-call benchmark (fa_a2a.bench_call) unless --per-kernel."""
+        return self.real_ranks and not self.per_kernel
 
     @property
     def heads_local(self) -> int:
         return self.heads // self.world_size
 
 
+class _Parser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same arguments: only rank 0 prints a usage error (all exit 2)."""
+
+    def error(self, message):
+        if _rank_from_env() != 0:
+            self.exit(2)
+        super().error(message)
+
+
+def _rank_from_env() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m fa_a2a.bench",
         description="CUDA-graph steady-state benchmark of FA4 + Ulysses post-A2A across sequence lengths M, "
         "windows in HBM or in pinned host memory, with the X-Stage Burst-Gap model beside the measurements.",
@@ -307,18 +347,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"SM count for the model without a GPU (default {H200_NUM_SMS}, H200)")
     p.add_argument("--fa-tflops", type=float, default=H200_FA4_TFLOPS,
                    help="FA throughput the no-GPU predictions assume (default: H200 measured)")
+    p.add_argument("--mps-share", type=float, default=None, metavar="PERCENT",
+                   help="the MPS thread percentage each rank runs with (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). It "
+                   "must be set before a process creates its CUDA context, so this flag only checks that the "
+                   "environment says so and records it: set it for all ranks with `python -m fa_a2a.mps "
+                   "--thread-percentage PERCENT -- torchrun ...`")
+    p.add_argument("--per-kernel", action="store_true",
+                   help="under torchrun (one GPU per process): the kernel methods above on real ranks instead of "
+                   "the whole-call benchmark (fa_a2a.bench_call)")
     return p
 
 
-def _positive(value, name: str) -> int:
-    if value is None or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
+# Bounds of the numeric flags (a value outside is a usage error, exit 2, before anything is imported
+# or allocated): sane for one host of GPUs, far above any real use.
+BOUNDS = {
+    "--seqlens": (1, 1 << 21),
+    "--heads": (1, 1024),
+    "--batch": (1, 1024),
+    "--world-size": (1, 64),
+    "--trials": (1, 10_000),
+    "--warmup": (0, 1_000),
+    "--calls": (1, 10_000),
+    "--target-ms": (0.01, 60_000.0),
+    "--num-sms": (1, 1024),
+    "--fa-tflops": (0.01, 100_000.0),  # an H200's FA4 runs at ~690
+    "--seed": (0, 2**31 - 1),
+    "--mps-share": (1.0, 100.0),
+}
 
 
-def _positive_finite(value: float, name: str) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+def _bounded(value, name: str):
+    """value if it is a finite number within BOUNDS[name], else ValueError naming the flag."""
+    lo, hi = BOUNDS[name]
+    kind = "an integer" if isinstance(lo, int) else "a number"
+    if value is None or not (lo <= value <= hi) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name}: expected {kind} in [{lo:g}, {hi:g}], got {value!r}")
     return value
 
 
@@ -350,32 +413,39 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
         world = env_world
     else:
         world = DEFAULT_WORLD_SIZE if ns.world_size is None else ns.world_size
-    _positive(world, "--world-size")
-    seqlens = tuple(ns.seqlens) if ns.seqlens else (QUICK_SEQLENS if ns.quick else DEFAULT_SEQLENS)
+    _bounded(world, "--world-size")
+    if ns.per_kernel and not real:
+        raise ValueError("--per-kernel: expected torchrun with several processes (real ranks), got one process")
+    whole_call = real and not ns.per_kernel
+    if ns.seqlens:
+        seqlens = tuple(ns.seqlens)
+    else:
+        seqlens = CALL_SEQLENS if whole_call else (QUICK_SEQLENS if ns.quick else DEFAULT_SEQLENS)
     for m in seqlens:
-        _positive(m, "--seqlens")
+        _bounded(m, "--seqlens")
         if m % world:
             raise ValueError(f"--seqlens: M={m} is not divisible by the world size P={world}")
     if len(set(seqlens)) != len(seqlens):
         raise ValueError(f"--seqlens: repeated values in {list(seqlens)}")
-    _positive(ns.heads, "--heads")
+    _bounded(ns.heads, "--heads")
     if ns.heads % world:
         raise ValueError(f"--heads: H={ns.heads} is not divisible by the world size P={world}")
     if ns.head_dim not in (64, 128):
         raise ValueError(f"--head-dim: the fused kernel supports 64 and 128, got {ns.head_dim!r}")
-    _positive(ns.batch, "--batch")
+    _bounded(ns.batch, "--batch")
     if ns.dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {ns.dtype!r}")
     trials = ns.trials if ns.trials is not None else (5 if ns.quick else 15)
-    _positive(trials, "--trials")
-    warmup = ns.warmup if ns.warmup is not None else (1 if ns.quick else 3)
-    if warmup < 0:
-        raise ValueError(f"--warmup: expected >= 0, got {warmup}")
+    _bounded(trials, "--trials")
+    warmup = _bounded(ns.warmup if ns.warmup is not None else (1 if ns.quick else 3), "--warmup")
     if ns.calls is not None:
-        _positive(ns.calls, "--calls")
+        _bounded(ns.calls, "--calls")
     target_ms = ns.target_ms if ns.target_ms is not None else (5.0 if ns.quick else 25.0)
-    _positive_finite(target_ms, "--target-ms")
+    _bounded(target_ms, "--target-ms")
     keys = [m.key for m in METHODS]
+    if ns.methods and whole_call:
+        raise ValueError("--methods: the whole-call benchmark under torchrun runs every method that applies; "
+                         "--methods selects the kernel methods (one process, or torchrun with --per-kernel)")
     methods = tuple(ns.methods) if ns.methods else tuple(keys)
     bad = [m for m in methods if m not in keys]
     if bad:
@@ -390,15 +460,34 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
                          f"WORLD_SIZE={env_world}")
     load_platform(ns.platform)  # bad contents are a usage error now, not a traceback later
     num_sms = ns.num_sms if ns.num_sms is not None else H200_NUM_SMS
-    _positive(num_sms, "--num-sms")
-    _positive_finite(ns.fa_tflops, "--fa-tflops")
+    _bounded(num_sms, "--num-sms")
+    _bounded(ns.fa_tflops, "--fa-tflops")
+    _bounded(ns.seed, "--seed")
+    mps_share = _mps_share(ns.mps_share, env)
     return BenchConfig(
         seqlens=seqlens, heads=ns.heads, head_dim=ns.head_dim, batch=ns.batch, world_size=world,
         real_ranks=real, dtype=ns.dtype, causal=ns.causal, trials=trials, warmup=warmup,
         calls=ns.calls, target_ms=target_ms, methods=methods, dests=dests, quick=ns.quick, out=ns.out,
         platform=ns.platform, seed=ns.seed, plots=not ns.no_plots, num_sms=num_sms,
-        fa_tflops=ns.fa_tflops,
+        fa_tflops=ns.fa_tflops, mps_share=mps_share, per_kernel=ns.per_kernel,
     )
+
+
+def _mps_share(value: Optional[float], env) -> Optional[float]:
+    """--mps-share checked against the environment the CUDA context is created from."""
+    if value is None:
+        return None
+    _bounded(value, "--mps-share")
+    have = env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    try:
+        same = have is not None and float(have) == value
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"--mps-share: {value:g} needs CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={value:g} in every rank's "
+                         f"environment before its CUDA context exists, got {have!r}; run `python -m fa_a2a.mps "
+                         f"--thread-percentage {value:g} -- torchrun ...`")
+    return value
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None) -> BenchConfig:
@@ -512,7 +601,7 @@ def format_eager(points: Sequence[dict]) -> str:
 
 # ------------------------------------------------------------------------- the model
 def _tiles(cfg: BenchConfig, M: int, num_sms: int) -> FaTiles:
-    es = torch.tensor([], dtype=DTYPES[cfg.dtype]).element_size()
+    es = DTYPES[cfg.dtype]
     return FaTiles.fa4(M, cfg.heads_local, cfg.head_dim, num_sms=num_sms, batch=cfg.batch, out_bytes=es,
                        causal=cfg.causal)
 
@@ -617,6 +706,10 @@ def format_model(rows: Sequence[dict], source: Optional[str]) -> str:
 
 
 def no_gpu(cfg: BenchConfig) -> int:
+    """The Burst-Gap model's predictions without a GPU, printed by rank 0 (under torchrun the
+    other ranks print nothing); nothing is written to --out."""
+    if _rank_from_env() != 0:
+        return 0
     print("No CUDA GPU: nothing was measured (the benchmark needs an SM90 GPU; run it there, or under "
           "torchrun --nproc-per-node=N for N GPUs).")
     model, source = load_platform(cfg.platform)
@@ -628,12 +721,15 @@ def no_gpu(cfg: BenchConfig) -> int:
         print(HOST_NOTE + (" The model below is of another path: give --platform of a host calibration."
                            if not model_applies(model, "host") or cfg.platform is None else ""))
     print(format_predictions(predictions(cfg, model, sigma, cfg.num_sms), source))
+    print(f"Nothing written to {cfg.out} (only measurements are written).")
     return 0
 
 
 # ------------------------------------------------------------------------------ GPU helpers
 def _versions() -> dict:
     from importlib import metadata
+
+    import torch
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
     for dist_name in ("nvidia-cutlass-dsl", "flash-attn-4", "quack-kernels", "nvidia-ml-py", "fa-a2a"):
@@ -683,6 +779,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _finite(x) -> bool:
+    import torch
+
     if isinstance(x, torch.Tensor):
         return bool(torch.isfinite(x).all())
     if isinstance(x, (list, tuple)):
@@ -695,6 +793,8 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
     from graphs import (GpuClockMonitor, capture, input_sets_needed, median, rank_max, round_up, time_eager,
                         time_graphs)
 
+    import torch
+
     P, B, D, H_loc = cfg.world_size, cfg.batch, cfg.head_dim, cfg.heads_local
     status = {}
     for key in cfg.methods:
@@ -702,7 +802,7 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
         if why is not None:
             status[key] = why
 
-    es = torch.tensor([], dtype=DTYPES[cfg.dtype]).element_size()
+    es = DTYPES[cfg.dtype]
     x_bytes = B * M * H_loc * D * es
     # per call: q, k, v read, O written (plus O read and written once more by serial)
     n_sets = input_sets_needed(5 * x_bytes, ctx["l2_bytes"])
@@ -896,6 +996,7 @@ def write_plots(result: dict, out_dir: Path, m_ub: Optional[float] = None) -> li
 
 # ------------------------------------------------------------------------------ main (GPU)
 def _setup_distributed(cfg: BenchConfig) -> dict:
+    import torch
     import torch.distributed as dist
 
     if not cfg.real_ranks:
@@ -923,6 +1024,8 @@ def _setup_distributed(cfg: BenchConfig) -> dict:
 
 
 def run_gpu(cfg: BenchConfig) -> int:
+    import torch
+
     from graphs import GpuClockMonitor, l2_cache_bytes
 
     ctx = _setup_distributed(cfg)
@@ -1032,8 +1135,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = make_config(ns)
     except ValueError as e:
         parser.error(str(e))
+    import torch  # after the arguments: a bad flag is refused without loading torch
+
     if not torch.cuda.is_available():
         return no_gpu(cfg)
+    if cfg.whole_call:
+        from fa_a2a.bench_call import run_calls
+
+        return run_calls(cfg)
     return run_gpu(cfg)
 
 

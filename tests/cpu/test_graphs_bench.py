@@ -429,7 +429,7 @@ def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
     assert "Burst-Gap model predictions" in p.stdout and "not measurements" in p.stdout
     rows = [l for l in p.stdout.splitlines() if l.startswith("| 8192 ") or l.startswith("| 16384 ")]
     assert len(rows) == 2 and all(l.count("|") == 9 for l in rows)
-    assert not out.exists()  # nothing measured, nothing written
+    assert not out.exists() and f"Nothing written to {out}" in p.stdout  # nothing measured, nothing written
     bad = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--heads", "7"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--heads" in bad.stderr
