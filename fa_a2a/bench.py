@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from fa_a2a.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE
 from fa_a2a.xstage import GB, US, FaTiles, PlatformModel, fused_residual
 
 DEFAULT_SEQLENS = (8192, 16384, 32768, 49152, 65536)
@@ -358,16 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Bounds of the numeric flags (a value outside is a usage error, exit 2, before anything is imported
-# or allocated): sane for one host of GPUs, far above any real use.
+# Bounds of the numeric flags (a value outside is a usage error, exit 2, before torch is imported):
+# the tools' shared maxima (fa_a2a.cli), lower bounds where a tiny value breaks the model's arithmetic.
 BOUNDS = {
-    "--seqlens": (1, 1 << 21),
-    "--heads": (1, 1024),
+    "--seqlens": (1, MAX_SEQLEN),
+    "--heads": (1, MAX_HEADS),
     "--batch": (1, 1024),
-    "--world-size": (1, 64),
-    "--trials": (1, 10_000),
-    "--warmup": (0, 1_000),
-    "--calls": (1, 10_000),
+    "--world-size": (1, MAX_WORLD_SIZE),
+    "--trials": (1, MAX_REPEATS),
+    "--warmup": (0, MAX_REPEATS),
+    "--calls": (1, MAX_REPEATS),
     "--target-ms": (0.01, 60_000.0),
     "--num-sms": (1, 1024),
     "--fa-tflops": (0.01, 100_000.0),  # an H200's FA4 runs at ~690

@@ -44,8 +44,8 @@ def _bench(args, tmp_path, **env):
     (["--seqlens", "-8"], "--seqlens"),
     (["--num-sms", "100000"], "--num-sms"),
     (["--batch", "5000"], "--batch"),
-    (["--trials", "1000000"], "--trials"),
-    (["--calls", "99999999"], "--calls"),
+    (["--trials", "100000000"], "--trials"),
+    (["--calls", "100000000"], "--calls"),
     (["--target-ms", "1e300"], "--target-ms"),
     (["--seed", "-1"], "--seed"),
     (["--mps-share", "0"], "--mps-share"),
@@ -97,9 +97,11 @@ def test_whole_call_config():
         bench.parse_args(["--mps-share", "50"], env={**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "half"})
     ok = bench.parse_args(["--mps-share", "50"], env={**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
     assert ok.mps_share == 50.0
-    big = bench.parse_args(["--seqlens", str(1 << 21), "--heads", "1024", "--world-size", "64", "--num-sms", "1024",
-                            "--fa-tflops", "1e5"], env={})
-    assert big.seqlens == (1 << 21,) and big.world_size == 64  # the bounds themselves are accepted
+    top = {flag: hi for flag, (_, hi) in bench.BOUNDS.items()}
+    big = bench.parse_args(["--seqlens", str(top["--seqlens"]), "--heads", str(top["--heads"]), "--world-size",
+                            str(top["--world-size"]), "--num-sms", str(top["--num-sms"]), "--fa-tflops",
+                            str(top["--fa-tflops"])], env={})
+    assert big.seqlens == (top["--seqlens"],) and big.world_size == top["--world-size"]  # the bounds are accepted
 
 
 # ------------------------------------------------------------------------------ methods
