@@ -166,31 +166,37 @@ def disk_cache(fn: Callable) -> Callable:
     picklable. A non-empty `extra_options` argument bypasses the disk. cache_info() /
     cache_clear() as functools.cache's (cache_clear empties the memory, not the disk)."""
     signature = inspect.signature(fn)
-    memory: dict = {}
+    memory: dict = {}  # key: the arguments with defaults applied
+    as_called: dict = {}  # the same results keyed by the call's own args and kwargs (no binding)
     counts = {"hits": 0, "misses": 0, "loads": 0}
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        call = (args, tuple(kwargs.items()))
+        if call in as_called:
+            counts["hits"] += 1
+            return as_called[call]
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         key = tuple(bound.arguments.values())
         if key in memory:
             counts["hits"] += 1
-            return memory[key]
-        counts["misses"] += 1
-        if bound.arguments.get("extra_options"):
-            result = fn(*args, **kwargs)
         else:
-            result, loaded = load_or_compile(fn.__qualname__, key, lambda: fn(*args, **kwargs))
-            counts["loads"] += loaded
-        memory[key] = result
-        return result
+            counts["misses"] += 1
+            if bound.arguments.get("extra_options"):
+                memory[key] = fn(*args, **kwargs)
+            else:
+                memory[key], loaded = load_or_compile(fn.__qualname__, key, lambda: fn(*args, **kwargs))
+                counts["loads"] += loaded
+        as_called[call] = memory[key]
+        return memory[key]
 
     def cache_info() -> CacheInfo:
         return CacheInfo(counts["hits"], counts["misses"], None, len(memory), counts["loads"])
 
     def cache_clear() -> None:
         memory.clear()
+        as_called.clear()
         counts.update(hits=0, misses=0, loads=0)
 
     wrapper.cache_info = cache_info

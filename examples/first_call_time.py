@@ -1,0 +1,145 @@
+"""Time to first output of a fresh process, with the compile cache cold and warm.
+
+For each case (the attention op fa_a2a.ulysses_attention, impl "fused", and the attention block
+fa_a2a.ulysses_qkv_attention, each at P = 1 and at P = 2 rank processes on GPU 0; bf16, B = 1,
+S = 1024, H = 8, D = 128, C = 512), fresh processes run the case twice: first on an empty cache
+folder (cold: every kernel compiles and is exported), then on the same folder (warm: every kernel
+loads). Each process reports the seconds from its start to the end of its imports and to the
+first output (synchronized), and the second call's milliseconds; P = 2 shows the slower rank.
+The warm output must equal the cold one bit for bit (a loaded kernel computes what the compiled
+one did), and the warm run must add no entry to the folder.
+
+    python examples/first_call_time.py            # one SM90 GPU; prints the table
+
+Columns: import s, first output s (from process start), second call ms, cache entries after the
+run, and whether the warm output equals the cold one.
+"""
+
+import time
+
+_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+B, S, H, D, C = 1, 1024, 8, 128, 512
+CASES = (("attention", 1), ("attention", 2), ("block", 1), ("block", 2))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inputs(what: str, P: int, rank: int):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    rows = slice(rank * S // P, (rank + 1) * S // P)
+    if what == "attention":
+        return [r(B, S, H, D)[:, rows].to(torch.bfloat16).contiguous() for _ in range(3)]
+    from fa_a2a import block
+
+    n = 3 * H * D
+    chain = block.TorchQKV((r(n, C) / C ** 0.5).to(torch.bfloat16), (0.1 * r(n)).to(torch.bfloat16),
+                           r(D) * 0.2 + 1.0, r(D) * 0.2 + 1.0, H, H, D)
+    x = r(B, S, C)[:, rows].to(torch.bfloat16).contiguous()
+    pos = torch.arange(S, device="cuda", dtype=torch.float32)[rows]
+    ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda", dtype=torch.float32) / (D // 2))
+    rotary = (ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+    return x, block.block_weights(chain, P), rotary
+
+
+def child(what: str, P: int, rank: int, init_file: str, out_file: str) -> None:
+    """One rank process: time its imports, its first output and a second call; save the output."""
+    import torch
+    import torch.distributed as dist
+
+    import fa_a2a
+
+    imported = time.perf_counter() - _START
+    torch.cuda.set_device(0)
+    group = None
+    if P > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P)
+        group = dist.group.WORLD
+    args = _inputs(what, P, rank)
+
+    def call():
+        with torch.no_grad():
+            if what == "attention":
+                return fa_a2a.ulysses_attention(*args, group=group, impl="fused")
+            x, proj, rotary = args
+            return fa_a2a.ulysses_qkv_attention(x, proj, group=group, rotary=rotary, impl="fused")
+
+    out = call()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - _START
+    t = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    second_ms = (time.perf_counter() - t) * 1e3
+    torch.save(out.cpu(), out_file)
+    print(f"RESULT {imported:.2f} {first:.2f} {second_ms:.2f}", flush=True)
+    if P > 1:
+        from ulysses.transport import close_transports
+
+        dist.barrier()
+        close_transports()
+        dist.destroy_process_group()
+
+
+def run_case(what: str, P: int, cache: Path, work: Path, tag: str) -> dict:
+    """Start P fresh rank processes on `cache`; their slowest times and rank 0's output."""
+    init_file = work / f"init-{what}-{P}-{tag}"
+    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", what, str(P), str(r), str(init_file),
+                               str(work / f"out-{what}-{P}-{tag}-{r}.pt")],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(P)]
+    results = []
+    for r, p in enumerate(procs):
+        out, _ = p.communicate(timeout=300)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode != 0 or not lines:
+            raise SystemExit(f"{what} P={P} {tag} rank {r} failed (exit {p.returncode}):\n{out[-4000:]}")
+        results.append([float(v) for v in lines[-1].split()[1:]])
+    imported, first, second = (max(col) for col in zip(*results))
+    return dict(imported=imported, first=first, second=second,
+                entries=len(list(cache.rglob("*.o"))), out=work / f"out-{what}-{P}-{tag}-0.pt")
+
+
+def main() -> None:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("needs an SM90 GPU (compute capability 9.0)")
+    print(f"{'case':<14}{'cache':<7}{'import s':>9}{'first output s':>16}{'second call ms':>16}"
+          f"{'entries':>9}{'same output':>13}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for what, P in CASES:
+            cache, work = Path(tmp) / f"cache-{what}-{P}", Path(tmp)
+            cold = run_case(what, P, cache, work, "cold")
+            warm = run_case(what, P, cache, work, "warm")
+            same = torch.equal(torch.load(cold["out"]), torch.load(warm["out"]))
+            for tag, res in (("cold", cold), ("warm", warm)):
+                flag = "" if tag == "cold" else ("yes" if same else "NO")
+                print(f"{what + ' P=' + str(P):<14}{tag:<7}{res['imported']:>9.2f}{res['first']:>16.2f}"
+                      f"{res['second']:>16.2f}{res['entries']:>9}{flag:>13}", flush=True)
+            if not same or warm["entries"] != cold["entries"]:
+                raise SystemExit(f"{what} P={P}: the warm run " + ("changed the output" if not same else
+                                 f"added cache entries ({cold['entries']} -> {warm['entries']})"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", nargs=5, metavar=("WHAT", "P", "RANK", "INIT_FILE", "OUT_FILE"),
+                        help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.child:
+        what, P, rank, init_file, out_file = ns.child
+        child(what, int(P), int(rank), init_file, out_file)
+    else:
+        main()
