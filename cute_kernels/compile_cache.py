@@ -130,7 +130,7 @@ def entry_folder(name: str) -> Path:
 
 
 def load_or_compile(name: str, key: tuple, compile: Callable[[], Any]) -> tuple:
-    """(compiled function of `key`, whether it was loaded from disk): the disk entry of (name,
+    """(compiled function of `key`, whether it was found rather than compiled): the entry of (name,
     key) if there is a loadable one, else compile() (a TVM-FFI compiled function), exported for
     the next process. With the cache off (FA_A2A_CACHE=0), or when the folder cannot be created
     (warned once), compile() alone."""
