@@ -12,7 +12,10 @@ trials; method order rotated every trial; input sets rotated when they would fit
 logged through NVML. Then the same N calls eagerly (no graph, 3 trials): host wall time per call,
 printed beside the graph time (GPU-bound when they agree).
 
-Ranks: under `torchrun --nproc-per-node=N` (one GPU per process) the ranks are real. In one
+Ranks: under `torchrun --nproc-per-node=N` the ranks are real and the benchmark times the whole
+call instead (fa_a2a.bench_call: FA4-local, pre-A2A, serial / fused / NCCL calls, the attention
+block; one GPU per process, or N processes on one GPU under `python -m fa_a2a.mps`); `--per-kernel`
+runs the methods below on real ranks instead (one GPU per process). In one
 process, P ranks are emulated: the process runs rank 0's work only and its "remote" stores go to
 P local windows; the other P-1 ranks' stores are never issued ("Op emulated" runs all P ranks'
 work through fa_a2a.ulysses_attention_emulated). Methods that do not apply print "n/a (...)".
@@ -310,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fa_a2a.bench",
         description="CUDA-graph steady-state benchmark of FA4 + Ulysses post-A2A across sequence lengths M, "
         "windows in HBM or in pinned host memory, with the X-Stage Burst-Gap model beside the measurements.",
-        epilog="methods: " + "; ".join(f"{m.key} = {m.what}" + {"real": " (real ranks only)",
+        epilog="Under torchrun the whole call is timed instead (fa_a2a.bench_call; --per-kernel: these methods). "
+        "methods: " + "; ".join(f"{m.key} = {m.what}" + {"real": " (torchrun --per-kernel only)",
                                                                   "emulated": " (emulated ranks only)"}.get(m.ranks, "")
                                         for m in METHODS),
     )
@@ -1007,9 +1011,9 @@ def _setup_distributed(cfg: BenchConfig) -> dict:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     n_local = int(os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size)))
     if torch.cuda.device_count() < n_local:
-        raise SystemExit(f"{n_local} processes per node but {torch.cuda.device_count()} GPUs: processes "
-                         "sharing a GPU would time contention. Run one process per GPU, or one process "
-                         "with emulated ranks (no torchrun).")
+        raise SystemExit(f"--per-kernel: {n_local} processes per node but {torch.cuda.device_count()} GPUs: "
+                         "the NCCL methods need one GPU per process. Without --per-kernel the whole-call "
+                         "benchmark runs ranks that share a GPU (under python -m fa_a2a.mps).")
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
