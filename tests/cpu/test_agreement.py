@@ -21,12 +21,15 @@ from fa_a2a import ulysses_attention
 
 DEADLINE_S = 90
 B, S_LOC, H, D = 1, 4, 6, 8
+ON_CUDA = False  # set in the rank processes of the GPU tier (fused / serial): bf16 CUDA tensors, D = 64
 
 
-def _run(case, P, impl, env=None):
-    """Spawn P gloo ranks running case(rank, P, group, impl); fail if any rank fails or outlives the deadline."""
+def run_with_deadline(case, P, impl, env=None, cuda=False):
+    """Spawn P gloo ranks running case(rank, P, group, impl) (cuda: every rank on GPU 0); fail if
+    any rank fails or outlives the deadline."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(case, P, impl, os.path.join(tmp, "init"), env or {}), nprocs=P, join=False)
+        ctx = mp.spawn(_worker, args=(case, P, impl, os.path.join(tmp, "init"), env or {}, cuda), nprocs=P,
+                       join=False)
         deadline = time.monotonic() + DEADLINE_S
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
@@ -35,9 +38,13 @@ def _run(case, P, impl, env=None):
                 pytest.fail(f"{case.__name__} (P={P}, {impl}): a rank was still running after {DEADLINE_S} s (hang)")
 
 
-def _worker(rank, case, P, impl, init_file, env):
+def _worker(rank, case, P, impl, init_file, env, cuda):
     os.environ.update(env)
     torch.set_num_threads(1)
+    if cuda:
+        global ON_CUDA, D
+        ON_CUDA, D = True, 64
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -48,7 +55,8 @@ def _worker(rank, case, P, impl, init_file, env):
 
 def _qkv(rank, S_loc=S_LOC, heads=H, **kw):
     g = torch.Generator().manual_seed(rank)
-    return [torch.randn(B, S_loc, heads, D, generator=g, **kw) for _ in range(3)]
+    qkv = [torch.randn(B, S_loc, heads, D, generator=g, **kw) for _ in range(3)]
+    return [t.to("cuda", torch.bfloat16) for t in qkv] if ON_CUDA else qkv
 
 
 def _refused(match, call):
@@ -95,7 +103,8 @@ def _one_rank_changes(rank, P, group, impl):
     last = rank == P - 1
     _refused(r"^q \(S_loc\)", lambda: _call(group, impl, _qkv(rank, S_loc=S_LOC + 1) if last else qkv))
     _refused(r"^causal", lambda: _call(group, impl, qkv, causal=last))
-    _refused(r"^q \(dtype\)", lambda: _call(group, impl, [t.double() for t in qkv] if last else qkv))
+    other = torch.float16 if ON_CUDA else torch.double
+    _refused(r"^q \(dtype\)", lambda: _call(group, impl, [t.to(other) for t in qkv] if last else qkv))
     _call(group, impl, qkv)
 
 
@@ -144,25 +153,25 @@ def _devices_and_joint(rank, P, group, impl):
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
 def test_swapped_known_signatures_are_refused(P, impl):
-    _run(_swapped_known_signatures, P, impl)
+    run_with_deadline(_swapped_known_signatures, P, impl)
 
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
 def test_one_rank_with_a_new_signature_is_refused(P, impl):
-    _run(_one_rank_changes, P, impl)
+    run_with_deadline(_one_rank_changes, P, impl)
 
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_a_local_refusal_reaches_every_rank(P):
-    _run(_one_rank_refuses_locally, P, "nccl")
+    run_with_deadline(_one_rank_refuses_locally, P, "nccl")
 
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_different_group_objects_are_refused(P):
-    _run(_different_groups, P, "reference")
+    run_with_deadline(_different_groups, P, "reference")
 
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_device_joint_and_shard_rows_disagreements(P):
-    _run(_devices_and_joint, P, "nccl", env={"FA_A2A_CHECK_JOINT": "1"})
+    run_with_deadline(_devices_and_joint, P, "nccl", env={"FA_A2A_CHECK_JOINT": "1"})

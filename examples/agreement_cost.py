@@ -1,0 +1,90 @@
+"""What the per-call agreement of the ranks costs (fa_a2a.problem.agree_call, ulysses.channel).
+
+P gloo rank processes on this machine's CPU: the channel's word exchange alone (median host us per
+exchange, max over ranks), and ulysses_attention(impl=...) with the agreement against the same
+calls with it switched off, timed back to back (median per call, max over ranks).
+
+    python examples/agreement_cost.py [--ranks 2] [--impl nccl] [--seq 256] [--heads 24] [--head-dim 64]
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _positive(text):
+    value = int(text)
+    if not 1 <= value <= 1 << 16:
+        raise argparse.ArgumentTypeError(f"expected an int in [1, 65536], got {text}")
+    return value
+
+
+def _worker(rank, P, impl, S_loc, heads, head_dim, calls, init_file, results):
+    import torch
+    import torch.distributed as dist
+
+    import fa_a2a.problem as problem
+    from fa_a2a import ulysses_attention
+    from ulysses.channel import get_channel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=60))
+    group = dist.group.WORLD
+    channel = get_channel(group)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        channel.exchange(12345)
+        times.append(time.perf_counter() - t0)
+    q, k, v = (torch.randn(1, S_loc, heads, head_dim) for _ in range(3))
+    agree = problem.agree_call
+    per = {"with agreement": [], "without": []}
+    with torch.no_grad():
+        for i in range(calls // 10):
+            for label in per if i % 2 else reversed(list(per)):
+                problem.agree_call = agree if label == "with agreement" else (lambda *a: None)
+                dist.barrier()
+                t0 = time.perf_counter()
+                ulysses_attention(q, k, v, impl=impl)
+                per[label].append(time.perf_counter() - t0)
+    problem.agree_call = agree
+    results[rank] = {"exchange_us": statistics.median(times) * 1e6, "channel": channel.kind,
+                     **{label: statistics.median(t) * 1e6 for label, t in per.items()}}
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python examples/agreement_cost.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=_positive, default=2)
+    ap.add_argument("--impl", choices=("nccl", "reference"), default="nccl")
+    ap.add_argument("--seq", type=_positive, default=256, help="rows per rank (S_loc)")
+    ap.add_argument("--heads", type=_positive, default=24)
+    ap.add_argument("--head-dim", type=_positive, default=64)
+    ap.add_argument("--calls", type=_positive, default=2000)
+    ns = ap.parse_args(argv)
+    if ns.heads % ns.ranks:
+        ap.error(f"--heads: expected a multiple of --ranks {ns.ranks}, got {ns.heads}")
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(ns.ranks, ns.impl, ns.seq, ns.heads, ns.head_dim, ns.calls,
+                                os.path.join(tmp, "init"), results), nprocs=ns.ranks, join=True)
+        res = dict(results)
+    worst = {key: max(r[key] for r in res.values()) for key in ("exchange_us", "with agreement", "without")}
+    print(f"{ns.ranks} gloo ranks on CPU, channel: {res[0]['channel']}; median us, max over ranks")
+    print(f"word exchange alone: {worst['exchange_us']:.1f} us")
+    print(f"ulysses_attention impl={ns.impl} [1, {ns.seq}, {ns.heads}, {ns.head_dim}] per rank: "
+          f"{worst['with agreement']:.0f} us with the agreement, {worst['without']:.0f} us without "
+          f"(x{worst['with agreement'] / worst['without']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
