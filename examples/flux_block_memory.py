@@ -1,0 +1,166 @@
+"""Memory of the fused Flux processor's weights: one copy of the attention weights, not two.
+
+fa_a2a.flux_block's processor gathers each FluxAttention's q/k/v weights in destination order at
+the module's first fused call (flux_block.attention_weights), and the module's Linears become
+views of them. This builds a Flux.1-size transformer (19 double- + 38 single-stream blocks, 24
+heads x 128, random bf16 weights), installs the processor (enable_fused_projection) and gathers
+every module's weights as that first call does, for P = --world-size ranks, then prints:
+  qkv_bytes        the q/k/v weights of all attention modules (Flux.1: 4.3 GB)
+  before / after   unique storage bytes of the model's parameters and buffers plus the tensors the
+                   gathered weights hold, before and after the gathering
+  extra            after - before, and as a fraction of qkv_bytes
+  on CUDA          torch.cuda.memory_allocated before and after, max_memory_allocated during
+  on CPU           the growth of the process's peak resident set (ru_maxrss) during the gathering
+--copy gathers a copy beside the Linears instead (share_weights=False: what the processor kept
+before the Linears became views). --attention-only builds the 57 attention modules alone (the
+whole transformer is ~24 GB in bf16, more than a small CPU machine holds).
+
+    python examples/flux_block_memory.py                        # a GPU: the whole Flux.1 transformer
+    python examples/flux_block_memory.py --copy                 # the same with the old copy
+    python examples/flux_block_memory.py --device cpu --attention-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--world-size", type=int, default=8, help="P, the ranks the weights are gathered for")
+    p.add_argument("--attention-only", action="store_true", help="the attention modules alone")
+    p.add_argument("--copy", action="store_true", help="a copy beside the Linears (share_weights=False)")
+    p.add_argument("--layers", type=int, default=19, help="double-stream blocks (Flux.1: 19)")
+    p.add_argument("--single-layers", type=int, default=38, help="single-stream blocks (Flux.1: 38)")
+    p.add_argument("--heads", type=int, default=24, help="attention heads (Flux.1: 24)")
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="head dim (Flux.1: 128)")
+    p.add_argument("--json", default=None, help="also write the numbers to this file")
+    args = p.parse_args(argv)
+    for name in ("world_size", "layers", "single_layers", "heads"):
+        value = getattr(args, name)
+        if not 0 <= value <= 4096 or (value == 0 and name in ("world_size", "heads")):
+            p.error(f"--{name.replace('_', '-')}: expected an int in [1, 4096] ([0, 4096] for layer counts), "
+                    f"got {value}")
+    return args
+
+
+def _build(args, device):
+    """The transformer (or its attention modules) on `device`, random bf16 weights, norms' weights 1."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    dim, D = args.heads * args.head_dim, args.head_dim
+    with torch.device("meta"):
+        if args.attention_only:
+            model = torch.nn.ModuleList(
+                [FluxAttention(query_dim=dim, added_kv_proj_dim=dim, dim_head=D, heads=args.heads, out_dim=dim,
+                               context_pre_only=False, bias=True, eps=1e-6) for _ in range(args.layers)]
+                + [FluxAttention(query_dim=dim, dim_head=D, heads=args.heads, out_dim=dim, bias=True, eps=1e-6,
+                                 pre_only=True) for _ in range(args.single_layers)])
+        else:
+            model = FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.single_layers,
+                                           attention_head_dim=D, num_attention_heads=args.heads,
+                                           axes_dims_rope=(D // 8, 7 * D // 16, 7 * D // 16))
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.rsplit(".", 2)[-2].startswith("norm") and t.dim() == 1:
+                t.fill_(1)
+            elif t.is_floating_point():
+                t.normal_(0, 0.02, generator=g)
+    return model.eval()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (views of one storage count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[(s.device, s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def held_tensors(model, gathered) -> list:
+    """The model's parameters and buffers and the tensors of the gathered weights (UlyssesQKVAttention)."""
+    out = list(model.parameters()) + list(model.buffers())
+    for mod in gathered:
+        for proj in (mod.proj, mod.joint_proj):
+            if proj is not None:
+                out += [proj.weight, proj.bias, proj.norm_weight]
+    return out
+
+
+def measure(args) -> dict:
+    import torch
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    from fa_a2a import flux_block
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = _build(args, device)
+    if not args.attention_only:
+        flux_block.enable_fused_projection(model)
+    attns = [m for m in model.modules() if isinstance(m, FluxAttention)]
+    qkv = [lin.weight for a in attns for layers, _ in flux_block._layers(a) for lin in layers]
+    r = dict(device=str(device), world_size=args.world_size, attention_only=args.attention_only, copy=args.copy,
+             attention_modules=len(attns), qkv_bytes=storage_bytes(qkv))
+    r["before"] = storage_bytes(held_tensors(model, []))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        r["cuda_allocated_before"] = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    import cute_kernels.qkv_a2a_sm90  # noqa: F401  (the gathering's imports, before the resident set is read)
+    import fa_a2a.op  # noqa: F401
+    import ulysses.layout  # noqa: F401
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    with torch.no_grad():  # each module's first fused call, for P = world_size ranks
+        gathered = [flux_block.attention_weights(a, share_weights=not args.copy, world_size=args.world_size)
+                    for a in attns]
+    r["after"] = storage_bytes(held_tensors(model, gathered))
+    r["extra"] = r["after"] - r["before"]
+    r["extra_of_qkv"] = r["extra"] / r["qkv_bytes"]
+    if cuda:
+        torch.cuda.synchronize(device)
+        r["cuda_allocated_after"] = torch.cuda.memory_allocated(device)
+        r["cuda_max_allocated_during"] = torch.cuda.max_memory_allocated(device)
+        r["cuda_peak_extra"] = r["cuda_max_allocated_during"] - r["cuda_allocated_before"]
+        r["cuda_peak_extra_of_qkv"] = r["cuda_peak_extra"] / r["qkv_bytes"]
+    else:
+        r["cpu_peak_rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    shared = all(lin.weight.untyped_storage().data_ptr() == mod.proj.weight.untyped_storage().data_ptr()
+                 for a, mod in zip(attns, gathered) for lin in flux_block._layers(a)[0][0])
+    r["linears_are_views"] = shared
+    return r
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    r = measure(args)
+    gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
+    print(f"{r['attention_modules']} attention modules on {r['device']}, P = {r['world_size']}, "
+          f"{'copy beside the Linears' if r['copy'] else 'Linears as views'}")
+    print(f"q/k/v weights {gb(r['qkv_bytes'])}; model + gathered weights {gb(r['before'])} -> {gb(r['after'])}: "
+          f"extra {gb(r['extra'])} ({100 * r['extra_of_qkv']:.2f}% of q/k/v); Linears are views: "
+          f"{r['linears_are_views']}")
+    if "cuda_allocated_before" in r:
+        print(f"torch.cuda.memory_allocated {gb(r['cuda_allocated_before'])} -> {gb(r['cuda_allocated_after'])}, "
+              f"max_memory_allocated during the gathering {gb(r['cuda_max_allocated_during'])} "
+              f"(peak extra {gb(r['cuda_peak_extra'])}, {100 * r['cuda_peak_extra_of_qkv']:.2f}% of q/k/v)")
+    else:
+        print(f"peak resident set growth during the gathering {gb(r['cpu_peak_rss_growth'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
