@@ -296,26 +296,15 @@ def write_call_plots(result: dict, out_dir: Path) -> list:
 
 
 # ------------------------------------------------------------------------------ GPU
-def _rank_device():
-    """This rank's GPU, made current (fa_a2a.mps.rank_device: GPU local_rank % device count)."""
-    import torch
-
-    try:
-        from fa_a2a.mps import rank_device
-    except ModuleNotFoundError:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        return dev
-    return rank_device()
-
-
 def _setup(cfg: BenchConfig) -> dict:
     import torch
     import torch.distributed as dist
 
+    from fa_a2a.mps import rank_device  # cuda:(LOCAL_RANK % device count), made current; logs a shared GPU
+
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size)))
     shared = ranks_share_gpu(local_world, torch.cuda.device_count())
-    dev = _rank_device()
+    dev = rank_device()
     backend = "gloo" if shared else "cpu:gloo,cuda:nccl"
     if shared:
         dist.init_process_group(backend)
