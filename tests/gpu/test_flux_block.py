@@ -13,13 +13,17 @@ saw no call); block "fused" == block "serial" bit for bit (same arithmetic); FA4
 ref: max|out - ref| <= 2 max|base - ref| + atol (and the same for the means); and the block
 within 2 max|base - ref| + atol of the attention-only path: the two differ only in the
 projection's rounding (the fused epilogue rounds q/k to bf16 once, diffusers after the Linear,
-the RMSNorm and the RoPE), an error of the bf16 model's own size.
+the RMSNorm and the RoPE), an error of the bf16 model's own size. One copy of the weights: the
+model's q/k/v Linears are views of the processors' gathered weights (the memory held grows by at
+most 5% of the q/k/v weights), and diffusers' processor on them gives the attention-only output of
+before the gathering bit for bit.
 
 Test shims: diffusers' gathers of the model output go through host memory (gloo, CUDA tensors;
 uneven ones padded), and logger.warning_once is defined when absent.
 """
 
 import copy
+import importlib.util
 import json
 import logging
 import os
@@ -34,6 +38,11 @@ if not torch.cuda.is_available():
 from tests.cpu.test_dit_cpu import _gather_anything_padded  # noqa: E402
 from tests.gpu.test_dit import _errors, _on  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "flux_block_memory", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "flux_block_memory.py"))
+memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(memory)
 
 HEADS, HEAD_DIM = 4, 128
 N_ATTN = 4  # 2 double-stream + 2 single-stream attention calls per forward
@@ -109,11 +118,39 @@ def _check(P, group, rank):
             assert e["max_diff_attention_only"] <= 2 * e_attn["base_max_err"] + e_attn["atol"], (what, e)
             outs[impl] = out
         assert torch.equal(outs["fused"], outs["serial"]), f"rank {rank} {case}: block fused and serial differ"
+        results[f"{case} weights"] = _check_one_copy(model, x, attn_only, names["fused"], f"rank {rank} {case}")
     torch.cuda.synchronize()
     close_transports()
     if rank == 0 and os.environ.get("FA_A2A_FLUX_BLOCK_JSON"):
         with open(os.environ["FA_A2A_FLUX_BLOCK_JSON"], "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), P=P, results=results), f, indent=1)
+
+
+def _check_one_copy(model, x, attn_only, backend_name, what):
+    """The processors' gathered weights are the model's Linears (views of one buffer): the memory held
+    grows by at most 5% of the q/k/v weights, and diffusers' own processor on the views (the
+    attention-only backend, as attn_only ran before the gathering) gives attn_only bit for bit."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from fa_a2a import flux_block
+
+    attns = [m for m in model.modules() if isinstance(m, flux_block.FluxAttention)]
+    mods = [a.processor._block[1] for a in attns]
+    for a, mod in zip(attns, mods):
+        for (layers, _), proj in zip(flux_block._layers(a), (mod.proj, mod.joint_proj)):
+            ptr = proj.weight.untyped_storage().data_ptr()
+            assert all(m.weight.untyped_storage().data_ptr() == ptr for m in layers), f"{what}: not views"
+    qkv = sum(m.weight.nbytes for a in attns for layers, _ in flux_block._layers(a) for m in layers)
+    extra = memory.storage_bytes(memory.held_tensors(model, mods)) - memory.storage_bytes(memory.held_tensors(model, []))
+    assert extra <= 0.05 * qkv, (what, extra, qkv)
+    for a in attns:  # back to diffusers' processor, keeping the backend and the parallel config
+        old, new = a.processor, FluxAttnProcessor()
+        new._attention_backend, new._parallel_config = old._attention_backend, old._parallel_config
+        a.set_processor(new)
+    model.set_attention_backend(backend_name)
+    again = model(**_on(x, torch.bfloat16), return_dict=False)[0]
+    assert torch.equal(again, attn_only), f"{what}: diffusers' processor on the views differs from before"
+    return dict(qkv_bytes=qkv, extra_bytes=extra)
 
 
 def test_flux_fused_block_two_processes_one_gpu():
