@@ -69,20 +69,22 @@ def _ulysses_attention_op(
     joint_q: Optional[torch.Tensor], joint_k: Optional[torch.Tensor], joint_v: Optional[torch.Tensor],
     joint_out: Optional[torch.Tensor], group_name: str, impl: str, causal: bool,
     softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]],
+    refusal: Optional[str] = None,
 ) -> None:
+    """refusal: the ValueError the traced call found (raised here, on every rank of the group)."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     group, group_name, P, rank = _group(group)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
-                             rank=rank, group=group, group_name=group_name)
+                             rank=rank, group=group, group_name=group_name, refusal=refusal)
     forward(problem, q, k, v, joint, group, rank, out, joint_out)
 
 
 @_ulysses_attention_op.register_fake
 def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, causal, softmax_scale, seq_len,
-      shard_rows):
+      shard_rows, refusal=None):
     return None
 
 
@@ -148,18 +150,25 @@ def ulysses_attention(
     group, group_name, P, rank = _group(group)
     given_joint = joint is not None
     tracing = torch.compiler.is_compiling()
-    if tracing:  # local checks only; the op's body agrees across ranks at run time
-        problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
-        check_no_grad(q, k, v, *(joint or ()))
-    else:  # checks (grad included) and the agreement of this call with every rank
-        problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
-                                 rank=rank, group=group, group_name=group_name)
     if tracing:
+        # The op's body checks and agrees at run time. A bad call is not refused while tracing:
+        # under torch.compile(fullgraph=True) dynamo would report its own "Observed exception"
+        # instead of the ValueError; the op's body raises the plain ValueError when it runs.
+        refusal = None
+        try:
+            problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
+            softmax_scale = problem.softmax_scale
+            check_no_grad(q, k, v, *(joint or ()))  # the op's body no longer sees grad mode / requires_grad
+        except ValueError as e:
+            refusal = str(e)
+            joint = tuple(joint) if isinstance(joint, (tuple, list)) and len(joint) == 3 else None
         out, joint_out = _outputs(q, joint)
         jq, jk, jv = joint if joint is not None else (None, None, None)
         _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,
-                              problem.softmax_scale, seq_len, None if shard_rows is None else list(shard_rows))
-    else:
+                              softmax_scale, seq_len, None if shard_rows is None else list(shard_rows), refusal)
+    else:  # checks (grad included) and the agreement of this call with every rank
+        problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
+                                 rank=rank, group=group, group_name=group_name)
         out, joint_out = forward(problem, q, k, v, joint, group, rank)
     return _result(out, joint_out, given_joint)
 

@@ -305,9 +305,10 @@ def _remember(key, entry):
 
 
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
-            group=None, group_name: str = ""):
+            group=None, group_name: str = "", refusal: Optional[str] = None):
     """Validate (once per signature) and refuse inputs that require grad, then, on a group of
     several ranks, agree this call with every rank (every call; see the module docstring).
+    refusal: a ValueError message the caller already found (raised like this rank's own).
 
     Returns (Problem, joint tuple or None)."""
     key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
@@ -315,6 +316,8 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
     collective = world_size > 1 and group is not None
     error = None
     try:
+        if refusal is not None:
+            raise ValueError(refusal)
         if hit is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank)

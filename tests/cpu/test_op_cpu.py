@@ -140,6 +140,22 @@ def test_torch_compile_fullgraph_matches_eager():
         assert torch.equal(a, b)
 
 
+def test_torch_compile_fullgraph_refusals_read_as_the_value_error():
+    """Under torch.compile(fullgraph=True) a bad argument or inputs that require grad raise the
+    op's own ValueError (not dynamo's "Observed exception")."""
+    q, k, v = (torch.randn(1, 8, 2, 8) for _ in range(3))
+    bad_scale = torch.compile(lambda q, k, v: ulysses_attention(q, k, v, impl="reference", softmax_scale=-1.0),
+                              backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="^softmax_scale: expected a positive finite"):
+        bad_scale(q, k, v)
+    plain = torch.compile(lambda q, k, v: ulysses_attention(q, k, v, impl="reference"), backend="aot_eager",
+                          fullgraph=True)
+    with pytest.raises(ValueError, match="^q: requires grad"):
+        plain(q.clone().requires_grad_(), k, v)
+    with torch.no_grad():
+        assert torch.equal(plain(q, k, v), ulysses_attention(q, k, v, impl="reference"))
+
+
 def test_emulated_reference_matches_oracle():
     case = Case(4, 2, 10, 8, 2, 16, 3, False)
     full, joint, (qs, ks, vs) = make_inputs(case, seed=10)
