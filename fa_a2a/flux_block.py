@@ -38,7 +38,10 @@ them (their Parameter objects stay, with the same values): one copy of the atten
 (for Flux.1: 19 double-stream blocks with 6 and 38 single-stream blocks with 3 matrices of 3072 x
 3072, bf16, 4.3 GB), not two. Built at the first fused call of a module; rebuilt when a weight
 changes (data pointer or version: model.to(...), load_state_dict, an in-place update), which
-gathers the current values into a new buffer and moves the views there.
+gathers the current values into a new buffer and moves the views there. Measured on CPU
+(examples/flux_block_memory.py, Flux.1's attention modules, P = 8): 1.87 MB held beyond the model
+(0.04% of the 4.303 GB of q/k/v weights; the copy held 4.307 GB), peak growth 0.119 GB while
+gathering.
 
 Inference only. CPU-tested (gloo, 2 and 3 ranks, fp32 tiny Flux): the fallback equals diffusers'
 native CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output
