@@ -33,8 +33,7 @@ def test_private_daemon_starts_answers_and_stops():
         assert pid is not None
         mps.mps_control("get_server_list")  # raises if it does not answer
     assert not os.path.exists(pipe_dir) and mps.PIPE_VAR not in os.environ
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert not mps._alive(pid)  # gone, or a zombie nobody reaped (a container's init may never)
 
 
 def _ranks_under_mps(P, group, rank):
