@@ -35,7 +35,7 @@ pytest.importorskip("diffusers")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests.cpu.test_dit_cpu import _gather_anything_padded  # noqa: E402
+from fa_a2a.diffusers_backend import _all_gather_anything_padded  # noqa: E402
 from tests.gpu.test_dit import _errors, _on  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
@@ -69,7 +69,7 @@ def _inputs(J, g):
 
 
 def _gather_anything_through_host(tensor, dim, group):
-    return _gather_anything_padded(tensor.cpu(), dim, group).to(tensor.device)
+    return _all_gather_anything_padded(tensor.cpu(), dim, group).to(tensor.device)
 
 
 def _check(P, group, rank):
