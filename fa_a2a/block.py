@@ -53,8 +53,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from .problem import KERNEL_IMPLS, agree_call, check_call, check_tensor
-from .problem import signature_fields, signature_word
+from .problem import KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, signature_fields, signature_word
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
@@ -553,9 +552,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
     collective = P > 1 and group is not None
-    entry = _resolved.get(key) if key is not None else None
-    error = None
-    try:  # checks (once per signature; grad every call), then the agreement of this call with every rank
+
+    def checks():  # once per signature; grad every call
+        entry = _resolved.get(key) if key is not None else None
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank).problem
@@ -567,12 +566,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
         segs = _rank_segments(x, proj, rotary)
         _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
                        + [("joint", joint)])
-    except ValueError as e:
-        if not collective:
-            raise
-        error, fields, word = str(e), None, 0
-    if collective:
-        agree_call(fields, word, error, group)
+        return (problem, segs), fields, word
+
+    problem, segs = checked_and_agreed(checks, group if collective else None)
     x0, p0 = segs[0][:2]
     joint_x = joint if joint is not None and joint.shape[1] else None
     joint_rope = (rope_table(joint_rotary, joint.shape[1], p0.head_dim, x0.device, "joint_rotary")

@@ -33,7 +33,8 @@ from fa_a2a.fused import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS 
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
-           "check_joint", "check_rank", "check_no_grad", "agree_call", "signature_fields", "signature_word"]
+           "check_joint", "check_rank", "check_no_grad", "agree_call", "checked_and_agreed", "signature_fields",
+           "signature_word"]
 
 IMPLS = ("fused", "serial", "nccl", "reference")
 EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
@@ -312,12 +313,12 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
 
     Returns (Problem, joint tuple or None)."""
     key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
-    key, hit = _lookup(key, joint)
     collective = world_size > 1 and group is not None
-    error = None
-    try:
+
+    def checks():
         if refusal is not None:
             raise ValueError(refusal)
+        _, hit = _lookup(key, joint)
         if hit is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank)
@@ -329,13 +330,24 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
         if collective and "joint_data" in fields:  # debugging aid: this call's joint data
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out)
             word = signature_word(fields)
+        return (problem, joint_out), fields, word
+
+    return checked_and_agreed(checks, group if collective else None)
+
+
+def checked_and_agreed(checks, group):
+    """checks() -> (result, signature fields, signature word): this rank's local checks. With a
+    group (several ranks) the call is then agreed with every rank (agree_call): a ValueError of
+    checks() reaches every rank instead of leaving them waiting. Returns result."""
+    if group is None:
+        return checks()[0]
+    result = fields = word = error = None
+    try:
+        result, fields, word = checks()
     except ValueError as e:
-        if not collective:
-            raise
-        error, fields, word = str(e), None, 0
-    if collective:
-        agree_call(fields, word, error, group)
-    return problem, joint_out
+        error = str(e)
+    agree_call(fields, word, error, group)
+    return result
 
 
 def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None):

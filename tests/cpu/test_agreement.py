@@ -150,6 +150,15 @@ def _devices_and_joint(rank, P, group, impl):
     _call(group, impl, qkv, joint=joint)
 
 
+def _block_refusal(rank, P, group, impl):
+    """The attention block's local refusals go through the same agreement: every rank raises."""
+    from fa_a2a.block import ulysses_qkv_attention
+
+    x = torch.randn(1, S_LOC, 16)
+    _refused("", lambda: ulysses_qkv_attention(x, None if rank == 0 else "weights", group=group, impl=impl))
+    _call(group, "reference", _qkv(rank))  # the ranks still meet afterwards
+
+
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
 def test_swapped_known_signatures_are_refused(P, impl):
@@ -175,3 +184,8 @@ def test_different_group_objects_are_refused(P):
 @pytest.mark.parametrize("P", [2, 3])
 def test_device_joint_and_shard_rows_disagreements(P):
     run_with_deadline(_devices_and_joint, P, "nccl", env={"FA_A2A_CHECK_JOINT": "1"})
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_block_refusals_reach_every_rank(P):
+    run_with_deadline(_block_refusal, P, "fused")
