@@ -24,7 +24,7 @@ import os
 import re
 import time
 
-from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_HIDDEN, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
+from fa_a2a.cli import add_block_shape_args
 
 
 def tile_config(text):
@@ -38,15 +38,8 @@ def tile_config(text):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
-                    help="S_loc values")
-    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
-    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")
-    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
-    ap.add_argument("--hidden", type=int_in(1, MAX_HIDDEN), default=3072)
+    add_block_shape_args(ap)
     ap.add_argument("--configs", type=tile_config, nargs="*", default=[tile_config("192x128c1x2"), tile_config("128x128c2x1")])
-    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=20, help="calls per captured graph")
-    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=11)
     ap.add_argument("--start-after", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

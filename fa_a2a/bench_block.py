@@ -50,19 +50,12 @@ import math
 import os
 import time
 
-from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_HIDDEN, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
+from fa_a2a.cli import add_block_shape_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fa_a2a.bench_block", description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
-                    help="S_loc values")
-    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
-    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")
-    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
-    ap.add_argument("--hidden", type=int_in(1, MAX_HIDDEN), default=3072)
-    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=20, help="calls per captured graph")
-    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=11)
+    add_block_shape_args(ap)
     ap.add_argument("--out", default=None, help="directory for bench_block.json")
     ap.add_argument("--compile-chain", action="store_true", help="also time the unfused chain with the torch "
                     "part under torch.compile (methods unfused-c, chain-c)")

@@ -51,3 +51,15 @@ def float_in(lo: float, hi: float, *, lo_inclusive: bool = False):
 
     parse.__name__ = "float"
     return parse
+
+
+def add_block_shape_args(ap) -> None:
+    """The projection/block benchmarks' shape and repeat flags (Flux shapes by default, emulated P = 8)."""
+    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
+                    help="S_loc values")
+    ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
+    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")
+    ap.add_argument("--head-dim", type=int, choices=KERNEL_HEAD_DIMS, default=128)
+    ap.add_argument("--hidden", type=int_in(1, MAX_HIDDEN), default=3072)
+    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=20, help="calls per captured graph")
+    ap.add_argument("--trials", type=int_in(1, MAX_REPEATS), default=11)
