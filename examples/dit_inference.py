@@ -337,10 +337,11 @@ def main(ap, args):
     if "WORLD_SIZE" in os.environ:  # torchrun
         world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
         if args.device == "cuda":
+            from fa_a2a.mps import rank_device
+
             shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            device = torch.device("cuda", 0 if shared else local)
-            torch.cuda.set_device(device)
-            backend = "gloo" if shared else "nccl"
+            device = rank_device(local)  # cuda:(local % GPUs); ranks sharing a GPU: run under python -m fa_a2a.mps
+            backend = "gloo" if shared else "nccl"  # NCCL refuses two ranks on one GPU
         else:
             device, backend = torch.device("cpu"), "gloo"
         os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")
