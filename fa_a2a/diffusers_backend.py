@@ -119,16 +119,16 @@ def _local_backward_op(ctx, grad_out, *args, **kwargs):
 
 # ---- routing -------------------------------------------------------------------------------------
 def rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
-    """(q rows, k rows) of every rank of the group (one small all-gather)."""
-    import torch.distributed as dist
+    """(q rows, k rows) of every rank of the group: one word per rank through the group's host
+    channel (ulysses.channel, the op's per-call agreement; a few microseconds, no collective and no
+    device synchronization). Every rank must call it at the same call."""
+    from ulysses.channel import get_channel
 
-    # A gloo group (or the gloo half of "cpu:gloo,cuda:nccl") gathers host tensors: no device sync.
-    on_host = "gloo" in str(dist.get_backend(group))
-    device = torch.device("cpu") if on_host else torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([q_rows, k_rows], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return [tuple(t.tolist()) for t in every]
+    for name, rows in (("query", q_rows), ("key", k_rows)):
+        if not 0 <= rows < 1 << 23:
+            raise ValueError(f"{name}: expected fewer than 2**23 rows per rank, got {rows}")
+    words = get_channel(group).exchange(q_rows << 23 | k_rows)
+    return [(w >> 23, w & ((1 << 23) - 1)) for w in words]
 
 
 def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
@@ -201,8 +201,10 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     reason, extra = _not_fusable(impl, query, key, attn_mask, return_lse, cp), {}
     if reason is None:
         group = cp._ulysses_mesh.get_group()
-        if cp.ulysses_anything or key.shape[1] != query.shape[1]:
-            extra, reason = _shard_kwargs(rows_per_rank(query.shape[1], key.shape[1], group), bool(is_causal))
+        rows = rows_per_rank(query.shape[1], key.shape[1], group)  # every call on every rank: ranks that
+        # disagree (ulysses_anything on some ranks only) reach the op's agreement, which names shard_rows
+        if cp.ulysses_anything or key.shape[1] != query.shape[1] or any(r != rows[0] for r in rows):
+            extra, reason = _shard_kwargs(rows, bool(is_causal))
     if reason is None:
         _count(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
