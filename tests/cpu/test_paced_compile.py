@@ -14,7 +14,7 @@ def _inputs(P=4, B=1, H_loc=3, D=128, dtype=torch.bfloat16, S_loc=None):
     S_loc = S_loc or 2 * fused.tile_m_for(D)
     q = torch.empty(B, P * S_loc, H_loc, D, dtype=dtype, device="cuda")
     windows = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
-    pacer = torch.empty(3, dtype=torch.int64, device="cuda")
+    pacer = paced.make_pacer("cuda", 44.0, B * fused.tile_m_for(D) * H_loc * D * dtype.itemsize)
     return q, windows, pacer
 
 
@@ -53,6 +53,8 @@ def test_refusals():
                     torch.empty(3, dtype=torch.int64), "pacer"):
             with pytest.raises(ValueError, match="pacer: expected an int64 tensor"):
                 fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=bad)
+        with pytest.raises(ValueError, match="pacer: expected the state make_pacer returned"):
+            fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=torch.zeros(3, dtype=torch.int64, device="cuda"))
         q2, w2, _ = _inputs(S_loc=fused.tile_m_for(128) + 64)
         with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
             fused.fa4_a2a_forward(q2, q2, q2, w2, 0, pacer=pacer)
