@@ -10,6 +10,7 @@ The warm output must equal the cold one bit for bit (a loaded kernel computes wh
 one did), and the warm run must add no entry to the folder.
 
     python examples/first_call_time.py            # one SM90 GPU; prints the table
+    python examples/first_call_time.py --profile  # also where a warm P = 1 first call spends its time
 
 Columns: import s, first output s (from process start), second call ms, cache entries after the
 run, and whether the warm output equals the cold one.
@@ -73,9 +74,23 @@ def child(what: str, P: int, rank: int, init_file: str, out_file: str) -> None:
             x, proj, rotary = args
             return fa_a2a.ulysses_qkv_attention(x, proj, group=group, rotary=rotary, impl="fused")
 
+    profile = None
+    if os.environ.get("FIRST_CALL_PROFILE") == "1" and rank == 0:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     out = call()
     torch.cuda.synchronize()
     first = time.perf_counter() - _START
+    if profile is not None:
+        import io
+        import pstats
+
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        print("\n".join("PROFILE " + ln for ln in text.getvalue().splitlines() if ln.strip()), flush=True)
     t = time.perf_counter()
     call()
     torch.cuda.synchronize()
@@ -90,10 +105,11 @@ def child(what: str, P: int, rank: int, init_file: str, out_file: str) -> None:
         dist.destroy_process_group()
 
 
-def run_case(what: str, P: int, cache: Path, work: Path, tag: str) -> dict:
-    """Start P fresh rank processes on `cache`; their slowest times and rank 0's output."""
+def run_case(what: str, P: int, cache: Path, work: Path, tag: str, profile: bool = False) -> dict:
+    """Start P fresh rank processes on `cache`; their slowest times and rank 0's output (and rank
+    0's profile of its first call with `profile`)."""
     init_file = work / f"init-{what}-{P}-{tag}"
-    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1")
+    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1", FIRST_CALL_PROFILE=str(int(profile)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = [subprocess.Popen([sys.executable, __file__, "--child", what, str(P), str(r), str(init_file),
                                str(work / f"out-{what}-{P}-{tag}-{r}.pt")],
@@ -106,12 +122,14 @@ def run_case(what: str, P: int, cache: Path, work: Path, tag: str) -> dict:
         if p.returncode != 0 or not lines:
             raise SystemExit(f"{what} P={P} {tag} rank {r} failed (exit {p.returncode}):\n{out[-4000:]}")
         results.append([float(v) for v in lines[-1].split()[1:]])
+        if r == 0:
+            profile_text = "\n".join(ln[len("PROFILE "):] for ln in out.splitlines() if ln.startswith("PROFILE "))
     imported, first, second = (max(col) for col in zip(*results))
-    return dict(imported=imported, first=first, second=second,
+    return dict(imported=imported, first=first, second=second, profile=profile_text,
                 entries=len(list(cache.rglob("*.o"))), out=work / f"out-{what}-{P}-{tag}-0.pt")
 
 
-def main() -> None:
+def main(profile: bool) -> None:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -122,12 +140,14 @@ def main() -> None:
         for what, P in CASES:
             cache, work = Path(tmp) / f"cache-{what}-{P}", Path(tmp)
             cold = run_case(what, P, cache, work, "cold")
-            warm = run_case(what, P, cache, work, "warm")
+            warm = run_case(what, P, cache, work, "warm", profile=profile and P == 1)
             same = torch.equal(torch.load(cold["out"]), torch.load(warm["out"]))
             for tag, res in (("cold", cold), ("warm", warm)):
                 flag = "" if tag == "cold" else ("yes" if same else "NO")
                 print(f"{what + ' P=' + str(P):<14}{tag:<7}{res['imported']:>9.2f}{res['first']:>16.2f}"
                       f"{res['second']:>16.2f}{res['entries']:>9}{flag:>13}", flush=True)
+            if warm["profile"]:
+                print(f"first call of {what} P={P}, warm cache, rank 0 (cProfile, cumulative):\n{warm['profile']}")
             if not same or warm["entries"] != cold["entries"]:
                 raise SystemExit(f"{what} P={P}: the warm run " + ("changed the output" if not same else
                                  f"added cache entries ({cold['entries']} -> {warm['entries']})"))
@@ -135,6 +155,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="store_true", help="print where a warm P = 1 first call spends its time")
     parser.add_argument("--child", nargs=5, metavar=("WHAT", "P", "RANK", "INIT_FILE", "OUT_FILE"),
                         help=argparse.SUPPRESS)
     ns = parser.parse_args()
@@ -142,4 +163,4 @@ if __name__ == "__main__":
         what, P, rank, init_file, out_file = ns.child
         child(what, int(P), int(rank), init_file, out_file)
     else:
-        main()
+        main(ns.profile)
