@@ -174,12 +174,24 @@ def _params_with(base_params, params_cls, **extra):
     return params_cls(**{f.name: getattr(base_params, f.name) for f in fields(base_params)}, **extra)
 
 
-class RankRotatedSingleTileScheduler(SingleTileScheduler):
+class _RankRotatedWork:
+    """Mixin before one of FA4's static schedulers: its work tile's m-block is rotated by
+    params.block_shift modulo the params field named by _num_block_field (the m-blocks it walks)."""
+
+    _block_shift = None  # bound by rank_rotated_scheduler (a host value of the jit trace)
+    _num_block_field = "num_block"
+
+    def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
+        work = super().get_current_work(loc=loc, ip=ip)
+        m_block, head_idx, batch_idx, split_idx = work.tile_idx
+        m_block = _rotate(m_block, self.params.block_shift, getattr(self.params, self._num_block_field))
+        return WorkTileInfo((m_block, head_idx, batch_idx, split_idx), work.is_valid_tile)
+
+
+class RankRotatedSingleTileScheduler(_RankRotatedWork, SingleTileScheduler):
     """FA4's SingleTileScheduler (one tile per CTA) whose CTA blockIdx.x = i computes m-block
     (i + block_shift) mod num_block of its (head, batch): every head's order starts at the shift.
     Use rank_rotated_scheduler() to bind the shift."""
-
-    _block_shift = None  # bound by rank_rotated_scheduler (a host value of the jit trace)
 
     @dataclass
     class Params(SingleTileScheduler.Params):
@@ -194,12 +206,6 @@ class RankRotatedSingleTileScheduler(SingleTileScheduler):
     def create(cls, params, ctx=None, *, loc=None, ip=None):
         return cls(params, SingleTileScheduler.create(params, ctx, loc=loc, ip=ip)._blk_coord, loc=loc, ip=ip)
 
-    def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
-        work = super().get_current_work(loc=loc, ip=ip)
-        m_block, head_idx, batch_idx, split_idx = work.tile_idx
-        m_block = _rotate(m_block, self.params.block_shift, self.params.num_block)
-        return WorkTileInfo((m_block, head_idx, batch_idx, split_idx), work.is_valid_tile)
-
     def __new_from_mlir_values__(self, values):
         base = super().__new_from_mlir_values__(values)
         scheduler = type(self)(base.params, base._blk_coord, loc=self._loc)
@@ -207,13 +213,13 @@ class RankRotatedSingleTileScheduler(SingleTileScheduler):
         return scheduler
 
 
-class RankRotatedStaticPersistentTileScheduler(StaticPersistentTileScheduler):
+class RankRotatedStaticPersistentTileScheduler(_RankRotatedWork, StaticPersistentTileScheduler):
     """FA4's StaticPersistentTileScheduler whose linear tile t = (hb, i) (i the m-block of head and
     batch hb, in clusters) computes m-block (i + block_shift) mod num_block_cluster: the grid's
     walk over tiles is FA4's, every head's m-blocks start at the shift.
     Use rank_rotated_scheduler() to bind the shift."""
 
-    _block_shift = None
+    _num_block_field = "num_block_cluster"
 
     @dataclass
     class Params(StaticPersistentTileScheduler.Params):
@@ -231,12 +237,6 @@ class RankRotatedStaticPersistentTileScheduler(StaticPersistentTileScheduler):
     def create(cls, params, ctx=None, *, loc=None, ip=None):
         base = StaticPersistentTileScheduler.create(params, ctx, loc=loc, ip=ip)
         return cls(params, base._tile_idx, loc=loc, ip=ip)
-
-    def get_current_work(self, *, loc=None, ip=None) -> WorkTileInfo:
-        work = super().get_current_work(loc=loc, ip=ip)
-        m_block, head_idx, batch_idx, split_idx = work.tile_idx
-        m_block = _rotate(m_block, self.params.block_shift, self.params.num_block_cluster)
-        return WorkTileInfo((m_block, head_idx, batch_idx, split_idx), work.is_valid_tile)
 
     def __new_from_mlir_values__(self, values):
         base = super().__new_from_mlir_values__(values)
