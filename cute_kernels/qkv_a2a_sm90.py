@@ -109,9 +109,8 @@ from quack.gemm_tvm_ffi_utils import (
 from quack.rounding import RoundingMode
 
 from cute_kernels.compile_cache import load_or_compile
+from cute_kernels.limits import DTYPES, HEAD_DIMS
 
-DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (64, 128)
 EPS = 1e-6  # HeadRstd's eps in quack's qk epilogues
 
 

@@ -237,7 +237,7 @@ def _world_size(group, world_size) -> int:
 def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
     """from_linear's checks of one q/k/v group, named as the caller passed them (names: q, k, v,
     q norm, k norm) -> ((H, H_kv), (b_q, b_k, b_v) or None, (q, k norm weights) or Nones, eps)."""
-    from .problem import KERNEL_DTYPES
+    from cute_kernels.limits import DTYPES as KERNEL_DTYPES
 
     for name, m in zip(names, layers):
         if not isinstance(m, nn.Linear):

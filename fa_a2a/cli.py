@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import math
 
+from cute_kernels.limits import HEAD_DIMS as KERNEL_HEAD_DIMS  # the fused kernels' head dims (torch-free)
+
 # Sane maxima shared by the tools (far above any real run, low enough to catch a typo).
 MAX_SEQLEN = 1 << 22  # tokens per rank or in all
 MAX_WORLD_SIZE = 1024
 MAX_HEADS = 1024
 MAX_HIDDEN = 1 << 16
 MAX_REPEATS = 100_000  # trials, calls, steps
-KERNEL_HEAD_DIMS = (64, 128)  # the fused kernels' head dims (fa_a2a.problem.KERNEL_HEAD_DIMS, checked by a test)
 
 
 def int_in(lo: int, hi: int):

@@ -53,7 +53,8 @@ from typing import Optional
 
 import torch
 
-from fa_a2a.problem import IMPLS, KERNEL_DTYPES, KERNEL_HEAD_DIMS
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
+from fa_a2a.problem import IMPLS
 
 __all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "rows_per_rank"]
 

@@ -58,8 +58,9 @@ from typing import Optional
 import torch
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, ulysses_qkv_attention
-from fa_a2a.problem import KERNEL_DTYPES, KERNEL_HEAD_DIMS, KERNEL_IMPLS
+from fa_a2a.problem import KERNEL_IMPLS
 
 __all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "route_counts"]
 

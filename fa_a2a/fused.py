@@ -20,10 +20,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from cute_kernels.compile_cache import disk_cache
-
-# What the kernels take (fa_a2a.problem and the diffusers backend check calls against these).
-DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (64, 128)
+from cute_kernels.limits import DTYPES, HEAD_DIMS
+from ulysses.layout import check_rank
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -358,8 +356,6 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int) -> None
         raise ValueError(f"out_windows: P * S_loc = {P}*{S_loc} must equal q's sequence length {q.shape[1]}")
     if H != P * H_loc:
         raise ValueError(f"out_windows: H = {H} must equal P * H_loc = {P}*{H_loc}")
-    from fa_a2a.problem import check_rank
-
     check_rank(rank, P)
     es = out_windows.element_size()
     if out_windows.stride()[1:] != (S_loc * H * D, H * D, D, 1):

@@ -19,9 +19,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES
+from ulysses.layout import check_rank
+
 from .forward import contiguous16, forward, forward_emulated, head_maps
-from .problem import (EMULATED_IMPLS, IMPLS, KERNEL_DTYPES, check_call, check_no_grad, check_rank,
-                      check_tensor, resolve, resolve_emulated)
+from .problem import EMULATED_IMPLS, IMPLS, check_call, check_no_grad, check_tensor, resolve, resolve_emulated
 
 __all__ = [
     "IMPLS",

@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from fa_a2a.fused import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS  # limits live beside the kernels
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
-           "check_joint", "check_rank", "check_no_grad", "agree_call", "checked_and_agreed", "signature_fields",
+           "check_joint", "check_no_grad", "agree_call", "checked_and_agreed", "signature_fields",
            "signature_word"]
 
 IMPLS = ("fused", "serial", "nccl", "reference")
@@ -86,12 +86,6 @@ def check_tensor(t, name: str, ndim: int = 4) -> None:
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
-
-
-def check_rank(rank, world_size: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
-    return rank
 
 
 def check_joint(joint) -> Optional[tuple]:

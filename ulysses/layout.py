@@ -71,6 +71,12 @@ def _as_int(value, name: str, minimum: int) -> int:
     raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+def check_rank(rank, world_size: int) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    return rank
+
+
 def check_shard_rows(rows, world_size: int) -> tuple:
     """Every rank's row count (uneven shards) as a tuple of ints, at least one of them > 0."""
     if isinstance(rows, (str, bytes, torch.Tensor)) or not hasattr(rows, "__len__") or len(rows) != world_size:

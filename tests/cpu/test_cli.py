@@ -111,9 +111,3 @@ def test_bounded_types():
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected a finite number in \(0, 2\]"):
             x(text)
     assert cli.float_in(0, 2, lo_inclusive=True)("0") == 0.0
-
-
-def test_kernel_head_dims_match_the_op():
-    from fa_a2a.problem import KERNEL_HEAD_DIMS
-
-    assert tuple(cli.KERNEL_HEAD_DIMS) == tuple(KERNEL_HEAD_DIMS)

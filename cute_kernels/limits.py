@@ -1,0 +1,20 @@
+"""What the kernels take: the one home of their dtype and head-dim limits.
+
+The SM90 / SM100 attention kernels (fa_a2a.fused) and the QKV projection GEMM (qkv_a2a_sm90) take
+these; fa_a2a.problem, the diffusers backend and the Flux processor check or route calls on them,
+and the command lines offer HEAD_DIMS. Importing this module loads neither torch nor the CuTe DSL
+(the command lines refuse a bad flag before torch loads): DTYPES imports torch on first use.
+"""
+
+from __future__ import annotations
+
+HEAD_DIMS = (64, 128)
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        import torch
+
+        globals()["DTYPES"] = dtypes = (torch.bfloat16, torch.float16)
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
