@@ -27,7 +27,8 @@ Sharded text (Flux, Flux2, QwenImage and LTX shard their text tokens too) needs 
 non-causal unmasked attention does not depend on the order of the keys, and every query row
 returns to its rank's slot, so the op over each rank's [text | image] rows is exact.
 `route_counts(name)` says how many calls took each route (tests use it to fail a run that
-silently did not shard).
+silently did not shard); the fused Flux processor counts its paths there too
+(route_counts(fa_a2a.flux_block.ROUTE_NAME)).
 
 cache-dit (1.5.3) keeps its own copy of this machinery, its own model plans and its own closed
 backend enum, and refuses under its context parallelism a backend it has not registered. When
@@ -178,7 +179,8 @@ def _call_ulysses(q, k, v, **kwargs):
     return fa_a2a.ulysses_attention(q, k, v, **kwargs)
 
 
-def _count(name: str, route: str) -> None:
+def count_route(name: str, route: str) -> None:
+    """One call of `name` (a backend, or the fused Flux processor) took `route` (see route_counts)."""
     _counts.setdefault(name, collections.Counter())[route] += 1
 
 
@@ -197,7 +199,7 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
         attn_mask = attn_mask[:, None, None, :]  # [B, S_k] -> [B, 1, 1, S_k], as diffusers' native backend
     cp = parallel_config.context_parallel_config if parallel_config is not None else None
     if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
-        _count(name, "local")
+        count_route(name, "local")
         return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
     reason, extra = _not_fusable(impl, query, key, attn_mask, return_lse, cp), {}
     if reason is None:
@@ -207,13 +209,13 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
         if cp.ulysses_anything or key.shape[1] != query.shape[1] or any(r != rows[0] for r in rows):
             extra, reason = _shard_kwargs(rows, bool(is_causal))
     if reason is None:
-        _count(name, "ulysses")
+        count_route(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
                              **extra)
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     _log_once(name, reason)
-    _count(name, "templated")
+    count_route(name, "templated")
     return _templated_context_parallel_attention(
         query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, return_lse,
         forward_op=_local_forward_op, backward_op=_local_backward_op, _parallel_config=parallel_config)
@@ -351,7 +353,8 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
 
 
 def route_counts(name: str = "fa_a2a", reset: bool = False) -> dict:
-    """Calls of backend `name` per route since the last reset: {"ulysses", "templated", "local": n}."""
+    """Calls of backend `name` per route since the last reset: {"ulysses", "templated", "local": n};
+    of the fused Flux processor (name fa_a2a.flux_block.ROUTE_NAME): {"fused", "fallback": n}."""
     counts = dict(_counts.get(name, {}))
     if reset:
         _counts.pop(name, None)

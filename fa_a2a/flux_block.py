@@ -30,7 +30,8 @@ another dtype/device than the hidden states; head dim not 64/128; an attention m
 (hidden states that require grad: fa-a2a has no backward); fused to_qkv projections; q/k norms
 that are not RMSNorm with weight and eps 1e-6 (the epilogue's); channels not a multiple of 8; heads
 split by tensor parallelism. Every fact is the same on all ranks, so all ranks take the same path;
-each reason is logged once and `route_counts()` counts the calls per path.
+each reason is logged once and the calls per path are counted
+(fa_a2a.diffusers_backend.route_counts(ROUTE_NAME)).
 
 Memory: the block's weights are the module's q/k/v weights gathered in destination order
 (UlyssesQKVAttention.from_linear, attention_weights), and the module's Linears are made views of
@@ -51,7 +52,6 @@ run on a GPU (tests/gpu/test_flux_block.py; the block's segments: tests/gpu/test
 
 from __future__ import annotations
 
-import collections
 import logging
 from typing import Optional
 
@@ -59,31 +59,22 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
+from fa_a2a import diffusers_backend
 from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, ulysses_qkv_attention
 from fa_a2a.problem import KERNEL_IMPLS
 
-__all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "route_counts"]
+__all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "ROUTE_NAME"]
 
 logger = logging.getLogger(__name__)
 
-_counts: collections.Counter = collections.Counter()
+ROUTE_NAME = "FusedFluxAttnProcessor"  # its calls per path: diffusers_backend.route_counts(ROUTE_NAME)
 _logged: set = set()
-
-
-def route_counts(reset: bool = False) -> dict:
-    """Calls of FusedFluxAttnProcessor per path since the last reset: {"fused", "fallback": n}."""
-    counts = dict(_counts)
-    if reset:
-        _counts.clear()
-    return counts
 
 
 def _backend_impl(backend) -> Optional[str]:
     """The impl of the fa-a2a backend `backend` (an AttentionBackendName, or None: diffusers' active
     backend), None when it is not a registered fa-a2a backend."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    from fa_a2a import diffusers_backend
 
     if backend is None:
         backend, _ = _AttentionBackendRegistry.get_active_backend()
@@ -155,13 +146,13 @@ class FusedFluxAttnProcessor(FluxAttnProcessor):
                  attention_mask: Optional[torch.Tensor] = None, image_rotary_emb=None) -> torch.Tensor:
         why = _why_not_fused(self, attn, hidden_states, encoder_hidden_states, attention_mask)
         if why is not None:
-            _counts["fallback"] += 1
+            diffusers_backend.count_route(ROUTE_NAME, "fallback")
             if why not in _logged:
                 _logged.add(why)
                 logger.warning("FusedFluxAttnProcessor: %s -> diffusers' FluxAttnProcessor (projection in torch, "
                                "then the attention backend); logged once", why)
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        _counts["fused"] += 1
+        diffusers_backend.count_route(ROUTE_NAME, "fused")
         cp = self._parallel_config.context_parallel_config
         group = cp._ulysses_mesh.get_group()
         impl = _backend_impl(self._attention_backend)

@@ -83,12 +83,12 @@ def _check(P, group, rank):
         assert len(procs) == 2 and all(type(p) is flux_block.FusedFluxAttnProcessor for p in procs), what
         assert all(p._parallel_config is not None and p._attention_backend.value == name for p in procs), what
 
-        flux_block.route_counts(reset=True)
+        backend.route_counts(flux_block.ROUTE_NAME, reset=True)
         backend.route_counts(name, reset=True)
         out = model(**x)[0]
         err = (out - native).abs().max().item()
         assert err <= ATOL, f"{what} fallback: max error {err:.3g} against diffusers' native CP"
-        assert flux_block.route_counts() == {"fallback": 2}, what
+        assert backend.route_counts(flux_block.ROUTE_NAME) == {"fallback": 2}, what
         assert backend.route_counts(name) == {"ulysses": 2}, what
 
         # the fused path's plumbing, the block call replaced by its torch reference
@@ -98,14 +98,14 @@ def _check(P, group, rank):
         flux_block.FusedFluxAttnProcessor._weights = _chains
         flux_block.ulysses_qkv_attention = ref_block
         try:
-            flux_block.route_counts(reset=True)
+            backend.route_counts(flux_block.ROUTE_NAME, reset=True)
             out = model(**x)[0]
         finally:
             flux_block._why_not_fused, flux_block.FusedFluxAttnProcessor._weights, \
                 flux_block.ulysses_qkv_attention = saved
         err = (out - native).abs().max().item()
         assert err <= ATOL, f"{what} fused plumbing: max error {err:.3g} against diffusers' native CP"
-        assert flux_block.route_counts() == {"fused": 2}, what
+        assert backend.route_counts(flux_block.ROUTE_NAME) == {"fused": 2}, what
         t, i = _rows(J, P), _rows(shape[0] * shape[1] * shape[2], P)
         every = [a + b for a, b in zip(t, i)]
         shard_rows = every if len(set(every)) > 1 else None

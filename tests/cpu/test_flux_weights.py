@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from fa_a2a import flux_block  # noqa: E402
+from fa_a2a import diffusers_backend as backend, flux_block  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "flux_block_memory", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "flux_block_memory.py"))
@@ -71,7 +71,7 @@ def _shares(proj, layers):
 def test_processor_weights_are_the_linears_and_the_model_computes_as_before():
     model = flux_block.enable_fused_projection(_model())
     x = _inputs()
-    flux_block.route_counts(reset=True)
+    backend.route_counts(flux_block.ROUTE_NAME, reset=True)
     before = model(**x)[0]
     values = {n: p.clone() for n, p in model.named_parameters()}
     params = dict(model.named_parameters())
@@ -87,7 +87,7 @@ def test_processor_weights_are_the_linears_and_the_model_computes_as_before():
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
     after = model(**x)[0]  # diffusers' processor (the fallback: no context parallelism) on the views
     assert torch.equal(after, before)
-    assert flux_block.route_counts() == {"fallback": 4}
+    assert backend.route_counts(flux_block.ROUTE_NAME) == {"fallback": 4}
     extra = memory.storage_bytes(memory.held_tensors(model, mods)) - held
     qkv = sum(m.weight.nbytes for a in _attns(model) for layers, _ in flux_block._layers(a) for m in layers)
     assert 0 < extra <= 0.05 * qkv, (extra, qkv)  # the fp32 norm vectors (and nothing of the weights' size)

@@ -103,11 +103,12 @@ def _check(P, group, rank):
         outs = {}
         for impl, name in names.items():
             model.set_attention_backend(name)
-            flux_block.route_counts(reset=True)
+            backend.route_counts(flux_block.ROUTE_NAME, reset=True)
             backend.route_counts(name, reset=True)
             out = model(**_on(x, torch.bfloat16), return_dict=False)[0]
             what = f"rank {rank} {case} block {impl}"
-            assert flux_block.route_counts() == {"fused": N_ATTN}, (what, flux_block.route_counts())
+            counts = backend.route_counts(flux_block.ROUTE_NAME)
+            assert counts == {"fused": N_ATTN}, (what, counts)
             assert backend.route_counts(name) == {}, (what, backend.route_counts(name))
             assert torch.isfinite(out).all(), f"{what}: non-finite output"
             e = _errors(out, base, ref)
