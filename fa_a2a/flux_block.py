@@ -10,6 +10,10 @@ epilogue, both A2As inside the two compute kernels.
     enable_ulysses(model, impl="fused")   # fa_a2a.diffusers_backend: backend + diffusers' CP
     enable_fused_projection(model)        # this module (before or after enable_ulysses)
 
+QwenImage's and Flux2's processors (fa_a2a.dit_blocks) share this module's glue (_FusedBlockProcessor:
+route counts, fallback log, gathered weights as views, the block call); enable_fused_projection installs
+all of them.
+
 Rows: diffusers' Flux `_cp_plan` shards the text rows as well as the image rows, so rank r holds
 [text shard (J_r rows); image shard (I_r rows)], and image_rotary_emb holds the RoPE of exactly
 those rows (txt_ids and img_ids are sharded too). The double-stream processor gives the block two
@@ -81,13 +85,29 @@ def _backend_impl(backend) -> Optional[str]:
     return diffusers_backend.backend_impl(getattr(backend, "value", backend))
 
 
-def _norm_ok(norm) -> bool:
-    return isinstance(norm, torch.nn.RMSNorm) and norm.weight is not None and norm.eps == EPS
+def _head_dim(attn) -> int:
+    """attn's head dim: Flux's and Flux2's head_dim; diffusers' Attention (QwenImage) has none: inner_dim / heads."""
+    d = getattr(attn, "head_dim", None)
+    return d if isinstance(d, int) else attn.inner_dim // attn.heads
 
 
-def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_mask) -> Optional[str]:
-    """Why this call runs diffusers' processor instead of the fused block (None: it can run fused).
-    Only facts that every rank shares."""
+def _norm_ok(norm, head_dim: int) -> bool:
+    """A per-head RMSNorm the epilogue computes: torch's RMSNorm or diffusers' (no bias), with a weight
+    of [head_dim] and eps 1e-6."""
+    from diffusers.models.normalization import RMSNorm
+
+    if isinstance(norm, torch.nn.RMSNorm):
+        ok = norm.weight is not None
+    elif type(norm) is RMSNorm:
+        ok = norm.weight is not None and norm.bias is None
+    else:
+        return False
+    return ok and norm.eps == EPS and tuple(norm.weight.shape) == (head_dim,)
+
+
+def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_mask) -> Optional[str]:
+    """The reasons every fused processor shares (context parallelism, backend, device, dtype, head
+    dim, mask, autograd); None: the block can run as far as these go. Only facts every rank shares."""
     cp = proc._parallel_config.context_parallel_config if proc._parallel_config is not None else None
     if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
         return "no context parallelism"
@@ -104,23 +124,23 @@ def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_m
         return "not SM90 (the fused projection is an SM90 kernel)"
     if x.dtype not in KERNEL_DTYPES:
         return f"{x.dtype} tensors (the kernels take bfloat16/float16)"
-    if attn.head_dim not in KERNEL_HEAD_DIMS:
-        return f"head dim {attn.head_dim} (the kernels take 64 or 128)"
+    if _head_dim(attn) not in KERNEL_HEAD_DIMS:
+        return f"head dim {_head_dim(attn)} (the kernels take 64 or 128)"
     if attention_mask is not None:
         return "attention mask"
     if torch.is_grad_enabled() and (x.requires_grad or (encoder_hidden_states is not None
                                                         and encoder_hidden_states.requires_grad)):
         return "autograd (fa-a2a has no backward)"
-    if getattr(attn, "fused_projections", False):
-        return "fused to_qkv projections"
-    joint = encoder_hidden_states is not None
-    if joint and attn.added_kv_proj_dim is None:
-        return "encoder_hidden_states without add_q/k/v_proj"
-    linears = [attn.to_q, attn.to_k, attn.to_v] + ([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj] if joint else [])
-    norms = [attn.norm_q, attn.norm_k] + ([attn.norm_added_q, attn.norm_added_k] if joint else [])
-    if not all(_norm_ok(n) for n in norms):
-        return f"q/k norms other than RMSNorm with weight and eps {EPS}"
-    if any(lin.out_features != attn.heads * attn.head_dim for lin in linears):
+    return None
+
+
+def _why_not_layers(attn, x, linears, norms, widths) -> Optional[str]:
+    """The reasons in attn's projection layers: q/k norms the epilogue cannot compute, heads split by
+    tensor parallelism (a Linear narrower than `widths`, its out_features unsharded), weights of
+    another dtype/device, channels not a multiple of 8."""
+    if not all(_norm_ok(n, _head_dim(attn)) for n in norms):
+        return f"q/k norms other than a per-head RMSNorm with weight and eps {EPS}"
+    if any(lin.out_features != w for lin, w in zip(linears, widths)):
         return "heads split by tensor parallelism"
     if any(lin.weight.dtype != x.dtype or lin.weight.device != x.device for lin in linears):
         return "weights of another dtype or device than the hidden states"
@@ -129,7 +149,84 @@ def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_m
     return None
 
 
-class FusedFluxAttnProcessor(FluxAttnProcessor):
+def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_mask) -> Optional[str]:
+    """Why this call runs diffusers' processor instead of the fused block (None: it can run fused):
+    Flux's and Flux2's double-stream (and Flux's single-stream) attention. Only facts that every
+    rank shares."""
+    why = _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_mask)
+    if why is not None:
+        return why
+    if getattr(attn, "fused_projections", False):
+        return "fused to_qkv projections"
+    joint = encoder_hidden_states is not None
+    if joint and attn.added_kv_proj_dim is None:
+        return "encoder_hidden_states without add_q/k/v_proj"
+    groups = _layers(attn)[:2 if joint else 1]
+    linears = [m for layers, _ in groups for m in layers]
+    return _why_not_layers(attn, hidden_states, linears, [n for _, norms in groups for n in norms],
+                           [attn.heads * _head_dim(attn)] * len(linears))
+
+
+class _FusedBlockProcessor:
+    """What the fused processors share (this one, fa_a2a.dit_blocks'): the route count and the
+    fallback log (`_fallback`), the module's gathered weights (`_weights`), the block call on the
+    rank's rows (`_attend`). A subclass names its ROUTE_NAME and how its rows become segments."""
+
+    ROUTE_NAME: str = ""
+    _block = None  # (key, UlyssesQKVAttention): the gathered weights of the module
+
+    def _fallback(self, why: str) -> None:
+        diffusers_backend.count_route(self.ROUTE_NAME, "fallback")
+        if (self.ROUTE_NAME, why) not in _logged:
+            _logged.add((self.ROUTE_NAME, why))
+            base = type(self).__mro__[2].__name__  # diffusers' processor (after this mixin)
+            logger.warning("%s: %s -> diffusers' %s (projection in torch, then the attention backend); logged once",
+                           type(self).__name__, why, base)
+
+    def _attend(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor],
+                rotary) -> torch.Tensor:
+        """The fused block on the rank's [text shard; image shard] rows -> [B, J + I, H*D]."""
+        diffusers_backend.count_route(self.ROUTE_NAME, "fused")
+        cp = self._parallel_config.context_parallel_config
+        group = cp._ulysses_mesh.get_group()
+        impl = _backend_impl(self._attention_backend)
+        J = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
+        rows = J + hidden_states.shape[1]
+        shard_rows = _shard_rows(rows, group) if cp.ulysses_anything else None
+        segments = self._segments(self._weights(attn, group), hidden_states, encoder_hidden_states, rotary)
+        return ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows).flatten(2, 3)
+
+    @staticmethod
+    def _segments(mod, hidden_states, encoder_hidden_states, image_rotary_emb) -> list:
+        """Flux's and Flux2's rows as the block's segments: [text (add_*); image (to_*)], RoPE (cos,
+        sin) over the rank's [text; image] rows."""
+        J = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
+        rot = _split_rotary(image_rotary_emb, J, J + hidden_states.shape[1])
+        segments = [Segment(hidden_states.contiguous(), mod.proj, rot[1])]
+        if encoder_hidden_states is not None:
+            segments.insert(0, Segment(encoder_hidden_states.contiguous(), mod.joint_proj, rot[0]))
+        return segments
+
+    def _weights(self, attn, group) -> UlyssesQKVAttention:
+        """The module's weights gathered for the group (built once; rebuilt when a weight changes).
+        The module's Linears then hold views of them (attention_weights): one copy."""
+        key = (id(group), self._weight_facts(attn))
+        if self._block is None or self._block[0] != key:
+            self._block = None  # the old gathered weights go as the Linears move to the new ones
+            mod = self._gather(attn, group)
+            self._block = ((id(group), self._weight_facts(attn)), mod)  # (the Linears' pointers changed)
+        return self._block[1]
+
+    @staticmethod
+    def _gather(attn, group) -> UlyssesQKVAttention:
+        return attention_weights(attn, group=group)
+
+    @staticmethod
+    def _weight_facts(attn) -> tuple:
+        return _weight_facts(attn)
+
+
+class FusedFluxAttnProcessor(_FusedBlockProcessor, FluxAttnProcessor):
     """FluxAttnProcessor whose attention under diffusers' Ulysses context parallelism is the fused
     block (fa_a2a.block: projection + pre-A2A fused, attention + post-A2A fused); diffusers' own
     processor (projection in torch, then the backend) where the block cannot run: no context
@@ -138,66 +235,40 @@ class FusedFluxAttnProcessor(FluxAttnProcessor):
     attention mask, autograd, fused to_qkv, q/k norms other than RMSNorm(eps 1e-6) with weight,
     tensor parallelism (the module docstring). Install with enable_fused_projection(model)."""
 
-    def __init__(self):
-        super().__init__()
-        self._block = None  # (key, UlyssesQKVAttention): the gathered weights of the module
+    ROUTE_NAME = ROUTE_NAME
 
     def __call__(self, attn: FluxAttention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                  attention_mask: Optional[torch.Tensor] = None, image_rotary_emb=None) -> torch.Tensor:
         why = _why_not_fused(self, attn, hidden_states, encoder_hidden_states, attention_mask)
         if why is not None:
-            diffusers_backend.count_route(ROUTE_NAME, "fallback")
-            if why not in _logged:
-                _logged.add(why)
-                logger.warning("FusedFluxAttnProcessor: %s -> diffusers' FluxAttnProcessor (projection in torch, "
-                               "then the attention backend); logged once", why)
+            self._fallback(why)
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        diffusers_backend.count_route(ROUTE_NAME, "fused")
-        cp = self._parallel_config.context_parallel_config
-        group = cp._ulysses_mesh.get_group()
-        impl = _backend_impl(self._attention_backend)
-        J = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
-        rows = J + hidden_states.shape[1]
-        shard_rows = _shard_rows(rows, group) if cp.ulysses_anything else None
-        mod = self._weights(attn, group)
-        rot = _split_rotary(image_rotary_emb, J, rows)
-        segments = [Segment(hidden_states.contiguous(), mod.proj, rot[1])]
-        if encoder_hidden_states is not None:
-            segments.insert(0, Segment(encoder_hidden_states.contiguous(), mod.joint_proj, rot[0]))
-        out = ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows).flatten(2, 3)
+        out = self._attend(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         if encoder_hidden_states is None:
             return out
+        J = encoder_hidden_states.shape[1]
         text, image = out[:, :J], out[:, J:]
         image = attn.to_out[1](attn.to_out[0](image.contiguous()))
         return image, attn.to_add_out(text.contiguous())
 
-    def _weights(self, attn: FluxAttention, group) -> UlyssesQKVAttention:
-        """The module's weights gathered for the group (built once; rebuilt when a weight changes).
-        The module's Linears then hold views of them (attention_weights): one copy."""
-        key = (id(group), _weight_facts(attn))
-        if self._block is None or self._block[0] != key:
-            self._block = None  # the old gathered weights go as the Linears move to the new ones
-            mod = attention_weights(attn, group=group)
-            self._block = ((id(group), _weight_facts(attn)), mod)  # (the Linears' pointers changed)
-        return self._block[1]
 
-
-def _layers(attn: FluxAttention) -> tuple:
-    """attn's (q, k, v Linears, q/k norms) groups: the image rows' (to_*), the text rows' (add_*)."""
+def _layers(attn) -> tuple:
+    """attn's (q, k, v Linears, q/k norms) groups: the image rows' (to_*), the text rows' (add_*)
+    (diffusers' names: FluxAttention, Flux2Attention, QwenImage's Attention)."""
     groups = [((attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))]
     if attn.added_kv_proj_dim is not None:
         groups.append(((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), (attn.norm_added_q, attn.norm_added_k)))
     return tuple(groups)
 
 
-def _weight_facts(attn: FluxAttention) -> tuple:
+def _weight_facts(attn) -> tuple:
     """What the gathered weights depend on: every weight's and bias's pointer, version, dtype and device."""
     modules = [m for layers, norms in _layers(attn) for m in layers + norms]
     tensors = [t for m in modules for t in (m.weight, getattr(m, "bias", None)) if t is not None]
     return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
 
 
-def attention_weights(attn: FluxAttention, share_weights: bool = True, **kwargs) -> UlyssesQKVAttention:
+def attention_weights(attn, share_weights: bool = True, **kwargs) -> UlyssesQKVAttention:
     """attn's q/k/v projections (and the text rows' add_*) as the fused block's weights in
     destination order (UlyssesQKVAttention.from_linear): with share_weights the Linears' weights
     and biases become views of them, so the model and the block hold one copy. kwargs: group or
@@ -207,7 +278,7 @@ def attention_weights(attn: FluxAttention, share_weights: bool = True, **kwargs)
     if text:
         (tq, tk, tv), (tnq, tnk) = text[0]
         extra = dict(add_q=tq, add_k=tk, add_v=tv, norm_added_q=tnq, norm_added_k=tnk)
-    return UlyssesQKVAttention.from_linear(*layers, head_dim=attn.head_dim, norm_q=norms[0], norm_k=norms[1],
+    return UlyssesQKVAttention.from_linear(*layers, head_dim=_head_dim(attn), norm_q=norms[0], norm_k=norms[1],
                                            share_weights=share_weights, **extra, **kwargs)
 
 
@@ -233,21 +304,35 @@ def _shard_rows(rows: int, group) -> Optional[list]:
     return every if len(set(every)) > 1 else None
 
 
+def _installs() -> tuple:
+    """(attention module class, diffusers' processor class, fused processor class) of every model
+    the fused block serves: Flux here, Flux2 and QwenImage in fa_a2a.dit_blocks."""
+    from fa_a2a import dit_blocks
+
+    return ((FluxAttention, FluxAttnProcessor, FusedFluxAttnProcessor),) + dit_blocks.INSTALLS
+
+
 def enable_fused_projection(model):
-    """Install FusedFluxAttnProcessor on every FluxAttention of `model` whose processor is diffusers'
-    FluxAttnProcessor (others, e.g. IP-Adapter processors, are left as they are), keeping the
-    processor's attention backend and parallel config (so before or after set_attention_backend /
-    enable_parallelism / enable_ulysses). Returns the model; ValueError when no module qualifies."""
+    """Install the fused processor on every attention module of `model` whose processor is diffusers'
+    own: FusedFluxAttnProcessor for FluxAttnProcessor (Flux), and fa_a2a.dit_blocks' for Flux2's
+    Flux2AttnProcessor / Flux2ParallelSelfAttnProcessor and QwenImage's
+    QwenDoubleStreamAttnProcessor2_0 (others, e.g. IP-Adapter or KV-cache processors, are left as
+    they are), keeping the processor's attention backend and parallel config (so before or after
+    set_attention_backend / enable_parallelism / enable_ulysses). Returns the model; ValueError
+    when no module qualifies."""
+    installs = _installs()
     n = 0
     for module in model.modules():
-        if isinstance(module, FluxAttention) and type(module.processor) in (FluxAttnProcessor, FusedFluxAttnProcessor):
-            old = module.processor
-            if type(old) is FluxAttnProcessor:
-                new = FusedFluxAttnProcessor()
-                new._attention_backend, new._parallel_config = old._attention_backend, old._parallel_config
-                module.set_processor(new)
-            n += 1
+        for module_cls, base, fused in installs:
+            if isinstance(module, module_cls) and type(module.processor) in (base, fused):
+                old = module.processor
+                if type(old) is base:
+                    new = fused()
+                    new._attention_backend, new._parallel_config = old._attention_backend, old._parallel_config
+                    module.set_processor(new)
+                n += 1
+                break
     if n == 0:
-        raise ValueError(f"model: expected FluxAttention modules with diffusers' FluxAttnProcessor (a Flux "
-                         f"transformer), found none in {type(model).__name__}")
+        raise ValueError(f"model: expected FluxAttention modules (or Flux2's, QwenImage's attention) with diffusers' "
+                         f"processors (a Flux, Flux2 or QwenImage transformer), found none in {type(model).__name__}")
     return model
