@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Iterator, Optional
 
@@ -225,6 +226,24 @@ def _stop(binary: str) -> None:
         time.sleep(0.05)
 
 
+def _exit_on_sigterm():
+    """While a private daemon runs, SIGTERM (e.g. an outer `timeout`) ends the process through
+    SystemExit, so mps_daemon's clean-up still quits the daemon (the default action would leave it
+    running). Returns the handler to restore, or None where none was set (not the main thread, or
+    a handler of the program's own already there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    old = signal.getsignal(signal.SIGTERM)
+    if old not in (signal.SIG_DFL, None):
+        return None
+
+    def exit_(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_)
+    return old
+
+
 @contextlib.contextmanager
 def mps_daemon(thread_percentage: Optional[float] = None) -> Iterator[str]:
     """Runs the block with an MPS daemon for the processes it starts; yields the pipe directory.
@@ -254,6 +273,7 @@ def mps_daemon(thread_percentage: Optional[float] = None) -> Iterator[str]:
         pipe_dir = tempfile.mkdtemp(prefix="fa_a2a-mps-pipe-")
         log_dir = tempfile.mkdtemp(prefix="fa_a2a-mps-log-")
         os.environ[PIPE_VAR], os.environ[LOG_VAR] = pipe_dir, log_dir
+        old_term = _exit_on_sigterm()
         try:
             _start(binary, log_dir)
             logger.info("MPS daemon started in %s", pipe_dir)
@@ -264,6 +284,8 @@ def mps_daemon(thread_percentage: Optional[float] = None) -> Iterator[str]:
             finally:
                 shutil.rmtree(pipe_dir, ignore_errors=True)
                 shutil.rmtree(log_dir, ignore_errors=True)
+                if old_term is not None:
+                    signal.signal(signal.SIGTERM, old_term)
     finally:
         for name, value in saved.items():
             if value is None:

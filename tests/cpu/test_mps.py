@@ -3,6 +3,7 @@ daemon context manager and command line against a fake nvidia-cuda-mps-control t
 calls (a background `sleep` stands for the daemon), and the refusals."""
 import logging
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -198,6 +199,22 @@ def test_daemon_quits_when_the_block_raises(fake_control, monkeypatch, exc):
     assert fake_control()[-1] == "quit"
     assert not _alive(pid) and not os.path.exists(pipe_dir)
     assert os.environ[mps.PERCENT_VAR] == "25" and mps.PIPE_VAR not in os.environ
+
+
+def test_daemon_quits_when_the_process_gets_sigterm(fake_control, tmp_path):
+    """An outer `timeout` (SIGTERM) still ends in quit: the default action would leave the daemon running."""
+    script = ("import os, signal, time\n"
+              "from fa_a2a import mps\n"
+              "with mps.mps_daemon() as pipe_dir:\n"
+              "    print(open(os.path.join(pipe_dir, mps.PID_FILE)).read().strip(), flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert res.returncode == 128 + signal.SIGTERM, res.stderr
+    assert fake_control()[-1] == "quit"
+    assert not _alive(int(res.stdout.split()[0]))
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process's handler untouched
 
 
 def test_a_running_daemon_is_reused(fake_control):
