@@ -778,6 +778,21 @@ class _Log:
             print(*a, flush=True)
 
 
+def write_result(cfg: BenchConfig, name: str, result: dict, plots: Callable[[Path], list], log: "_Log") -> list:
+    """Rank 0's output: result as JSON `name` in cfg.out, then plots(out) (-> the files it wrote) when
+    cfg.plots; a plot that fails is logged, not raised. Returns the files written."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(result, indent=1, default=str))
+    files = [str(out / name)]
+    if cfg.plots:
+        try:
+            files += plots(out)
+        except Exception as e:
+            log(f"No plots: {_first_line(e)}")
+    return files
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
@@ -1104,15 +1119,7 @@ def run_gpu(cfg: BenchConfig) -> int:
         result["model"]["m_ub"] = m_ub
 
     if ctx["rank"] == 0:
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
-        files = [str(out / "bench.json")]
-        if cfg.plots:
-            try:
-                files += write_plots(result, out, m_ub)
-            except Exception as e:
-                log(f"No plots: {_first_line(e)}")
+        files = write_result(cfg, "bench.json", result, lambda out: write_plots(result, out, m_ub), log)
         for w in [w for p in result["points"] for w in p.get("clock_warnings", [])]:
             log(f"warning: {w}")
         log("Wrote " + ", ".join(files))

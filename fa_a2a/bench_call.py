@@ -40,7 +40,6 @@ Rank 0 prints the tables and writes bench_call.json and bench_call.png into --ou
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -49,7 +48,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fa_a2a.bench import EAGER_TRIALS, BenchConfig, _finite, _first_line, _git_commit, _Log, _versions, torch_dtype
+from fa_a2a.bench import (EAGER_TRIALS, BenchConfig, _finite, _first_line, _git_commit, _Log, _versions, torch_dtype,
+                          write_result)
 
 CALL_TARGET = 1.03  # fused / (fa4_local + pre_a2a)
 BLOCK_TARGETS = {4608: 1.10, 16384: 1.05}  # block / (qkv_gemm + fa4_local), by M
@@ -564,15 +564,7 @@ def run_calls(cfg: BenchConfig) -> int:
     result["title"] = (f"{props.name}: P={cfg.world_size} ({where}), H={cfg.heads}, D={cfg.head_dim}, "
                        f"{cfg.dtype}")
     if ctx["rank"] == 0:
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_call.json").write_text(json.dumps(result, indent=1, default=str))
-        files = [str(out / "bench_call.json")]
-        if cfg.plots:
-            try:
-                files += write_call_plots(result, out)
-            except Exception as e:
-                log(f"No plot: {_first_line(e)}")
+        files = write_result(cfg, "bench_call.json", result, lambda out: write_call_plots(result, out), log)
         log("Wrote " + ", ".join(files))
         modes = sorted({str(p["timing_mode"]) for p in result["points"]})
         log(f"\n{result['title']}: per call, median over trials of the max over ranks (us), {'/'.join(modes)}")
