@@ -26,6 +26,7 @@ pytest.importorskip("diffusers")
 
 from fa_a2a import block, diffusers_backend as backend, dit_blocks, flux_block  # noqa: E402
 from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _qwen, _qwen_inputs  # noqa: E402
+from tests.cpu.test_flux_block_cpu import _config  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 QKV_ATOL = 1e-5  # fp32 q/k/v (measured on this CPU: 0, bit for bit)
@@ -322,11 +323,6 @@ def test_fused_processors_under_diffusers_cp(P):
 
 
 # ---- single process: reasons, install ---------------------------------------------------------------------------
-def _config(ulysses, ring=1):
-    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=ulysses,
-                                                                               ring_degree=ring))
-
-
 def test_fallback_reasons(monkeypatch):
     """The reasons special to these processors (the shared ones: tests/cpu/test_flux_block_cpu.py)."""
     from diffusers.models.attention_dispatch import AttentionBackendName
