@@ -281,7 +281,7 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
         return None
 
 
-def _lookup(key, joint):
+def _lookup(key):
     """(key, cached entry) for a cached signature, (key, None) for a new one, and (None, None) for
     an unhashable argument (e.g. a list as seq_len: check_call names it)."""
     if key is None:
@@ -306,19 +306,20 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
     refusal: a ValueError message the caller already found (raised like this rank's own).
 
     Returns (Problem, joint tuple or None)."""
-    key = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name)
+    key, hit = _lookup(_signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank,
+                                  group_name))
     collective = world_size > 1 and group is not None
 
     def checks():
         if refusal is not None:
             raise ValueError(refusal)
-        _, hit = _lookup(key, joint)
-        if hit is None:
+        entry = hit
+        if entry is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank)
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out) if collective else None
-            hit = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
-        problem, has_joint, fields, word = hit
+            entry = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
+        problem, has_joint, fields, word = entry
         joint_out = tuple(joint) if has_joint else None
         check_no_grad(q, k, v, *(joint_out or ()))
         if collective and "joint_data" in fields:  # debugging aid: this call's joint data
@@ -356,7 +357,7 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
         raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
                        "emulated") for r in range(P)]
-    key, hit = _lookup(None if None in keys else tuple(keys), joint)
+    key, hit = _lookup(None if None in keys else tuple(keys))
     if hit is not None:
         return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
