@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     if args.heads % args.world_size:
         ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
 
-    from fa_a2a.bench import load_platform
+    from fa_a2a.bench_config import load_platform
 
     try:
         platform, platform_source = load_platform(args.platform)

@@ -48,8 +48,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fa_a2a.bench import (EAGER_TRIALS, BenchConfig, _finite, _first_line, _git_commit, _Log, _versions, torch_dtype,
-                          write_result)
+from fa_a2a.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
+from fa_a2a.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
 
 CALL_TARGET = 1.03  # fused / (fa4_local + pre_a2a)
 BLOCK_TARGETS = {4608: 1.10, 16384: 1.05}  # block / (qkv_gemm + fa4_local), by M

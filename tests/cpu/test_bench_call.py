@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fa_a2a import bench, bench_call as bc
+from fa_a2a import bench, bench_call as bc, bench_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_under_torchrun_only_rank_0_prints(tmp_path):
 def test_whole_call_config():
     env = {"WORLD_SIZE": "2"}
     cfg = bench.parse_args([], env=env)
-    assert cfg.whole_call and cfg.seqlens == bench.CALL_SEQLENS == (4608, 16384) and cfg.mps_share is None
+    assert cfg.whole_call and cfg.seqlens == bench_config.CALL_SEQLENS == (4608, 16384) and cfg.mps_share is None
     assert bench.parse_args(["--quick"], env=env).seqlens == (4608, 16384)
     assert not bench.parse_args(["--per-kernel"], env=env).whole_call
     assert not bench.parse_args([], env={}).whole_call  # one process: the emulated benchmark, unchanged

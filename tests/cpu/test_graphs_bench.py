@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa_a2a import bench
+from fa_a2a import bench, bench_config, bench_methods, bench_report
 from fa_a2a.xstage import GB, US, PlatformModel
 from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
@@ -152,7 +152,7 @@ def test_defaults_emulated_and_quick():
     assert cfg.seqlens == (8192, 16384, 32768, 49152, 65536)
     assert (cfg.heads, cfg.head_dim, cfg.world_size, cfg.batch, cfg.dtype) == (24, 128, 8, 1, "bf16")
     assert not cfg.real_ranks and cfg.heads_local == 3 and not cfg.causal
-    assert cfg.methods == tuple(m.key for m in bench.METHODS) and cfg.calls is None and cfg.dests == ("hbm",)
+    assert cfg.methods == tuple(m.key for m in bench_methods.METHODS) and cfg.calls is None and cfg.dests == ("hbm",)
     assert cfg.out == os.path.join("results", "bench")
     q = bench.parse_args(["--quick"], env={})
     assert q.seqlens == (8192, 16384) and q.trials < cfg.trials and q.target_ms < cfg.target_ms
@@ -169,7 +169,7 @@ def test_help_names_the_host_proxy_and_every_method(capsys):
         bench.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--dest {hbm,host}" in text and "pinned host memory" in text and "NOT NVLink" in text
-    assert all(f"{m.key} = " in text for m in bench.METHODS)
+    assert all(f"{m.key} = " in text for m in bench_methods.METHODS)
 
 
 def test_torchrun_world_size():
@@ -261,88 +261,89 @@ def test_fa_tflops_inf_is_a_usage_error_not_a_traceback(tmp_path):
 # ------------------------------------------------------------------------------ metrics
 def test_derived_metrics_reproduce_the_papers_table():
     # X-Stage paper, Table 3 (FA4 + A2A, 8xB200): M=8192 and M=16384 columns.
-    d = bench.derive({"fa": 85.4, "serial": 140.9, "fused": 99.4})
+    d = bench_report.derive({"fa": 85.4, "serial": 140.9, "fused": 99.4})
     assert math.isclose(d["e_res_us"], 14.0, abs_tol=1e-9)
     # the paper's metrics come from unrounded medians: 1.417x there, 140.9 / 99.4 = 1.4175 here
     assert round(100 * d["hiding"]) == 75 and abs(d["speedup"] - 1.417) < 1e-3
     assert math.isclose(d["fused_over_fa"], 99.4 / 85.4) and math.isclose(d["e_res_rel"], 14.0 / 85.4)
-    d = bench.derive({"fa": 346.5, "serial": 462.4, "fused": 356.6})
+    d = bench_report.derive({"fa": 346.5, "serial": 462.4, "fused": 356.6})
     assert round(100 * d["hiding"]) == 91 and abs(d["speedup"] - 1.297) < 1e-3
-    d = bench.derive({"fa": 1439.4, "serial": 1660.9, "fused": 1429.2})  # negative residual kept
+    d = bench_report.derive({"fa": 1439.4, "serial": 1660.9, "fused": 1429.2})  # negative residual kept
     assert d["e_res_us"] < 0 and d["hiding"] > 1
 
 
 def test_derived_metrics_with_missing_inputs():
-    d = bench.derive({"fa": 100.0, "fused": 110.0},
+    d = bench_report.derive({"fa": 100.0, "fused": 110.0},
                      {"fa": [100.0, 200.0, 100.0], "fused": [101.0, 204.0, 102.0]})
     assert d["fused_over_fa_paired"] == pytest.approx(1.02)  # median of 1.01, 1.02, 1.02
     # hiding ratio only when T_serial - T_FA stands out of the per-trial noise
     med = {"fa": 100.0, "serial": 104.0, "fused": 101.0}
     steady = {"fa": [100.0, 100.5, 99.5], "serial": [104.0, 104.5, 103.5], "fused": [101.0] * 3}
-    assert bench.derive(med, steady)["hiding"] == pytest.approx(0.75)
+    assert bench_report.derive(med, steady)["hiding"] == pytest.approx(0.75)
     noisy = {"fa": [100.0, 103.0, 97.0], "serial": [104.0, 101.0, 105.0], "fused": [101.0] * 3}
-    assert bench.derive(med, noisy)["hiding"] is None and bench.derive(med, noisy)["comm_us"] is None
-    assert bench.derive(med, steady)["comm_us"] == 4.0
-    d = bench.derive({"fa": 100.0, "fused": 110.0})
+    assert bench_report.derive(med, noisy)["hiding"] is None and bench_report.derive(med, noisy)["comm_us"] is None
+    assert bench_report.derive(med, steady)["comm_us"] == 4.0
+    d = bench_report.derive({"fa": 100.0, "fused": 110.0})
     assert d["e_res_us"] == 10.0 and d["hiding"] is None and d["speedup"] is None
-    d = bench.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
+    d = bench_report.derive({"fa": 100.0, "serial": 100.0, "fused": 101.0})
     assert d["hiding"] is None  # zero denominator
-    d = bench.derive({"serial": 200.0, "fused": 100.0, "serial_nccl": 300.0, "layer_nccl": 9.0, "layer_fused": 3.0})
+    d = bench_report.derive({"serial": 200.0, "fused": 100.0, "serial_nccl": 300.0, "layer_nccl": 9.0,
+                             "layer_fused": 3.0})
     assert d["speedup"] == 2.0 and d["speedup_nccl"] == 3.0 and d["layer_speedup"] == 3.0
     assert d["e_res_us"] is None
-    assert all(v is None for v in bench.derive({}).values())
+    assert all(v is None for v in bench_report.derive({}).values())
 
 
 def _point(M, med, status=None):
-    return {"M": M, "median_us": med, "status": status or {}, "derived": bench.derive(med)}
+    return {"M": M, "median_us": med, "status": status or {}, "derived": bench_report.derive(med)}
 
 
 def test_table_shows_only_measured_numbers():
     methods = ("fa", "a2a", "serial", "serial_nccl", "fused")
     pts = [
         _point(8192, {"fa": 181.04, "a2a": 20.0, "serial": 210.0, "fused": 183.0},
-               {"serial_nccl": bench.NA_REAL}),
+               {"serial_nccl": bench_methods.NA_REAL}),
         _point(16384, {"fa": 592.0, "serial": 630.0},
-               {"serial_nccl": bench.NA_REAL, "a2a": "skipped (fa_a2a.op.post_a2a does not exist yet)",
+               {"serial_nccl": bench_methods.NA_REAL, "a2a": "skipped (fa_a2a.op.post_a2a does not exist yet)",
                 "fused": "non-finite output"}),
     ]
-    table = bench.format_table(pts, methods)
+    table = bench_report.format_table(pts, methods)
     lines = table.splitlines()
     assert lines[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) | Fused (us) |")
     assert "T_serial/T_fused" in lines[0] and "H" in [c.strip() for c in lines[0].split("|")]
     assert "T_serial-NCCL/T_fused" not in lines[0]  # never computed: column hidden
     assert len(lines) == 4 and all(l.count("|") == lines[0].count("|") for l in lines)
     row1 = [c.strip() for c in lines[2].split("|")[1:-1]]
-    assert row1[:6] == ["8192", "181.0", "20.0", "210.0", bench.NA_REAL, "183.0"]
+    assert row1[:6] == ["8192", "181.0", "20.0", "210.0", bench_methods.NA_REAL, "183.0"]
     assert "+1.08%" in row1 and "93%" in row1  # E_res/T_FA = 1.96/181.04, H = 1 - 1.96/28.96
     row2 = [c.strip() for c in lines[3].split("|")[1:-1]]
     assert row2[2].startswith("skipped") and row2[5] == "non-finite output"
     assert row2[6:] == ["-"] * (len(row2) - 6)  # no derived number without the fused time
-    assert bench.format_table([_point(8192, {})], ["fa"]).splitlines()[2] == "| 8192 | not run |"
+    assert bench_report.format_table([_point(8192, {})], ["fa"]).splitlines()[2] == "| 8192 | not run |"
     # methods that apply nowhere go to a note; Serial-NCCL keeps its column
-    keys = [m.key for m in bench.METHODS]
-    na = {m.key: why for m in bench.METHODS if (why := bench.not_applicable(m, False, "hbm"))}
+    keys = [m.key for m in bench_methods.METHODS]
+    na = {m.key: why for m in bench_methods.METHODS if (why := bench_methods.not_applicable(m, False, "hbm"))}
     assert set(na) == {"a2a_nccl", "serial_nccl", "layer_fused", "layer_nccl"}
-    table = bench.format_table([_point(8192, {"fa": 1.0}, na)], keys)
+    table = bench_report.format_table([_point(8192, {"fa": 1.0}, na)], keys)
     assert table.splitlines()[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) |")
     assert "Layer" not in table.splitlines()[0] and "windows" not in table.splitlines()[0]
     assert table.splitlines()[-1] == "Not run: A2A-only NCCL, Layer fused, Layer NCCL (needs real ranks)."
     # host windows: a windows column, and the op's own HBM windows do not apply there
-    host = {m.key: why for m in bench.METHODS if (why := bench.not_applicable(m, False, "host"))}
-    assert host["op_emulated"] == bench.NA_HOST
+    host = {m.key: why for m in bench_methods.METHODS if (why := bench_methods.not_applicable(m, False, "host"))}
+    assert host["op_emulated"] == bench_methods.NA_HOST
     pts = [dict(_point(8192, {"fa": 1.0, "op_emulated": 9.0}, na), dest="hbm"),
            dict(_point(8192, {"fa": 1.5}, host), dest="host")]
-    lines = bench.format_table(pts, keys).splitlines()
+    lines = bench_report.format_table(pts, keys).splitlines()
     assert lines[0].startswith("| M | windows | FA4-only (us) |") and "Op emulated (us)" in lines[0]
     assert lines[2].startswith("| 8192 | hbm | 1.0 |") and lines[3].startswith("| 8192 | host | 1.5 |")
-    assert lines[3].split("|")[-2].strip() == bench.NA_HOST
+    assert lines[3].split("|")[-2].strip() == bench_methods.NA_HOST
     # under torchrun the emulated op does not apply
-    assert bench.not_applicable(bench.BY_KEY["op_emulated"], True, "hbm") == bench.NA_EMULATED
+    assert bench_methods.not_applicable(bench_methods.BY_KEY["op_emulated"], True, "hbm") == bench_methods.NA_EMULATED
 
 
 def test_eager_table():
     p = dict(_point(8192, {"fa": 180.0, "op_emulated": 1600.0}), dest="hbm", eager_us={"fa": 190.0, "op_emulated": 2400.0})
-    lines = bench.format_eager([p]).splitlines()
+    lines = bench_report.format_eager([p]).splitlines()
     assert lines[0] == "| M | method | graph (us/call) | eager wall (us/call) | eager / graph |"
     assert lines[2] == "| 8192 | FA4-only | 180.0 | 190.0 | 1.06 |"
     assert lines[3] == "| 8192 | Op emulated | 1600.0 | 2400.0 | 1.50 |"
@@ -357,7 +358,7 @@ def test_model_beside_the_measurements():
     med = {"fa": 184.5, "a2a": 121.1, "serial": 306.6, "fused": 295.2}
     p = dict(_point(8192, med), dest="host")
     host = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=2**20, meta={"dest": "host"})
-    r = bench.model_row(p, cfg, host, 132)
+    r = bench_report.model_row(p, cfg, host, 132)
     o_bytes = 8192 * 3 * 128 * 2
     assert r["a2a_GBps"] == pytest.approx(o_bytes / 121.1e-6 / 1e9) and round(r["a2a_GBps"]) == 52
     assert r["waves"] == 2 and r["gap_us"] == pytest.approx(92.25)
@@ -367,24 +368,24 @@ def test_model_beside_the_measurements():
     assert r["e_res_model_us"] == pytest.approx(((132 * 32768 - 2**20) / 52e9 - 1e-6 + 60 * 32768 / 52e9) * 1e6)
     assert r["hiding_model"] == pytest.approx(1 - r["e_res_model_us"] / 122.1)
     assert r["e_res_us"] == pytest.approx(110.7) and r["design_test"] == "FAILS: capacity"  # 4.3 MB > Q + R·T_iss0
-    text = bench.format_model([r], "test")
+    text = bench_report.format_model([r], "test")
     assert "| 8192 | host | 2 | 4.12 | 92.2 | FAILS: capacity | +99.8 | +110.7 | 18% | " in text
     # a model of the other destination is not applied; the bound needs no model
     hbm = PlatformModel(t_iss0=0.49 * US, drain_rate=4245 * GB, capacity=2**21, meta={"dest": "local"})
-    r2 = bench.model_row(p, cfg, hbm, 132)
+    r2 = bench_report.model_row(p, cfg, hbm, 132)
     assert r2["design_test"] is None and r2["e_res_model_us"] is None and r2["t_bound_us"] == r["t_bound_us"]
-    assert bench.model_row(dict(_point(8192, {"fused": 1.0}), dest="host"), cfg, host, 132) is None
+    assert bench_report.model_row(dict(_point(8192, {"fused": 1.0}), dest="host"), cfg, host, 132) is None
     # no knee: the capacity bound is undecided, not failed
     low = PlatformModel(t_iss0=1 * US, drain_rate=52 * GB, capacity=0.0, capacity_is_lower_bound=True)
-    assert bench.model_row(p, cfg, low, 132)["design_test"] == "undecided: capacity (Q is a lower bound)"
+    assert bench_report.model_row(p, cfg, low, 132)["design_test"] == "undecided: capacity (Q is a lower bound)"
 
 
 def test_predictions_use_the_model():
     cfg = bench.parse_args(["-M", "8192", "65536"], env={})
-    model, source = bench.load_platform(None)
+    model, source = bench_config.load_platform(None)
     assert "paper" in source
     assert math.isclose(model.drain_rate, 717e9) and math.isclose(model.t_iss0, 0.76e-6)
-    pred = bench.predictions(cfg, model, sigma_us=1.6, num_sms=132)
+    pred = bench_report.predictions(cfg, model, sigma_us=1.6, num_sms=132)
     V = 132 * 32768
     assert math.isclose(pred["m_ub"], 128 * (V / 717e9 - 0.76e-6) / 1.6e-6)
     r = pred["rows"][0]
@@ -392,15 +393,15 @@ def test_predictions_use_the_model():
     assert math.isclose(r["recovery_gap_us"], (V / 717e9 - 0.76e-6) * 1e6)
     # a platform that cannot drain the burst in the gap fails the rate bound
     slow = PlatformModel(t_iss0=1e-6, drain_rate=1e9, capacity=1e6)
-    assert bench.predictions(cfg, slow, 1.6, 132)["rows"][0]["design_test"].startswith("FAILS: rate")
-    text = bench.format_predictions(pred, source)
+    assert bench_report.predictions(cfg, slow, 1.6, 132)["rows"][0]["design_test"].startswith("FAILS: rate")
+    text = bench_report.format_predictions(pred, source)
     assert "not measurements" in text and "| 65536 |" in text
 
 
 def test_platform_json_is_read(tmp_path):
     path = tmp_path / "platform.json"
     PlatformModel(t_iss0=2e-6, drain_rate=300e9, capacity=2**22).to_json(path)
-    model, source = bench.load_platform(str(path))
+    model, source = bench_config.load_platform(str(path))
     assert model.drain_rate == 300e9 and str(path) in source
 
 
@@ -412,7 +413,7 @@ def test_plots_are_written(tmp_path):
     import dataclasses
 
     result = {"points": pts, "env": {"card": "test card"}, "config": dataclasses.asdict(cfg)}
-    files = bench.write_plots(result, tmp_path, m_ub=421.0)
+    files = bench_report.write_plots(result, tmp_path, m_ub=421.0)
     assert sorted(Path(f).name for f in files) == ["eres_vs_M.png", "speedup_vs_M.png", "time_vs_M.png"]
     assert all(Path(f).stat().st_size > 1000 for f in files)
 
