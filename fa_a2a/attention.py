@@ -31,12 +31,15 @@ class UlyssesAttention(nn.Module):
     impl: "fused" (FA4 with the post-A2A in its epilogue), "serial", "nccl" (permute +
     all_to_all_single baseline) or "reference". causal / softmax_scale as in SDPA (scale
     default 1/sqrt(D)). seq_len (forward): valid rows of the full sequence when P does not
-    divide it (the last shards end in padding rows; their outputs are zeros).
+    divide it (the last shards end in padding rows; their outputs are zeros). pace: the fused
+    kernel's store pacing, "auto" (default), None or GB/s (fa_a2a.pacing).
     """
 
     def __init__(self, group=None, *, impl: str = "fused", causal: bool = False,
-                 softmax_scale: Optional[float] = None, layout: str = "bshd"):
+                 softmax_scale: Optional[float] = None, layout: str = "bshd", pace="auto"):
         super().__init__()
+        from fa_a2a.pacing import check_pace
+
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         if layout not in _LAYOUTS:
@@ -48,6 +51,7 @@ class UlyssesAttention(nn.Module):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.layout = layout
+        self.pace = check_pace(pace)
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, causal={self.causal}, layout={self.layout!r}"
@@ -64,5 +68,5 @@ class UlyssesAttention(nn.Module):
             joint = tuple(self._in(t) for t in joint)
         res = ulysses_attention(self._in(q), self._in(k), self._in(v), group=self.group, impl=self.impl,
                                 joint=joint, causal=self.causal, softmax_scale=self.softmax_scale,
-                                seq_len=seq_len)
+                                seq_len=seq_len, pace=self.pace)
         return self._in(res) if joint is None else (self._in(res[0]), self._in(res[1]))

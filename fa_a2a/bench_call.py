@@ -8,7 +8,9 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
   fa4_local  fa4_forward on the rank's own [B, S, H/P, D] problem: the call if communication were free
   pre_a2a    the pre-A2A kernel alone (the first step of forward._rank_call)
   serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, copy
-  fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue
+  fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
+             stores paced as pace="auto" decides (fa_a2a.pacing; the decision is logged per M)
+  fused_unpaced  the same with pace=None (what the fused call did before pacing existed)
   nccl       fa_a2a.ulysses_attention(impl="nccl"): all_to_all_single around FA4 (one GPU per rank only)
   qkv_gemm   the attention block's QKV projection alone (Flux-style bias, per-head RMSNorm, RoPE; C = H*D)
              with a plain output: the same kernels, tiles and epilogue as the block, no rank windows
@@ -26,7 +28,9 @@ eager time of every method is measured too (host launch cost shows as eager > gr
 
 Ratios: fused / (fa4_local + pre_a2a) (target <= 1.03: the fused call should cost what its
 attention and pre-A2A kernel cost alone), block / (qkv_gemm + fa4_local) (targets <= 1.10 at
-S 4608, <= 1.05 at 16384), serial / fused, nccl / fused.
+S 4608, <= 1.05 at 16384), serial / fused, nccl / fused; and the hiding of the fused calls,
+H = 1 - (call - fa4_local) / (serial - fa4_local): the share of what the serial call spends beyond
+FA4-local that the call hides (over the host transport, FA_A2A_TRANSPORT=host: the slow link).
 
 Breakdown of the fused call (eager, the steps of forward._rank_call with CUDA events between them,
 on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery copy, and host = the
@@ -69,7 +73,8 @@ CALL_METHODS = (
     CallMethod("fa4_local", "FA4-local", "fa4_forward on the rank's own [B, S, H/P, D] problem"),
     CallMethod("pre_a2a", "pre-A2A", "the pre-A2A kernel alone (forward._rank_call's first step)"),
     CallMethod("serial", "serial call", "ulysses_attention(impl='serial')"),
-    CallMethod("fused", "fused call", "ulysses_attention(impl='fused')"),
+    CallMethod("fused", "fused call", "ulysses_attention(impl='fused'), pace='auto'"),
+    CallMethod("fused_unpaced", "fused unpaced", "ulysses_attention(impl='fused', pace=None)"),
     CallMethod("nccl", "NCCL call", "ulysses_attention(impl='nccl')", needs_nccl=True),
     CallMethod("qkv_gemm", "QKV GEMM", "the block's QKV projection alone, plain output (qkv_projection_plain)"),
     CallMethod("block", "block call", "ulysses_qkv_attention(impl='fused') from the hidden states"),
@@ -84,6 +89,7 @@ RATIOS = (
     ("nccl_over_fused", "nccl", ("fused",)),
     ("block_over_local", "block", ("qkv_gemm", "fa4_local")),
 )
+HIDING = (("hiding_fused", "fused"), ("hiding_unpaced", "fused_unpaced"))  # name, call
 STEPS = ("pre", "wait1", "attend", "wait2", "copy")  # the fused call's steps, in order
 PHASES = STEPS + ("host",)
 PHASE_LABELS = {"pre": "pre-A2A", "wait1": "barrier 1 wait", "attend": "attention", "wait2": "barrier 2 wait",
@@ -127,7 +133,19 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
                                  f"{[len(raw[k]) for k in keys]}")
             paired = statistics.median(_quot({k: raw[k][t] for k in keys}, num, den) for t in range(n))
         out[name + "_paired"] = paired
+    for name, call in HIDING:
+        out[name] = _hiding(med, call)
+        out[name + "_paired"] = (statistics.median(_hiding({k: raw[k][t] for k in raw}, call)
+                                                   for t in range(len(raw[call])))
+                                 if raw and all(raw.get(k) for k in (call, "serial", "fa4_local")) else None)
     return out
+
+
+def _hiding(values: dict, call: str) -> Optional[float]:
+    """1 - (call - fa4_local) / (serial - fa4_local), None without the three or when serial <= fa4_local."""
+    if any(k not in values for k in (call, "serial", "fa4_local")) or values["serial"] <= values["fa4_local"]:
+        return None
+    return 1 - (values[call] - values["fa4_local"]) / (values["serial"] - values["fa4_local"])
 
 
 def phases_from_stamps(stamps: Sequence[Sequence[float]]) -> dict:
@@ -164,7 +182,7 @@ def new_point(M: int, S_loc: int, H_loc: int, status: dict) -> dict:
     """One M's record (JSON) before anything is timed."""
     return {"M": M, "S_loc": S_loc, "H_loc": H_loc, "n_calls": None, "status": status, "timing_mode": None,
             "capture_error": None, "raw_us": {}, "median_us": {}, "eager_raw_us": {}, "eager_us": {},
-            "ratios": ratios({}), "breakdown": None, "finite": {}}
+            "ratios": ratios({}), "breakdown": None, "finite": {}, "pacing": None}
 
 
 def fill_point(point: dict, raw: dict, eager_raw: dict, rank_rows: Optional[Sequence[Sequence[float]]] = None) -> dict:
@@ -200,7 +218,7 @@ def format_call_table(points: Sequence[dict]) -> str:
     shown = [m for m in CALL_METHODS if any(m.key in p["median_us"] for p in points)]
     head = (["M", "S_loc"] + [m.label + " (us)" for m in shown]
             + ["fused/(FA4+pre)", "paired", "target", "block/(GEMM+FA4)", "paired", "target", "serial/fused",
-               "NCCL/fused"])
+               "NCCL/fused", "hidden: fused", "hidden: unpaced"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         r, t = p["ratios"], targets(p["M"])
@@ -209,7 +227,8 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _target_cell(r.get("call_over_local_paired"), t["call_over_local"]),
                   _cell(r.get("block_over_local"), "{:.3f}"), _cell(r.get("block_over_local_paired"), "{:.3f}"),
                   _target_cell(r.get("block_over_local_paired"), t["block_over_local"]),
-                  _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}")]
+                  _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}"),
+                  _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
     why = {}
     for p in points:
@@ -315,8 +334,8 @@ def _setup(cfg: BenchConfig) -> dict:
 
 
 def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
-    """({key: zero-argument call}, the fused call's steps) of this rank at M, built in `keys` order
-    (every rank the same: window allocations are collective)."""
+    """({key: zero-argument call}, the fused call's steps, its window plan) of this rank at M, built
+    in `keys` order (every rank the same: window allocations are collective)."""
     import torch
 
     from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin, qkv_projection_plain
@@ -353,8 +372,8 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             made.extend((x, proj, table, y, *block.auto_tiles(S_loc, proj, table)))
         return made
 
-    problem, _ = check_call(q, k, v, None, "fused", causal, None, None, P, None, rank)
-    calls, steps = {}, None
+    problem, _ = check_call(q, k, v, None, "fused", causal, None, None, P, None, rank, pace="auto")
+    calls, steps, plan = {}, None, None
     for key in keys:
         if key == "fa4_local":
             ql, kl, vl = (randn(B, M, H_loc, D) for _ in range(3))
@@ -367,6 +386,8 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             calls[key] = steps[0]
         elif key in ("serial", "fused", "nccl"):
             calls[key] = lambda impl=key: ulysses_attention(q, k, v, group=group, impl=impl, causal=causal)
+        elif key == "fused_unpaced":
+            calls[key] = lambda: ulysses_attention(q, k, v, group=group, impl="fused", causal=causal, pace=None)
         elif key == "qkv_gemm":
             x, proj, table, y, tiles, one = block_inputs()
             calls[key] = lambda: qkv_projection_plain(x, proj, y, rope_cs=table, config=tiles, one_launch=one)
@@ -376,7 +397,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
                                                              causal=causal)
         else:
             raise ValueError(f"keys: unknown method {key!r}")
-    return calls, steps
+    return calls, steps, plan
 
 
 def _repeat(f, n: int):
@@ -464,7 +485,12 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     group = ctx["group"]
     keys, status = select_methods(ctx["shared_gpu"])
     point = new_point(M, M // cfg.world_size, cfg.heads_local, status)
-    calls, steps = _build(cfg, M, ctx, keys)
+    calls, steps, plan = _build(cfg, M, ctx, keys)
+    if plan is not None:  # the fused call's plan: pace="auto" decided while it was built
+        point["pacing"] = {"rate_gbps": plan.pacing.rate_gbps, "reason": plan.pacing.reason,
+                           "link_gbps": getattr(plan.transport, "pacing_link_gbps", None),
+                           "transport": type(plan.transport).__name__}
+        log(f"M={M}: {point['pacing']['transport']}, pace='auto': {plan.pacing.reason}")
     est, failed = {}, torch.zeros(len(keys))
     for j, key in enumerate(keys):  # first calls (compiles) in one order on every rank, then one timed call
         try:
@@ -513,7 +539,7 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     else:
         raw = eager_raw = _time_batches(eager, n_calls, cfg.trials, cfg.warmup, align, group)
     del graphs
-    for key in ("serial", "fused", "nccl", "block"):  # fresh outputs, checked once after the timing
+    for key in ("serial", "fused", "fused_unpaced", "nccl", "block"):  # fresh outputs, checked once after the timing
         if key in names:
             point["finite"][key] = _finite(calls[key]())
             if not point["finite"][key]:

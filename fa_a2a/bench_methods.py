@@ -102,6 +102,30 @@ def _build_fused(pt, s):
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal)), pt.mine(w)
 
 
+def _build_fused_auto(pt, s):
+    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.decide) from the link
+    rate into windows where this point's windows are (measured once per point) and FA4's tiles."""
+    from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+    from fa_a2a.fused import fa4_a2a_forward
+    from fa_a2a.pacing import BURST_TILES, decide, measure_store_rate, sm_count
+    from fa_a2a.xstage import FaTiles
+
+    cfg = pt.cfg
+    tiles = FaTiles.fa4(pt.M, cfg.heads_local, cfg.head_dim, num_sms=sm_count(pt.dev), batch=cfg.batch,
+                        causal=cfg.causal)
+    if not hasattr(pt, "pacing"):
+        link = measure_store_rate(pt.windows("pacing.link"), pt.rank)
+        aligned = pt.S_loc % tiles.tile_m == 0  # the paced kernel is the TMA path
+        pt.pacing = decide(link, tiles) if aligned else None
+        print(f"[fused_auto M={pt.M} {pt.dest}] link {link:.1f} GB/s: "
+              + (pt.pacing.reason if aligned else f"unpaced (S_loc {pt.S_loc} not a multiple of {tiles.tile_m})"),
+              flush=True)
+    rate = pt.pacing.rate_gbps if pt.pacing is not None else None
+    pacer = None if rate is None else make_pacer(pt.dev, rate, tiles.burst_bytes, BURST_TILES)
+    w = pt.windows(f"fused_auto.{s['i']}")
+    return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal, pacer=pacer)), pt.mine(w)
+
+
 def _nccl_buffers(pt):
     import torch
 
@@ -167,6 +191,8 @@ METHODS = (
     Method("serial_nccl", "Serial-NCCL", "FA4, then permute + all_to_all_single (yunchang / xDiT / DeepSpeed)",
            _build_serial_nccl, "real", True),
     Method("fused", "Fused", "FA4 with the post-A2A in its epilogue: fa_a2a.fused.fa4_a2a_forward", _build_fused),
+    Method("fused_auto", "Fused auto-paced", "the fused kernel with its stores paced as pace='auto' decides "
+           "(fa_a2a.pacing: the link measured into this row's windows, FA4's tiles)", _build_fused_auto),
     Method("layer_fused", "Layer fused", "whole Ulysses layer (pre-A2A + attention + post-A2A), impl='fused'",
            _layer_builder("fused"), "real", True),
     Method("layer_nccl", "Layer NCCL", "the same layer with impl='nccl'", _layer_builder("nccl"), "real", True),

@@ -38,7 +38,9 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
     fa, serial, fused = med.get("fa"), med.get("serial"), med.get("fused")
     out = {"e_res_us": None, "e_res_rel": None, "hiding": None, "speedup": None,
            "fused_over_fa": None, "fused_over_fa_paired": None, "speedup_nccl": None,
-           "layer_speedup": None, "comm_us": None}
+           "layer_speedup": None, "comm_us": None, "hiding_auto": None, "auto_over_fa_paired": None}
+    if raw and raw.get("fa") and raw.get("fused_auto") and len(raw["fa"]) == len(raw["fused_auto"]):
+        out["auto_over_fa_paired"] = statistics.median([u / a for u, a in zip(raw["fused_auto"], raw["fa"])])
     if raw and raw.get("fa") and raw.get("fused") and len(raw["fa"]) == len(raw["fused"]):
         out["fused_over_fa_paired"] = statistics.median([u / a for u, a in zip(raw["fused"], raw["fa"])])
     if fa is not None and fused is not None:
@@ -54,6 +56,8 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
         out["comm_us"] = serial - fa  # the communication a hiding ratio divides by
         if fused is not None:
             out["hiding"] = 1.0 - (fused - fa) / (serial - fa)
+        if med.get("fused_auto") is not None:
+            out["hiding_auto"] = 1.0 - (med["fused_auto"] - fa) / (serial - fa)
     if serial is not None and fused is not None:
         out["speedup"] = serial / fused
     if med.get("serial_nccl") is not None and fused is not None:
@@ -67,9 +71,11 @@ DERIVED_COLUMNS = (
     ("e_res_us", "E_res (us)", lambda x: f"{x:+.1f}"),
     ("e_res_rel", "E_res/T_FA", lambda x: f"{100 * x:+.2f}%"),
     ("hiding", "H", lambda x: f"{100 * x:.0f}%"),
+    ("hiding_auto", "H auto-paced", lambda x: f"{100 * x:.0f}%"),
     ("speedup", "T_serial/T_fused", lambda x: f"{x:.3f}x"),
     ("fused_over_fa", "T_fused/T_FA", lambda x: f"{x:.4f}"),
     ("fused_over_fa_paired", "T_fused/T_FA paired", lambda x: f"{x:.4f}"),
+    ("auto_over_fa_paired", "T_auto/T_FA paired", lambda x: f"{x:.4f}"),
     ("speedup_nccl", "T_serial-NCCL/T_fused", lambda x: f"{x:.3f}x"),
     ("layer_speedup", "layer NCCL/fused", lambda x: f"{x:.3f}x"),
 )

@@ -362,7 +362,7 @@ class _Call:
 
 
 def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
-                     shard_rows, P: int, rank: int, name: str = "x") -> _Call:
+                     shard_rows, P: int, rank: int, name: str = "x", pace=None) -> _Call:
     """Every local check of rank `rank`'s block call -> _Call (its Problem, segments with rotary tables)."""
     segs, names = _as_segments(x, proj, rotary, name)
     for s, (xn, pn, _) in zip(segs, names):
@@ -395,7 +395,7 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
             and isinstance(shard_rows[rank], int) and rows != shard_rows[rank]:
         raise ValueError(f"{name}: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows}")
     problem, _ = check_call(_stand_in(x0, rows, H, D), _stand_in(x0, rows, Hk, D), _stand_in(x0, rows, Hk, D), jq,
-                            impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
+                            impl, causal, softmax_scale, seq_len, P, shard_rows, rank, pace)
     lay = problem.layout
     for s, (_, pn, _) in zip(segs, names):
         _check_proj(s.proj, pn, lay, P)
@@ -526,7 +526,8 @@ def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
 def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
                           joint_proj=None, joint_rotary=None, impl: str = "fused", causal: bool = False,
                           softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
-                          shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False):
+                          shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False,
+                          pace="auto"):
     """One rank's Ulysses attention block from its hidden states: x [B, S_loc, C] -> [B, S_loc, H, D]
     (or (that, joint output [B, J, H, D]) with joint).
 
@@ -538,7 +539,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     text rows [B, J, C_j] (every rank the same), projected with joint_proj (default proj), RoPE
     joint_rotary [J, D]. impl: "fused" (FA4 with the post-A2A in its epilogue) or "serial" (FA4,
     then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
-    causal / softmax_scale as in fa_a2a.ulysses_attention. config / one_launch: the projection's
+    causal / softmax_scale / pace as in fa_a2a.ulysses_attention. config / one_launch: the projection's
     tile configuration and launch split (cute_kernels.qkv_a2a_sm90); config "auto" (default) picks
     both by each launch's rows (auto_tiles), None is quack's default tiles with one_launch as given.
     The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
@@ -549,7 +550,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     from ulysses.transport import get_transport
 
     group, group_name, P, rank = _group(group)
-    args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name)
+    args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name, type(pace), pace)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
     collective = P > 1 and group is not None
 
@@ -557,7 +558,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
         entry = _resolved.get(key) if key is not None else None
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
-                                       softmax_scale, seq_len, shard_rows, P, rank).problem
+                                       softmax_scale, seq_len, shard_rows, P, rank, pace=pace).problem
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
             entry = (problem, fields, fields and signature_word(fields))
             if key is not None:
@@ -576,7 +577,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     p, lay = problem, problem.layout
     transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-    attend = plan.attend_launch(rank, p.impl, p.causal, p.scale)  # compiles before the first barrier
+    attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the first barrier
     jproj = _rank_slice(joint_proj or p0, rank) if joint_x is not None else None
     project((plan.dq, plan.dk, plan.dv), lay, rank, segs, joint_x=joint_x, joint_proj=jproj, joint_rope=joint_rope,
             config=config, one_launch=one_launch)
@@ -602,7 +603,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
                                    impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
                                    seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
-                                   config="auto", one_launch: bool = False):
+                                   config="auto", one_launch: bool = False, pace="auto"):
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
     P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
     list of P per-rank rotaries (or None); xs[r] may be a list of Segment (then rotary[r] None, proj
@@ -614,7 +615,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
     calls = [_check_rank_call(x, proj, rotary[r], joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
-                              seq_len, shard_rows, P, r, f"xs[{r}]") for r, x in enumerate(xs)]
+                              seq_len, shard_rows, P, r, f"xs[{r}]", pace) for r, x in enumerate(xs)]
     p = calls[0].problem
     for r in range(1, P):
         if calls[r].problem != p:
@@ -634,7 +635,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                 joint_rope=c.joint_rope, config=config, one_launch=one_launch)
     transport.barrier()
     for r in range(P):
-        plan.attend(r, p.impl, p.causal, p.scale)
+        plan.attend(r, p.impl, p.causal, p.scale, p.pace)
     transport.barrier()
     done = [plan.finish(r, sum(s[0].shape[1] for s in c.segments)) for r, c in enumerate(calls)]
     outs = [o for o, _ in done]
@@ -658,8 +659,10 @@ class UlyssesQKVAttention(nn.Module):
     def __init__(self, chain: Optional[TorchQKV] = None, *, joint_chain: Optional[TorchQKV] = None, proj=None,
                  joint_proj=None, group=None, world_size: Optional[int] = None, impl: str = "fused",
                  causal: bool = False, softmax_scale: Optional[float] = None, config="auto",
-                 one_launch: bool = False):
+                 one_launch: bool = False, pace="auto"):
         super().__init__()
+        from fa_a2a.pacing import check_pace
+
         from cute_kernels.qkv_a2a_sm90 import QKVWeights
 
         if (chain is None) == (proj is None):
@@ -669,7 +672,7 @@ class UlyssesQKVAttention(nn.Module):
             raise ValueError(f"impl: expected one of {KERNEL_IMPLS}, got {impl!r}")
         self.group = group
         self.world_size = _world_size(group, world_size)
-        self.impl, self.causal, self.softmax_scale = impl, causal, softmax_scale
+        self.impl, self.causal, self.softmax_scale, self.pace = impl, causal, softmax_scale, check_pace(pace)
         self.config, self.one_launch = config, one_launch
         if proj is not None:
             if joint_chain is not None:
@@ -769,7 +772,7 @@ class UlyssesQKVAttention(nn.Module):
                 f"joint_weights={self.joint_proj is not None or self.joint_chain is not None}")
 
     def _kw(self):
-        return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale)
+        return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale, pace=self.pace)
 
     def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
                 seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None):

@@ -57,18 +57,25 @@ import torch
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from fa_a2a.problem import IMPLS
 
-__all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "rows_per_rank"]
+__all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "backend_pace",
+           "rows_per_rank"]
 
 logger = logging.getLogger(__name__)
 
-_registered: dict[str, str] = {}  # backend name -> impl
+_registered: dict[str, tuple] = {}  # backend name -> (impl, pace)
 _counts: dict[str, collections.Counter] = {}
 _logged: set = set()
 
 
 def backend_impl(name: str):
     """The impl ("fused", "serial", "nccl", "reference") a backend name was registered with, or None."""
-    return _registered.get(name)
+    return _registered[name][0] if name in _registered else None
+
+
+def backend_pace(name: str):
+    """The pace a backend name was registered with (fa_a2a.pacing.check_pace's value; "auto" for an
+    unregistered name)."""
+    return _registered[name][1] if name in _registered else "auto"
 
 
 # ---- local attention (no communication) --------------------------------------------------------
@@ -211,7 +218,7 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     if reason is None:
         count_route(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
-                             **extra)
+                             pace=backend_pace(name), **extra)
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     _log_once(name, reason)
@@ -282,25 +289,32 @@ def _foreign_backend(name: str) -> Optional[str]:
     return None
 
 
-def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused") -> str:
+def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused", pace="auto") -> str:
     """Register the fa-a2a attention backend with diffusers (and cache-dit, if installed); returns name.
 
     name: the backend name for `model.set_attention_backend(name)` (lower case; not a backend that
     diffusers or cache-dit already has, such as "native", "sage3", "ffpa"). impl: the Ulysses op's
-    impl, "fused" | "serial" | "nccl" | "reference". Idempotent: registering a name again with the
-    same impl does nothing more; another impl under a registered name is refused (register a second
+    impl, "fused" | "serial" | "nccl" | "reference". pace: the fused kernel's store pacing, "auto",
+    None or GB/s (fa_a2a.pacing). Idempotent: registering a name again with the same impl and pace
+    does nothing more; another impl or pace under a registered name is refused (register a second
     name instead). Refused (RuntimeError) without a GPU: diffusers' enable_parallelism needs one.
     """
+    from fa_a2a.pacing import check_pace
+
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
     if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
         raise ValueError(f"name: expected a lower-case identifier such as 'fa_a2a', got {name!r}")
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    pace = check_pace(pace)
     if name in _registered:
-        if _registered[name] != impl:
-            raise ValueError(f"impl: backend {name!r} is registered with impl {_registered[name]!r}, got {impl!r} "
-                             "(register another name for another impl)")
+        if _registered[name][0] != impl:
+            raise ValueError(f"impl: backend {name!r} is registered with impl {_registered[name][0]!r}, got "
+                             f"{impl!r} (register another name for another impl)")
+        if _registered[name][1] != pace:
+            raise ValueError(f"pace: backend {name!r} is registered with pace {_registered[name][1]!r}, got "
+                             f"{pace!r} (register another name for another pace)")
         return name
     owner = _foreign_backend(name)
     if owner is not None:
@@ -314,18 +328,19 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused") -> str
     _AttentionBackendRegistry._supports_context_parallel.add(member.value)
     if importlib.util.find_spec("cache_dit") is not None:
         _register_with_cache_dit(name, fn)
-    _registered[name] = impl
+    _registered[name] = (impl, pace)
     return name
 
 
 def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "fused", name: Optional[str] = None,
-                   ulysses_anything: bool = False, mesh=None):
+                   ulysses_anything: bool = False, mesh=None, pace="auto"):
     """Run a diffusers model under Ulysses with the fa-a2a backend: register, set, enable.
 
     ulysses_degree: P (default: the world size). ulysses_anything=True: any sequence length (uneven
     shards, passed to the op as shard_rows). mesh: a
     diffusers-style ("ring", "ulysses") DeviceMesh when the model's ranks are not the whole world.
-    name: backend name (default "fa_a2a" for impl "fused", else "fa_a2a_<impl>"). Returns the model.
+    name: backend name (default "fa_a2a" for impl "fused", else "fa_a2a_<impl>"). pace: as
+    register_diffusers_backend's. Returns the model.
     Refused (ValueError) when the model already runs under context parallelism.
     """
     import torch.distributed as dist
@@ -345,7 +360,7 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
         raise ValueError(f"ulysses_degree: expected an int >= 1, got {ulysses_degree!r}")
     if name is None:
         name = "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}"
-    register_diffusers_backend(name, impl)
+    register_diffusers_backend(name, impl, pace)
     model.set_attention_backend(name)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree,
                                                           ulysses_anything=ulysses_anything, mesh=mesh))

@@ -75,14 +75,18 @@ ROUTE_NAME = "FusedFluxAttnProcessor"  # its calls per path: diffusers_backend.r
 _logged: set = set()
 
 
-def _backend_impl(backend) -> Optional[str]:
-    """The impl of the fa-a2a backend `backend` (an AttentionBackendName, or None: diffusers' active
-    backend), None when it is not a registered fa-a2a backend."""
+def _backend_name(backend) -> str:
+    """The name of attention backend `backend` (an AttentionBackendName, or None: diffusers' active one)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     if backend is None:
         backend, _ = _AttentionBackendRegistry.get_active_backend()
-    return diffusers_backend.backend_impl(getattr(backend, "value", backend))
+    return getattr(backend, "value", backend)
+
+
+def _backend_impl(backend) -> Optional[str]:
+    """The impl of the fa-a2a backend `backend`, None when it is not a registered fa-a2a backend."""
+    return diffusers_backend.backend_impl(_backend_name(backend))
 
 
 def _head_dim(attn) -> int:
@@ -194,7 +198,8 @@ class _FusedBlockProcessor:
         rows = J + hidden_states.shape[1]
         shard_rows = _shard_rows(rows, group) if cp.ulysses_anything else None
         segments = self._segments(self._weights(attn, group), hidden_states, encoder_hidden_states, rotary)
-        return ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows).flatten(2, 3)
+        pace = diffusers_backend.backend_pace(_backend_name(self._attention_backend))
+        return ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows, pace=pace).flatten(2, 3)
 
     @staticmethod
     def _segments(mod, hidden_states, encoder_hidden_states, image_rotary_emb) -> list:

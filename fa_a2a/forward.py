@@ -109,6 +109,7 @@ class WindowPlan:
         self._scratch: dict = {}
         self._launches: dict = {}
         self._results: dict = {}
+        self.pacing = None  # the last fused launch's fa_a2a.pacing.Pacing decision (None: pace off)
         self._warm()
 
     def _warm(self) -> None:
@@ -143,15 +144,41 @@ class WindowPlan:
             self._launches["pre", rank] = self._pre_launch(rank)
         return self._launches["pre", rank]
 
-    def attend_launch(self, rank: int, impl: str, causal: bool, scale: float):
+    def attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace=None):
         """-> attend(): launches rank's attention and post-A2A ("fused" or "serial") from the
         in-windows. The attention kernels compile at the first request: a rank that asks before its
-        first barrier keeps its JIT compiles out of the other ranks' barrier waits."""
-        key = ("attend", rank, impl, causal, scale)
+        first barrier keeps its JIT compiles out of the other ranks' barrier waits.
+        pace: the fused kernel's store pacing, as fa_a2a.pacing.check_pace returns it."""
+        key = ("attend", rank, impl, causal, scale, pace if impl == "fused" else None)
         if key not in self._launches:
-            self._launches[key] = self._attend_launch(rank, impl, causal, scale)
+            self._launches[key] = self._attend_launch(rank, impl, causal, scale, key[-1])
             self.transport.host_barrier()  # every rank asks for the same key at the same call
         return self._launches[key]
+
+    def pacer(self, rank: int, causal: bool, pace):
+        """The store pacer of rank's fused launch (cute_kernels.fa4_a2a_paced_sm90.make_pacer), or
+        None for an unpaced one: fa_a2a.pacing decides (pace "auto": collective the first time)."""
+        if pace is None:
+            return None
+        from fa_a2a.fused import device_arch, tile_m_for
+        from fa_a2a.pacing import BURST_TILES, plan_pacing
+
+        lay = self.layout
+        arch = device_arch(self.dq)
+        tile_m = tile_m_for(self.D, causal, arch)
+        path = None
+        if arch != 90:
+            path = f"the paced kernel is SM90's (this GPU is SM{arch})"
+        elif lay.seq_loc % tile_m:
+            path = f"S_loc {lay.seq_loc} is not a multiple of the tile's {tile_m} rows (the paced kernel is the TMA path)"
+        decision = plan_pacing(pace, self.transport, lay, self.B, self.D, self.dtype, causal, tile_m, path)
+        self.pacing = decision
+        if decision.rate_gbps is None:
+            return None
+        from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+
+        tile_bytes = tile_m * self.D * self.dq.element_size()
+        return make_pacer(self.transport.device, decision.rate_gbps, tile_bytes, BURST_TILES)
 
     def _pre_launch(self, rank: int):
         from cute_kernels.a2a import pre_a2a_launcher
@@ -165,7 +192,7 @@ class WindowPlan:
 
         return pre
 
-    def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float):
+    def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace):
         from cute_kernels.a2a import post_a2a_launcher
         from fa_a2a.fused import fa4_a2a_launcher, fa4_launcher
 
@@ -175,7 +202,8 @@ class WindowPlan:
         steps = []
         if impl == "fused":
             steps.append(fa4_a2a_launcher(q[:, :lay.seq_pad], k, v, self.out_w, rank, causal=causal,
-                                          softmax_scale=scale, seqused_k=seqused))
+                                          softmax_scale=scale, seqused_k=seqused,
+                                          pacer=self.pacer(rank, causal, pace)))
             if lay.joint_len:
                 jo = self.scratch("joint", rank, lay.joint_len)
                 steps.append(fa4_launcher(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale,
@@ -197,8 +225,8 @@ class WindowPlan:
     def pre(self, rank: int, q, k, v, joint) -> None:
         self.pre_launch(rank)(q, k, v, joint)
 
-    def attend(self, rank: int, impl: str, causal: bool, scale: float) -> None:
-        self.attend_launch(rank, impl, causal, scale)()
+    def attend(self, rank: int, impl: str, causal: bool, scale: float, pace=None) -> None:
+        self.attend_launch(rank, impl, causal, scale, pace)()
 
     def finish(self, rank: int, rows: int, out=None, joint_out=None):
         """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
@@ -269,7 +297,7 @@ def _rank_call(p: Problem, group, rank: int):
         transport = get_transport(group)
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         call = _rank_calls[key] = (transport, plan, plan.pre_launch(rank),
-                                   plan.attend_launch(rank, p.impl, p.causal, p.scale))
+                                   plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace))
     return call
 
 
@@ -329,7 +357,7 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
-        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale) for r in range(P)]
+        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale, p.pace) for r in range(P)]
         for r in range(P):
             plan.pre(r, qs[r], ks[r], vs[r], joint)
         transport.barrier()

@@ -23,6 +23,7 @@ from cute_kernels.limits import DTYPES as KERNEL_DTYPES
 from ulysses.layout import check_rank
 
 from .forward import contiguous16, forward, forward_emulated, head_maps
+from .pacing import check_pace, decode_pace, encode_pace
 from .problem import EMULATED_IMPLS, IMPLS, check_call, check_no_grad, check_tensor, resolve, resolve_emulated
 
 __all__ = [
@@ -71,22 +72,23 @@ def _ulysses_attention_op(
     joint_q: Optional[torch.Tensor], joint_k: Optional[torch.Tensor], joint_v: Optional[torch.Tensor],
     joint_out: Optional[torch.Tensor], group_name: str, impl: str, causal: bool,
     softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]],
-    refusal: Optional[str] = None,
+    refusal: Optional[str] = None, pace: str = "auto",
 ) -> None:
-    """refusal: the ValueError the traced call found (raised here, on every rank of the group)."""
+    """refusal: the ValueError the traced call found (raised here, on every rank of the group).
+    pace: fa_a2a.pacing.encode_pace's text."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
     group, group_name, P, rank = _group(group)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
-                             rank=rank, group=group, group_name=group_name, refusal=refusal)
+                             rank=rank, group=group, group_name=group_name, refusal=refusal, pace=decode_pace(pace))
     forward(problem, q, k, v, joint, group, rank, out, joint_out)
 
 
 @_ulysses_attention_op.register_fake
 def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, causal, softmax_scale, seq_len,
-      shard_rows, refusal=None):
+      shard_rows, refusal=None, pace="auto"):
     return None
 
 
@@ -94,15 +96,16 @@ def _(q, k, v, out, joint_q, joint_k, joint_v, joint_out, group_name, impl, caus
 def _ulysses_attention_emulated_op(
     qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor], outs: list[torch.Tensor],
     joint: list[torch.Tensor], joint_outs: list[torch.Tensor], impl: str, causal: bool,
-    softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]],
+    softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]], pace: str = "auto",
 ) -> None:
     joint = tuple(joint) if joint else None
-    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows)
+    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows,
+                                      decode_pace(pace))
     forward_emulated(problem, qs, ks, vs, joint, outs, joint_outs)
 
 
 @_ulysses_attention_emulated_op.register_fake
-def _(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax_scale, seq_len, shard_rows):
+def _(qs, ks, vs, outs, joint, joint_outs, impl, causal, softmax_scale, seq_len, shard_rows, pace="auto"):
     return None
 
 
@@ -131,6 +134,7 @@ def ulysses_attention(
     softmax_scale: Optional[float] = None,
     seq_len: Optional[int] = None,
     shard_rows: Optional[Sequence[int]] = None,
+    pace="auto",
 ):
     """Ulysses sequence-parallel attention, called by every rank of `group` with its shard.
 
@@ -146,8 +150,11 @@ def ulysses_attention(
     Every argument except the tensors' data must be the same on every rank, and joint's data too:
     every call checks the arguments across ranks before any data moves (every rank raises the
     same ValueError otherwise; fa_a2a.problem says how, FA_A2A_CHECK_JOINT=1 checks joint's data).
-    The first call per shape allocates the rank windows (collective, host-synchronous): make it
-    before CUDA-graph capture. No backward: inputs that require grad are refused under grad mode.
+    pace: the fused kernel's O-store pacing for slow links: "auto" (decided from the transport's
+    measured link and FA4's tiles, logged once), None / "off", or a rate in GB/s (fa_a2a.pacing).
+    The first call per shape allocates the rank windows (collective, host-synchronous; with
+    pace="auto" it also times the link once per transport): make it before CUDA-graph capture.
+    No backward: inputs that require grad are refused under grad mode.
     """
     group, group_name, P, rank = _group(group)
     given_joint = joint is not None
@@ -158,7 +165,8 @@ def ulysses_attention(
         # instead of the ValueError; the op's body raises the plain ValueError when it runs.
         refusal = None
         try:
-            problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
+            problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank,
+                                        pace)
             softmax_scale = problem.softmax_scale
             check_no_grad(q, k, v, *(joint or ()))  # the op's body no longer sees grad mode / requires_grad
         except ValueError as e:
@@ -166,11 +174,15 @@ def ulysses_attention(
             joint = tuple(joint) if isinstance(joint, (tuple, list)) and len(joint) == 3 else None
         out, joint_out = _outputs(q, joint)
         jq, jk, jv = joint if joint is not None else (None, None, None)
+        try:
+            pace = encode_pace(check_pace(pace))
+        except ValueError as e:
+            refusal, pace = refusal or str(e), "off"
         _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,
-                              softmax_scale, seq_len, None if shard_rows is None else list(shard_rows), refusal)
+                              softmax_scale, seq_len, None if shard_rows is None else list(shard_rows), refusal, pace)
     else:  # checks (grad included) and the agreement of this call with every rank
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
-                                 rank=rank, group=group, group_name=group_name)
+                                 rank=rank, group=group, group_name=group_name, pace=pace)
         out, joint_out = forward(problem, q, k, v, joint, group, rank)
     return _result(out, joint_out, given_joint)
 
@@ -186,22 +198,24 @@ def ulysses_attention_emulated(
     softmax_scale: Optional[float] = None,
     seq_len: Optional[int] = None,
     shard_rows: Optional[Sequence[int]] = None,
+    pace="auto",
 ):
     """One process plays all P ranks: lists of P shards (as ulysses_attention takes) -> P outputs.
 
     Windows are P slices of one local buffer (ulysses.transport.EmulatedTransport); the kernels
-    and barriers are the real ones. impl: "fused", "serial" or "reference". Returns the list of
-    outputs, or (list, list of P joint outputs) with joint.
+    and barriers are the real ones. impl: "fused", "serial" or "reference". pace: as
+    ulysses_attention's (the emulated ranks' attentions run in turn, each alone on the link).
+    Returns the list of outputs, or (list, list of P joint outputs) with joint.
     """
     given_joint = joint is not None
-    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows)
+    problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows, pace)
     check_no_grad(*qs, *ks, *vs, *(joint or ()))
     if torch.compiler.is_compiling():
         pairs = [_outputs(q, joint) for q in qs]
         outs, joint_outs = [o for o, _ in pairs], [j for _, j in pairs if j is not None]
         _ulysses_attention_emulated_op(list(qs), list(ks), list(vs), outs, list(joint or ()), joint_outs, impl,
                                        causal, problem.softmax_scale, seq_len,
-                                       None if shard_rows is None else list(shard_rows))
+                                       None if shard_rows is None else list(shard_rows), encode_pace(problem.pace))
     else:
         outs, joint_outs = forward_emulated(problem, qs, ks, vs, joint)
     if not given_joint:

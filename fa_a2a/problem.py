@@ -60,6 +60,7 @@ class Problem:
     seq_len: Optional[int]
     shard_rows: Optional[tuple]
     world_size: int
+    pace: object  # fa_a2a.pacing.check_pace's value: None (off), "auto" or GB/s; None unless impl "fused"
     layout: UlyssesLayout = dataclasses.field(compare=False, repr=False)
 
     @property
@@ -76,7 +77,7 @@ class Problem:
 _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size="world size", impl="impl",
                  device_type="q (device type)", dtype="q (dtype)", shard_rows="shard_rows", seq_len="seq_len",
                  batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
-                 joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale",
+                 joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)")
 
 
@@ -183,9 +184,15 @@ def _check_shard_rows(shard_rows, world_size: int, seq_len, rows_here: int, rank
 
 
 def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int, shard_rows=None,
-               rank: int = 0):
+               rank: int = 0, pace=None):
     """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError."""
+    from fa_a2a.pacing import check_pace
+
     _check_scalar_args(impl, causal, softmax_scale, seq_len)
+    pace = check_pace(pace)
+    if isinstance(pace, float) and impl != "fused":
+        raise ValueError(f"pace: a rate paces the fused kernel's stores, got {pace:g} GB/s with impl={impl!r}")
+    pace = pace if impl == "fused" else None
     _check_qkv(q, k, v, empty_shard_ok=shard_rows is not None)
     if shard_rows is not None:
         shard_rows = _check_shard_rows(shard_rows, world_size, seq_len, q.shape[1], rank)
@@ -205,7 +212,7 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
                              f"with shard_rows={list(shard_rows)}")
     scale = None if softmax_scale is None else float(softmax_scale)
     problem = Problem(impl, B, layout.seq_loc, H, k.shape[2], D, q.dtype, q.device.type, J, causal, scale, seq_len,
-                      shard_rows, world_size, layout)
+                      shard_rows, world_size, pace, layout)
     return problem, joint
 
 
@@ -266,7 +273,8 @@ def agree_call(fields: Optional[dict], word: int, error: Optional[str], group) -
 _resolved: dict = {}
 
 
-def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name):
+def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name,
+               pace=None):
     """A hashable key of everything check_call looks at, or None when it cannot be built cheaply."""
     try:
         facts = (q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device, k.stride(-1),
@@ -275,7 +283,8 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
             facts += tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in joint)
         rows = tuple((type(n), n) for n in shard_rows) if isinstance(shard_rows, (list, tuple)) else shard_rows
         # typed: 1 == True == 1.0 in a dict key, but check_call refuses some of them
-        scalars = (type(impl), impl, type(causal), causal, type(softmax_scale), softmax_scale, type(seq_len), seq_len)
+        scalars = (type(impl), impl, type(causal), causal, type(softmax_scale), softmax_scale, type(seq_len), seq_len,
+                   type(pace), pace)
         return (facts, joint is None, scalars, rows, world_size, rank, group_name)
     except (AttributeError, TypeError, ValueError):
         return None
@@ -300,14 +309,14 @@ def _remember(key, entry):
 
 
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
-            group=None, group_name: str = "", refusal: Optional[str] = None):
+            group=None, group_name: str = "", refusal: Optional[str] = None, pace=None):
     """Validate (once per signature) and refuse inputs that require grad, then, on a group of
     several ranks, agree this call with every rank (every call; see the module docstring).
     refusal: a ValueError message the caller already found (raised like this rank's own).
 
     Returns (Problem, joint tuple or None)."""
     key, hit = _lookup(_signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank,
-                                  group_name))
+                                  group_name, pace))
     collective = world_size > 1 and group is not None
 
     def checks():
@@ -316,7 +325,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
         entry = hit
         if entry is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
-                                            shard_rows, rank)
+                                            shard_rows, rank, pace)
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out) if collective else None
             entry = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
         problem, has_joint, fields, word = entry
@@ -345,7 +354,7 @@ def checked_and_agreed(checks, group):
     return result
 
 
-def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None):
+def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, pace=None):
     """resolve for P emulated ranks in one process: lists of per-rank shards that must all match rank 0's."""
     for name, xs in (("qs", qs), ("ks", ks), ("vs", vs)):
         if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
@@ -356,14 +365,15 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
     if impl not in EMULATED_IMPLS:
         raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
-                       "emulated") for r in range(P)]
+                       "emulated", pace) for r in range(P)]
     key, hit = _lookup(None if None in keys else tuple(keys))
     if hit is not None:
         return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
     for r in range(P):
         check_tensor(qs[r], f"qs[{r}]")
-        checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, shard_rows, r))
+        checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, shard_rows, r,
+                                  pace))
     problem, joint_out = checked[0]
     for r in range(1, P):
         same_rows = shard_rows is not None or (qs[r].shape, ks[r].shape) == (qs[0].shape, ks[0].shape)

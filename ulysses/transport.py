@@ -39,6 +39,11 @@ Backends:
                      socket with `setup_timeout_s`. Ranks on several hosts are refused (the
                      abstract Unix socket does not leave the host).
 
+  HostTransport      VmmTransport's processes with every data window in pinned host memory
+                     (POSIX shared memory mapped by every rank at one stride, registered with
+                     cuMemHostRegister): each store crosses PCIe. On one GPU, the slow link for
+                     real ranks (the store pacer's case, fa_a2a.pacing). Backend "host".
+
   SymmetricMemoryTransport  ranks on distinct GPUs through torch symmetric memory
                      (torch.distributed._symmetric_memory, backend "symm", never chosen by
                      default). Window bases are buffer_ptrs[d] + the tensor's offset in its
@@ -81,6 +86,7 @@ __all__ = [
     "Transport",
     "EmulatedTransport",
     "VmmTransport",
+    "HostTransport",
     "SymmetricMemoryTransport",
     "PeerMemory",
     "uniform_window_stride",
@@ -157,6 +163,8 @@ class Transport:
     device: torch.device
     #: ranks this process drives: range(P) when emulated, (rank,) otherwise.
     local_ranks: Sequence[int]
+    #: ranks of the group whose kernels run at once on this rank's GPU (1: emulated ranks run in turn)
+    ranks_per_gpu: int = 1
 
     def __init__(self, world_size: int, device: torch.device, local_ranks: Sequence[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S, setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
@@ -191,6 +199,11 @@ class Transport:
 
     def host_barrier(self, timeout_s: Optional[float] = None) -> None:
         """Host-side barrier of all ranks (plan set-up and teardown). Emulated: nothing to wait for."""
+
+    def host_allgather(self, step: str, value) -> list:
+        """Every rank's (picklable) value, by rank, from every rank of this process (collective on
+        the host, like host_barrier). Emulated: the one process's value for each local rank."""
+        return [value] * self.world_size
 
     # ---- state -----------------------------------------------------------------------------
     def _usable(self, what: str) -> None:
@@ -357,6 +370,13 @@ class SymmetricMemoryTransport(Transport):
         import torch.distributed as dist
 
         dist.barrier(group=self.group)
+
+    def host_allgather(self, step: str, value) -> list:
+        import torch.distributed as dist
+
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def _allocate(self, name: str, nbytes: int):
         import torch.distributed as dist
@@ -802,6 +822,8 @@ class VmmTransport(Transport):
                                  f"over a Unix socket); the ranks are on {hosts}")
             if rank != 0:
                 self._bootstrap = _Bootstrap(rank, world_size, f"\0fa_a2a.{infos[0]['token']}", setup_timeout_s)
+            #: ranks of the group that run on this rank's GPU (concurrently under MPS), this one included
+            self.ranks_per_gpu = sum(x["bus_id"] == bus_id for x in infos)
             # Step 2: every rank can map every peer's GPU.
             try:
                 problem = self._peer_problem([x["bus_id"] for x in infos])
@@ -862,6 +884,10 @@ class VmmTransport(Transport):
             self._bootstrap.allgather("host barrier", None, timeout_s=timeout_s)
         except TransportSetupError as exc:
             raise self._fail(exc)
+
+    def host_allgather(self, step: str, value) -> list:
+        self._usable(step)
+        return self._agree(step, None, value)[0]
 
     def _allocate(self, name: str, nbytes: int):
         cu = _cu()
@@ -972,23 +998,155 @@ class VmmTransport(Transport):
         self._release_all()
 
 
+
+# ---- pinned host memory shared by the rank processes ------------------------------------------------
+_PROT_NONE, _PROT_RW = 0, 0x1 | 0x2  # Linux mmap constants (x86-64 and AArch64)
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_HOST_REGISTER_FLAGS = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP (cuda.h)
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
+
+
+def map_host_windows(fds: Sequence[int], window_bytes: int) -> int:
+    """Map P shared-memory files (fds[d]: rank d's window, window_bytes long) at one reserved range,
+    rank d's at base + d * window_bytes, read-write and shared -> base. Undo with unmap_host_windows."""
+    import ctypes
+
+    libc, P = _libc(), len(fds)
+    base = libc.mmap(None, P * window_bytes, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if base in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap: reserving {P * window_bytes} bytes failed")
+    for d, fd in enumerate(fds):
+        at = base + d * window_bytes
+        got = libc.mmap(at, window_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if got != at:
+            err = ctypes.get_errno()
+            libc.munmap(base, P * window_bytes)
+            raise OSError(err, f"mmap: mapping rank {d}'s window at {at:#x} failed")
+    return base
+
+
+def unmap_host_windows(base: int, nbytes: int) -> None:
+    import ctypes
+
+    if _libc().munmap(base, nbytes) != 0:
+        raise OSError(ctypes.get_errno(), f"munmap({base:#x}, {nbytes}) failed")
+
+
+class HostTransport(VmmTransport):
+    """One process per rank with every data window in pinned host memory shared by the ranks: each
+    store into a window (the pre-A2A's, the fused epilogue's) crosses PCIe. On one GPU it is the
+    slow link for real ranks (P processes under MPS); on several GPUs, peers through host memory.
+
+    Each rank creates its window as a memfd (POSIX shared memory), the fds travel like
+    VmmTransport's handles, and every rank maps the P files at one reserved range (rank d at
+    base + d*W), registers the range with cuMemHostRegister (portable, device-mapped) and uses its
+    device address (the uniform-stride layout of the other transports). The barrier's signal words
+    stay in GPU memory (VmmTransport's allocation): a few bytes per call that would otherwise poll
+    across PCIe. Linux only (memfd, mmap at a fixed address); backend "host" of get_transport.
+    Measured (one H200 under MPS, 2026-12-03): see fa_a2a.pacing and notes/measurements.md."""
+
+    _SIGNAL = "__signal__:"
+
+    def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
+        self._host_mappings: list[tuple[int, int, int]] = []  # (base, P*W, device address)
+        super().__init__(group, device, timeout_s, setup_timeout_s)
+
+    def _probe(self, device: torch.device) -> str:
+        if not hasattr(os, "memfd_create"):
+            raise ValueError("HostTransport needs Linux (os.memfd_create)")
+        return super()._probe(device)
+
+    def _allocate(self, name: str, nbytes: int):
+        if name.startswith(self._SIGNAL):
+            return super()._allocate(name, nbytes)
+        cu = _cu()
+        P, me = self.world_size, self._rank
+        W = _round_up(nbytes, 1 << 16)
+        label = f"host windows {name}"
+        fd, problem, base, dptr, registered = -1, None, None, None, False
+        fds: list[int] = []
+        try:
+            try:  # step 1: this rank's window as a shared-memory file; the fds travel with the outcome
+                fd = os.memfd_create(f"fa_a2a.{me}.{name}"[:200], 0)
+                os.ftruncate(fd, W)
+            except Exception as exc:
+                problem = _reason(exc)
+            tags, fds = self._agree("windows", problem, [name, W], fd, label=label)
+            if any(t != tags[0] for t in tags):
+                raise TransportSetupError("windows(): the ranks' calls differ, they must match",
+                                          {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
+            problem = None
+            try:  # step 2: map all P files at base + d*W, register the range, zero this rank's window
+                base = map_host_windows(fds, W)
+                _check(cu.cuMemHostRegister(base, P * W, _HOST_REGISTER_FLAGS), f"cuMemHostRegister({P * W} bytes)")
+                registered = True
+                dptr = int(_check(cu.cuMemHostGetDevicePointer(base, 0), "cuMemHostGetDevicePointer"))
+                flat = tensor_from_address(dptr, P * W, self.device)
+                flat[me * W:(me + 1) * W].zero_()
+                torch.cuda.synchronize(self.device)
+            except Exception as exc:
+                problem = _reason(exc)
+            self._agree("windows mapping", problem, label=f"{label} mapping")
+        except BaseException as exc:
+            if registered:
+                cu.cuMemHostUnregister(base)
+            if base is not None:
+                unmap_host_windows(base, P * W)
+            if isinstance(exc, TransportSetupError):
+                self._fail(exc)
+            raise
+        finally:
+            for f in fds + ([fd] if fd >= 0 else []):
+                if f >= 0:
+                    os.close(f)  # the mappings keep the files alive
+        self._host_mappings.append((base, P * W, dptr))
+        return flat, W
+
+    def _release_all(self) -> None:
+        first = None
+        for base, size, _ in self._host_mappings:
+            try:
+                _check(_cu().cuMemHostUnregister(base), "cuMemHostUnregister")
+                unmap_host_windows(base, size)
+            except (RuntimeError, OSError) as exc:
+                first = first or exc
+        self._host_mappings.clear()
+        try:
+            super()._release_all()
+        finally:
+            if first is not None:
+                raise first
+
+
 _transports: dict = {}
+BACKENDS = ("vmm", "ipc", "host", "symm")
 
 
 def get_transport(group=None, *, backend: str | None = None, timeout_s: float | None = None,
                   setup_timeout_s: float | None = None) -> Transport:
     """The process's transport for `group` (created on first use; collective then).
 
-    backend: "vmm" (default; ranks sharing a GPU or on distinct GPUs of one host) or "symm" (torch
-    symmetric memory, distinct GPUs only). `FA_A2A_TRANSPORT` overrides the default.
+    backend: "vmm" (default; ranks sharing a GPU or on distinct GPUs of one host), "host" (the data
+    windows in pinned host memory shared by the ranks: every store crosses PCIe; HostTransport) or
+    "symm" (torch symmetric memory, distinct GPUs only). `FA_A2A_TRANSPORT` overrides the default.
     timeout_s: in-stream barrier timeout (`FA_A2A_TIMEOUT_S`, default 30 s).
     setup_timeout_s: bound of every host-side setup wait (`FA_A2A_SETUP_TIMEOUT_S`, default 300 s).
     """
     import torch.distributed as dist
 
     backend = backend or os.environ.get("FA_A2A_TRANSPORT", "vmm")
-    if backend not in ("vmm", "ipc", "symm"):
-        raise ValueError(f"backend: expected 'vmm' (or its alias 'ipc') or 'symm', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} ('ipc' is 'vmm'), got {backend!r}")
     backend = "vmm" if backend == "ipc" else backend
     explicit_timeout = timeout_s is not None
     if timeout_s is None:
@@ -1006,7 +1164,7 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
         raise ValueError(f"timeout_s: the transport of this group exists with timeout {cached.timeout_s:g} s; "
                          "close_transports() first to change it")
     if key not in _transports or _transports[key].closed:
-        cls = SymmetricMemoryTransport if backend == "symm" else VmmTransport
+        cls = {"symm": SymmetricMemoryTransport, "host": HostTransport}.get(backend, VmmTransport)
         _transports[key] = cls(group, timeout_s=timeout_s, setup_timeout_s=setup_timeout_s)
     return _transports[key]
 

@@ -110,7 +110,7 @@ def test_nccl_is_skipped_with_the_reason_when_ranks_share_a_gpu():
     assert not bc.ranks_share_gpu(2, 2) and not bc.ranks_share_gpu(4, 8)
     keys, status = bc.select_methods(shared_gpu=True)
     assert "nccl" not in keys and "Duplicate GPU detected" in status["nccl"] and status["nccl"].startswith("skipped")
-    assert keys == ("fa4_local", "pre_a2a", "serial", "fused", "qkv_gemm", "block")
+    assert keys == ("fa4_local", "pre_a2a", "serial", "fused", "fused_unpaced", "qkv_gemm", "block")
     keys, status = bc.select_methods(shared_gpu=False)
     assert keys == tuple(m.key for m in bc.CALL_METHODS) and status == {}
 
@@ -207,3 +207,13 @@ def test_json_and_plot(tmp_path):
     assert back["points"][1]["breakdown"]["ranks"][0]["host"] == pytest.approx(pts[1]["breakdown"]["ranks"][0]["host"])
     files = bc.write_call_plots(result, tmp_path)
     assert [Path(f).name for f in files] == ["bench_call.png"] and Path(files[0]).stat().st_size > 1000
+
+
+def test_hiding_is_the_share_of_the_serial_excess_a_call_hides():
+    med = {"fa4_local": 100.0, "serial": 200.0, "fused": 120.0, "fused_unpaced": 190.0}
+    raw = {k: [v, v * 1.1] for k, v in med.items()}
+    r = bc.ratios(med, raw)
+    assert r["hiding_fused"] == pytest.approx(0.8) and r["hiding_unpaced"] == pytest.approx(0.1)
+    assert r["hiding_fused_paired"] == pytest.approx(0.8)  # both trials hide 80%
+    assert bc.ratios({**med, "serial": 90.0})["hiding_fused"] is None  # nothing beyond FA4-local to hide
+    assert "hidden: fused" in bc.format_call_table([bc.fill_point(bc.new_point(4608, 2304, 12, {}), raw, raw)])

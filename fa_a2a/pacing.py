@@ -1,0 +1,186 @@
+"""The `pace` option: whether and how fast the fused kernel paces its O-tile stores.
+
+Why: over a slow link (peers behind PCIe, a congested switch; on one GPU: windows in pinned host
+memory) a wave of FA4 tiles issues its O stores at once, the write backlog stalls every SM's loads,
+and the fused kernel runs at serial speed. The paced kernel (cute_kernels.fa4_a2a_paced_sm90)
+spreads the stores at a rate below the link's and keeps the next wave's Q-loop running.
+
+pace (ulysses_attention, UlyssesAttention, ulysses_qkv_attention, the diffusers backend; it must be
+the same on every rank and is agreed with the call):
+  "auto"        (default) decided once per call signature by the rule below, logged once;
+  None / "off"  never paced;
+  a number      pace at that many GB/s (this rank's stores, grid-wide), refused where the paced
+                kernel cannot run (not SM90's TMA path: S_loc not a multiple of the tile rows).
+
+The automatic rule (`decide`), from two facts:
+  link R     GB/s at which this rank's post-A2A kernel alone stores 8 MiB into the transport's
+             windows, measured once per transport with every rank storing at once (ranks that
+             share a link measure their share) and agreed as the minimum over the ranks, so every
+             rank decides alike (`link_gbps`);
+  FA4 tiles  the call's tiles on this rank's share of the SMs (xstage.FaTiles: waves, a wave's O
+             burst V = producers x tile bytes, the next wave's Q-loop G = KV tiles x sigma, sigma
+             from FA4_TFLOPS).
+  - one wave: off (no Q-loop follows the stores to hide them);
+  - V / R <= QUEUE_FRACTION x G: off (the link drains a wave's burst early in the next Q-loop,
+    HBM: pacing would only add its atomics);
+  - otherwise pace at PACE_FRACTION x R: unpaced, each wave would lose about V / R (the backlog
+    stalls every SM's loads while it drains), more than pacing costs.
+Paths the paced kernel does not have (SM100, S_loc not a multiple of the tile rows) stay unpaced.
+
+Measured (one H200, 2026-12-03, rank 0's work of emulated P = 8, H_loc = 3, D = 128, bf16, windows
+in pinned host memory, A2A kernel alone 52 GB/s): paced at 44-48 GB/s (85-92% of it) hid 60-87% of
+the A2A, at the link's rate the backlog built again (35-62%), unpaced 7-20%; windows in HBM: fused
+x0.998-1.001 of FA4, paced at 800-960 GB/s x0.997-1.006. Hence PACE_FRACTION = 0.88. Unpaced over
+host memory each wave lost about its drain time (32K: +405 us over 6 waves, 67 us each, drain 83 us;
+a wave's drain is 20% of its Q-loop there, 82% at 8K), while HBM drains a wave in ~3% of an 8K
+Q-loop and fused costs nothing: QUEUE_FRACTION = 0.05 paces every host-memory row of the table
+and leaves HBM from S = 8K up unpaced. Links in between (NVLink: ~6-12% at 8-16K) get paced: not
+measured here (no multi-GPU machine yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "Pacing", "check_pace", "encode_pace", "decode_pace",
+           "decide", "measure_store_rate", "link_gbps", "plan_pacing"]
+
+logger = logging.getLogger(__name__)
+
+PACE_FRACTION = 0.88  # of the measured A2A rate: 85-92% was best on the H200's host link
+QUEUE_FRACTION = 0.05  # a wave's drain above this share of the next Q-loop: pace
+FA4_TFLOPS = 700.0  # FA4 SM90 forward, bf16 D = 128, H200: 729 TFLOP/s at S 8192, 672 at 64K (B 1, H 24)
+BURST_TILES = 8  # the pacer's burst tolerance (the probe's setting)
+LINK_PROBE_BYTES = 8 << 20
+MAX_RATE_GBPS = 1e6
+
+Pace = Union[None, str, float]
+
+
+def check_pace(pace) -> Pace:
+    """pace as the op takes it -> None (off), "auto", or a float rate in GB/s. Raises ValueError."""
+    if pace is None or pace == "off":
+        return None
+    if pace == "auto":
+        return "auto"
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not (
+            math.isfinite(pace) and 0 < pace <= MAX_RATE_GBPS):
+        raise ValueError(f"pace: expected 'auto', None/'off' or a rate in (0, {MAX_RATE_GBPS:g}] GB/s, got {pace!r}")
+    return float(pace)
+
+
+def encode_pace(pace: Pace) -> str:
+    """A checked pace as the custom op's string argument ("off", "auto" or the rate)."""
+    return "off" if pace is None else pace if isinstance(pace, str) else repr(float(pace))
+
+
+def decode_pace(text: str) -> Pace:
+    return check_pace(text if text in ("off", "auto") else float(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pacing:
+    """A decision: rate_gbps (None: unpaced) and why, in words."""
+
+    rate_gbps: Optional[float]
+    reason: str
+
+
+def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS) -> Pacing:
+    """The automatic rule (module docstring) for a link of `link` GB/s and FA4's tiles
+    (xstage.FaTiles on this rank's share of the SMs)."""
+    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
+        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    if tiles.waves < 2:
+        return Pacing(None, f"{tiles.tiles} tiles on {tiles.num_sms} SMs run in one wave: no Q-loop follows "
+                            "the stores to hide them")
+    drain_us = tiles.volume / (link * 1e3)  # bytes / (GB/s) = ns
+    qloop_us = tiles.kv_tiles * tiles.sigma_from_flops(fa_tflops * 1e12) * 1e6
+    facts = (f"a wave's O ({tiles.volume / 1e6:.2f} MB) drains in {drain_us:.1f} us at the link's {link:.1f} GB/s, "
+             f"the next wave's Q-loop takes ~{qloop_us:.0f} us")
+    if drain_us <= QUEUE_FRACTION * qloop_us:
+        return Pacing(None, f"{facts}: within {QUEUE_FRACTION:.0%} of it, the link keeps up")
+    rate = PACE_FRACTION * link
+    return Pacing(rate, f"{facts}: paced at {PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
+
+
+def measure_store_rate(windows: torch.Tensor, rank: int, barrier=None, trials: int = 5) -> float:
+    """GB/s at which `rank`'s post-A2A kernel alone stores into `windows` [P, B, rows, H, D] (its
+    B x P*rows x H/P x D source; median of `trials` launches timed with CUDA events, each after
+    `barrier()` when given so ranks that share a link store at once)."""
+    from cute_kernels.a2a import post_a2a_launcher
+
+    P, B, rows, H, D = windows.shape
+    src = torch.randn(B, P * rows, H // P, D, device=windows.device).to(windows.dtype)
+    launch = post_a2a_launcher(src, windows, rank)
+    launch()  # compiled and warm
+    times = []
+    for _ in range(trials):
+        if barrier is not None:
+            barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def link_gbps(transport) -> float:
+    """The transport's link rate for pacing (GB/s): measure_store_rate of LINK_PROBE_BYTES from its
+    first local rank into windows of its own, every rank at once, minimum over the ranks; measured
+    once per transport (collective the first time: every rank calls it at the same point)."""
+    rate = getattr(transport, "pacing_link_gbps", None)
+    if rate is None:
+        P, D = transport.world_size, 128
+        rows = max(LINK_PROBE_BYTES // (P * D * 2), 1)
+        windows = transport.windows("fa_a2a.pacing.link", (1, rows, P, D), torch.bfloat16)
+        from cute_kernels.a2a import compile_post_a2a
+
+        compile_post_a2a(torch.bfloat16, D, P)  # every rank compiled before the first timed store
+        transport.host_barrier()
+        mine = measure_store_rate(windows, transport.local_ranks[0], barrier=transport.barrier)
+        rate = transport.pacing_link_gbps = min(transport.host_allgather("pacing link rate", mine))
+    return rate
+
+
+_logged: set = set()
+
+
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_pacing(pace: Pace, transport, layout, batch: int, head_dim: int, dtype: torch.dtype, causal: bool,
+                tile_m: int, pace_path: Optional[str]) -> Pacing:
+    """The pacing of one fused attention launch: pace as checked by check_pace; pace_path None when
+    the paced kernel can run this call, else why not. A rate where it cannot run: ValueError."""
+    if pace is None:
+        return Pacing(None, "pace off")
+    if pace_path is not None:
+        if pace == "auto":
+            return Pacing(None, f"unpaced: {pace_path}")
+        raise ValueError(f"pace: a rate needs the paced kernel, and {pace_path}; pass pace='auto' or None")
+    if pace != "auto":
+        return Pacing(pace, f"pace {pace:g} GB/s given")
+    from fa_a2a.xstage import FaTiles, fa4_tile_shape
+
+    sms = sm_count(transport.device)
+    share = max(sms // transport.ranks_per_gpu, 1)
+    tile_n = fa4_tile_shape(head_dim, causal)[1]
+    out_bytes = torch.empty(0, dtype=dtype).element_size()
+    tiles = FaTiles(layout.seq_pad, layout.heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
+    decision = decide(link_gbps(transport), tiles)
+    key = (id(transport), layout, batch, head_dim, dtype, causal)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("fa_a2a pace='auto' (S %d, H_loc %d, D %d, %d of %d SMs): %s", layout.seq_pad,
+                    layout.heads_loc, head_dim, share, sms, decision.reason)
+    return decision

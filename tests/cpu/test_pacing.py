@@ -1,0 +1,121 @@
+"""The pace option without a GPU: its values and refusals, the automatic rule on given link and FA4
+rates, the per-launch plan (fa_a2a.pacing), and the host transport's shared mapping."""
+import ctypes
+import math
+import os
+
+import pytest
+import torch
+
+from fa_a2a import pacing
+from fa_a2a.pacing import PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, plan_pacing
+from fa_a2a.problem import check_call
+from fa_a2a.xstage import FaTiles
+from ulysses.layout import UlyssesLayout
+
+
+@pytest.mark.parametrize("pace, expected", [("auto", "auto"), (None, None), ("off", None), (44, 44.0), (0.5, 0.5)])
+def test_pace_values(pace, expected):
+    assert check_pace(pace) == expected
+    assert decode_pace(encode_pace(check_pace(pace))) == expected
+
+
+@pytest.mark.parametrize("pace", [True, 0, -1.0, math.inf, math.nan, 1e7, "fast", "AUTO", [44]])
+def test_bad_pace_is_refused_by_name(pace):
+    with pytest.raises(ValueError, match=r"^pace: "):
+        check_pace(pace)
+
+
+def _qkv(S_loc=16, H=4, D=64):
+    return tuple(torch.randn(1, S_loc, H, D) for _ in range(3))
+
+
+def test_the_call_carries_pace_only_for_the_fused_impl():
+    q, k, v = _qkv()
+    for impl in ("reference", "nccl"):
+        problem, _ = check_call(q, k, v, None, impl, False, None, None, 2, pace="auto")
+        assert problem.pace is None  # nothing to pace: ranks passing "auto" and None agree
+        with pytest.raises(ValueError, match=r"^pace: a rate paces the fused kernel's stores"):
+            check_call(q, k, v, None, impl, False, None, None, 2, pace=44.0)
+    with pytest.raises(ValueError, match=r"^pace: "):
+        check_call(q, k, v, None, "reference", False, None, None, 2, pace="sometimes")
+
+
+def _tiles(S, H_loc, sms=132):
+    return FaTiles(S, H_loc, 128, 1, 2, sms, 128, 128)
+
+
+def test_auto_paces_a_slow_link_below_its_rate():
+    """The H200's host link (the A2A kernel alone: 52 GB/s) at the measured table's shapes: paced at
+    PACE_FRACTION of it (44-48 GB/s was best), inside the measured best range."""
+    for S in (8192, 16384, 32768, 65536):
+        d = decide(52.0, _tiles(S, 3))
+        assert d.rate_gbps == pytest.approx(PACE_FRACTION * 52.0)
+        assert 44.0 <= d.rate_gbps <= 48.0 and "paced" in d.reason
+
+
+def test_auto_leaves_fast_links_and_single_waves_unpaced():
+    for S in (8192, 16384, 65536):  # HBM: a wave drains in ~3 us of a >= 100 us Q-loop
+        assert decide(1500.0, _tiles(S, 3)).rate_gbps is None
+    one_wave = decide(52.0, _tiles(1024, 3))  # 24 tiles on 132 SMs
+    assert one_wave.rate_gbps is None and "one wave" in one_wave.reason
+    with pytest.raises(ValueError, match=r"^link: "):
+        decide(0.0, _tiles(8192, 3))
+
+
+def test_ranks_sharing_a_gpu_decide_on_their_share():
+    """Two ranks at once on one GPU: each has half the SMs (half a wave's burst) and measured half the
+    link: the same drain time per wave, so the same decision; paced at its share of the link."""
+    alone, shared = decide(52.0, _tiles(8192, 3)), decide(26.0, _tiles(8192, 3, sms=66))
+    assert (alone.rate_gbps is None) == (shared.rate_gbps is None)
+    assert shared.rate_gbps == pytest.approx(PACE_FRACTION * 26.0)
+
+
+class _Transport:
+    device = torch.device("cpu")
+    ranks_per_gpu = 1
+    pacing_link_gbps = 52.0  # as measured: link_gbps does not time anything
+
+
+def test_plan_pacing_follows_the_option_and_the_path(monkeypatch):
+    monkeypatch.setattr(pacing, "sm_count", lambda device: 132)
+    lay = UlyssesLayout(32768, 24, 24, 8)  # rank 0 of P 8: S 32768, H_loc 3
+    plan = lambda pace, path=None: plan_pacing(pace, _Transport(), lay, 1, 128, torch.bfloat16, False, 128,  # noqa
+                                               path)
+    assert plan(None) == Pacing(None, "pace off")
+    assert plan(40.0).rate_gbps == 40.0
+    assert plan("auto").rate_gbps == pytest.approx(PACE_FRACTION * 52.0)
+    t = _Transport()
+    t.ranks_per_gpu, t.pacing_link_gbps = 2, 1500.0
+    assert plan_pacing("auto", t, lay, 1, 128, torch.bfloat16, False, 128, None).rate_gbps is None
+    why = "S_loc 100 is not a multiple of the tile's 128 rows"
+    assert plan("auto", why) == Pacing(None, f"unpaced: {why}")
+    with pytest.raises(ValueError, match=r"^pace: a rate needs the paced kernel, and S_loc 100"):
+        plan(44.0, why)
+
+
+def test_host_windows_map_every_rank_at_one_stride():
+    """The host transport's mapping (without CUDA): P shared-memory files at base + d*W, twice (two
+    ranks' views); a store through one view is seen through the other and in the file."""
+    from ulysses.transport import map_host_windows, unmap_host_windows
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("needs Linux memfd")
+    P, W = 3, 1 << 16
+    fds = []
+    for d in range(P):
+        fds.append(os.memfd_create(f"w{d}"))
+        os.ftruncate(fds[d], W)
+    a, b = map_host_windows(fds, W), map_host_windows(fds, W)
+    try:
+        assert a != b
+        for d in range(P):
+            ctypes.memmove(a + d * W + 4096, bytes([d + 1]) * 16, 16)
+        for d in range(P):
+            assert ctypes.string_at(b + d * W + 4096, 16) == bytes([d + 1]) * 16
+            assert os.pread(fds[d], 16, 4096) == bytes([d + 1]) * 16
+    finally:
+        unmap_host_windows(a, P * W)
+        unmap_host_windows(b, P * W)
+        for f in fds:
+            os.close(f)
