@@ -30,7 +30,9 @@ Ratios: fused / (fa4_local + pre_a2a) (target <= 1.03: the fused call should cos
 attention and pre-A2A kernel cost alone), block / (qkv_gemm + fa4_local) (targets <= 1.10 at
 S 4608, <= 1.05 at 16384), serial / fused, nccl / fused; and the hiding of the fused calls,
 H = 1 - (call - fa4_local) / (serial - fa4_local): the share of what the serial call spends beyond
-FA4-local that the call hides (over the host transport, FA_A2A_TRANSPORT=host: the slow link).
+FA4-local that the call hides (over the host transport, FA_A2A_TRANSPORT=host: the slow link), and
+the same beyond FA4-local + pre-A2A: the share of the post-A2A hidden (the part the fused epilogue
+moves; the pre-A2A is in both calls).
 
 Breakdown of the fused call (eager, the steps of forward._rank_call with CUDA events between them,
 on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery copy, and host = the
@@ -89,7 +91,12 @@ RATIOS = (
     ("nccl_over_fused", "nccl", ("fused",)),
     ("block_over_local", "block", ("qkv_gemm", "fa4_local")),
 )
-HIDING = (("hiding_fused", "fused"), ("hiding_unpaced", "fused_unpaced"))  # name, call
+# name, call, what serial's excess is measured beyond: FA4-local (all communication), or FA4-local + the
+# pre-A2A kernel alone (the post-A2A: what the fused epilogue can hide; over a slow link the pre-A2A,
+# 3/4 of the bytes, is in every call)
+HIDING = (("hiding_fused", "fused", ("fa4_local",)), ("hiding_unpaced", "fused_unpaced", ("fa4_local",)),
+          ("hiding_post_fused", "fused", ("fa4_local", "pre_a2a")),
+          ("hiding_post_unpaced", "fused_unpaced", ("fa4_local", "pre_a2a")))
 STEPS = ("pre", "wait1", "attend", "wait2", "copy")  # the fused call's steps, in order
 PHASES = STEPS + ("host",)
 PHASE_LABELS = {"pre": "pre-A2A", "wait1": "barrier 1 wait", "attend": "attention", "wait2": "barrier 2 wait",
@@ -133,19 +140,24 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
                                  f"{[len(raw[k]) for k in keys]}")
             paired = statistics.median(_quot({k: raw[k][t] for k in keys}, num, den) for t in range(n))
         out[name + "_paired"] = paired
-    for name, call in HIDING:
-        out[name] = _hiding(med, call)
-        out[name + "_paired"] = (statistics.median(_hiding({k: raw[k][t] for k in raw}, call)
-                                                   for t in range(len(raw[call])))
-                                 if raw and all(raw.get(k) for k in (call, "serial", "fa4_local")) else None)
+    for name, call, base in HIDING:
+        out[name] = _hiding(med, call, base)
+        paired = None
+        if raw and all(raw.get(k) for k in (call, "serial") + base):
+            per_trial = [_hiding({k: raw[k][t] for k in raw}, call, base) for t in range(len(raw[call]))]
+            paired = statistics.median(per_trial) if None not in per_trial else None
+        out[name + "_paired"] = paired
     return out
 
 
-def _hiding(values: dict, call: str) -> Optional[float]:
-    """1 - (call - fa4_local) / (serial - fa4_local), None without the three or when serial <= fa4_local."""
-    if any(k not in values for k in (call, "serial", "fa4_local")) or values["serial"] <= values["fa4_local"]:
+def _hiding(values: dict, call: str, base: Sequence[str]) -> Optional[float]:
+    """1 - (call - sum(base)) / (serial - sum(base)): None without them or when serial <= sum(base)."""
+    if any(k not in values for k in (call, "serial") + tuple(base)):
         return None
-    return 1 - (values[call] - values["fa4_local"]) / (values["serial"] - values["fa4_local"])
+    floor = sum(values[k] for k in base)
+    if values["serial"] <= floor:
+        return None
+    return 1 - (values[call] - floor) / (values["serial"] - floor)
 
 
 def phases_from_stamps(stamps: Sequence[Sequence[float]]) -> dict:
@@ -218,7 +230,7 @@ def format_call_table(points: Sequence[dict]) -> str:
     shown = [m for m in CALL_METHODS if any(m.key in p["median_us"] for p in points)]
     head = (["M", "S_loc"] + [m.label + " (us)" for m in shown]
             + ["fused/(FA4+pre)", "paired", "target", "block/(GEMM+FA4)", "paired", "target", "serial/fused",
-               "NCCL/fused", "hidden: fused", "hidden: unpaced"])
+               "NCCL/fused", "hidden: fused", "hidden: unpaced", "post-A2A hidden: fused", "unpaced"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         r, t = p["ratios"], targets(p["M"])
@@ -228,7 +240,9 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _cell(r.get("block_over_local"), "{:.3f}"), _cell(r.get("block_over_local_paired"), "{:.3f}"),
                   _target_cell(r.get("block_over_local_paired"), t["block_over_local"]),
                   _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}"),
-                  _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}")]
+                  _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
+                  _cell(r.get("hiding_post_fused_paired"), "{:.0%}"),
+                  _cell(r.get("hiding_post_unpaced_paired"), "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
     why = {}
     for p in points:

@@ -210,10 +210,11 @@ def test_json_and_plot(tmp_path):
 
 
 def test_hiding_is_the_share_of_the_serial_excess_a_call_hides():
-    med = {"fa4_local": 100.0, "serial": 200.0, "fused": 120.0, "fused_unpaced": 190.0}
+    med = {"fa4_local": 100.0, "serial": 200.0, "fused": 120.0, "fused_unpaced": 190.0, "pre_a2a": 20.0}
     raw = {k: [v, v * 1.1] for k, v in med.items()}
     r = bc.ratios(med, raw)
     assert r["hiding_fused"] == pytest.approx(0.8) and r["hiding_unpaced"] == pytest.approx(0.1)
     assert r["hiding_fused_paired"] == pytest.approx(0.8)  # both trials hide 80%
+    assert r["hiding_post_fused"] == pytest.approx(1.0) and r["hiding_post_unpaced"] == pytest.approx(1 - 70 / 80)
     assert bc.ratios({**med, "serial": 90.0})["hiding_fused"] is None  # nothing beyond FA4-local to hide
     assert "hidden: fused" in bc.format_call_table([bc.fill_point(bc.new_point(4608, 2304, 12, {}), raw, raw)])
