@@ -36,17 +36,19 @@ class _Point:
 
         return torch.randn(*shape, device=self.dev, dtype=self.dtype, generator=self.gen)
 
-    def windows(self, name: str) -> torch.Tensor:
-        """[P, B, S_loc, H, D] output windows of all ranks, filled with random values."""
+    def windows(self, name: str, shape=None) -> torch.Tensor:
+        """[P, B, S_loc, H, D] output windows of all ranks (or [P, *shape]: B, rows, H, D), filled
+        with random values."""
         import torch
 
         cfg, P, H_loc = self.cfg, self.cfg.world_size, self.cfg.heads_local
-        shape = (P, cfg.batch, self.S_loc, cfg.heads, cfg.head_dim)
+        shape = (P, cfg.batch, self.S_loc, cfg.heads, cfg.head_dim) if shape is None else (P, *shape)
+        H_loc = shape[3] // P
         if cfg.real_ranks:  # peer buffers mapped at one stride (collective)
             from ulysses.transport import get_transport
 
             w = get_transport(self.group).windows(f"fa_a2a.bench.{name}", shape[1:], self.dtype)
-            w.narrow(3, self.rank * H_loc, H_loc).copy_(self.randn(P, cfg.batch, self.S_loc, H_loc, cfg.head_dim))
+            w.narrow(3, self.rank * H_loc, H_loc).copy_(self.randn(P, *shape[1:3], H_loc, shape[4]))
             return w
         if self.dest == "host":
             from ulysses.transport import tensor_from_address
@@ -104,17 +106,18 @@ def _build_fused(pt, s):
 
 def _build_fused_auto(pt, s):
     """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.decide) from the link
-    rate into windows where this point's windows are (measured once per point) and FA4's tiles."""
+    rate into windows where this point's windows are (the op's probe, measured once per point) and
+    FA4's tiles."""
     from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
     from fa_a2a.fused import fa4_a2a_forward
-    from fa_a2a.pacing import BURST_TILES, decide, measure_store_rate, sm_count
+    from fa_a2a.pacing import BURST_TILES, decide, measure_store_rate, probe_shape, sm_count
     from fa_a2a.xstage import FaTiles
 
     cfg = pt.cfg
     tiles = FaTiles.fa4(pt.M, cfg.heads_local, cfg.head_dim, num_sms=sm_count(pt.dev), batch=cfg.batch,
                         causal=cfg.causal)
     if not hasattr(pt, "pacing"):
-        link = measure_store_rate(pt.windows("pacing.link"), pt.rank)
+        link = measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)
         aligned = pt.S_loc % tiles.tile_m == 0  # the paced kernel is the TMA path
         pt.pacing = decide(link, tiles) if aligned else None
         print(f"[fused_auto M={pt.M} {pt.dest}] link {link:.1f} GB/s: "

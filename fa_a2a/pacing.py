@@ -13,7 +13,7 @@ the same on every rank and is agreed with the call):
                 kernel cannot run (not SM90's TMA path: S_loc not a multiple of the tile rows).
 
 The automatic rule (`decide`), from two facts:
-  link R     GB/s at which this rank's post-A2A kernel alone stores 8 MiB into the transport's
+  link R     GB/s at which this rank's post-A2A kernel alone stores 32 MiB into the transport's
              windows, measured once per transport with every rank storing at once (ranks that
              share a link measure their share) and agreed as the minimum over the ranks, so every
              rank decides alike (`link_gbps`);
@@ -33,9 +33,9 @@ the A2A, at the link's rate the backlog built again (35-62%), unpaced 7-20%; win
 x0.998-1.001 of FA4, paced at 800-960 GB/s x0.997-1.006. Hence PACE_FRACTION = 0.88. Unpaced over
 host memory each wave lost about its drain time (32K: +405 us over 6 waves, 67 us each, drain 83 us;
 a wave's drain is 20% of its Q-loop there, 82% at 8K), while HBM drains a wave in ~3% of an 8K
-Q-loop and fused costs nothing: QUEUE_FRACTION = 0.05 paces every host-memory row of the table
-and leaves HBM from S = 8K up unpaced. Links in between (NVLink: ~6-12% at 8-16K) get paced: not
-measured here (no multi-GPU machine yet).
+Q-loop and fused costs nothing: QUEUE_FRACTION = 0.08 paces host memory up to S = 64K (10%) and
+leaves HBM unpaced down to S = 4K (~7%). Links in between (NVLink class, ~400 GB/s: ~11% at 8K)
+get paced: not measured here (no multi-GPU machine yet).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ __all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "Pacing", "check_pac
 logger = logging.getLogger(__name__)
 
 PACE_FRACTION = 0.88  # of the measured A2A rate: 85-92% was best on the H200's host link
-QUEUE_FRACTION = 0.05  # a wave's drain above this share of the next Q-loop: pace
+QUEUE_FRACTION = 0.08  # a wave's drain above this share of the next Q-loop: pace
 FA4_TFLOPS = 700.0  # FA4 SM90 forward, bf16 D = 128, H200: 729 TFLOP/s at S 8192, 672 at 64K (B 1, H 24)
 BURST_TILES = 8  # the pacer's burst tolerance (the probe's setting)
-LINK_PROBE_BYTES = 8 << 20
+LINK_PROBE_BYTES = 32 << 20  # smaller probes under-read fast links (8 MiB on HBM: launch cost ~ store time)
 MAX_RATE_GBPS = 1e6
 
 Pace = Union[None, str, float]
@@ -133,6 +133,11 @@ def measure_store_rate(windows: torch.Tensor, rank: int, barrier=None, trials: i
     return src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
+def probe_shape(world_size: int) -> tuple:
+    """The link probe's window shape [B, rows, H, D] (bf16): LINK_PROBE_BYTES from one rank."""
+    return (1, max(LINK_PROBE_BYTES // (world_size * 128 * 2), 1), world_size, 128)
+
+
 def link_gbps(transport) -> float:
     """The transport's link rate for pacing (GB/s): measure_store_rate of LINK_PROBE_BYTES from its
     first local rank into windows of its own, every rank at once, minimum over the ranks; measured
@@ -140,8 +145,7 @@ def link_gbps(transport) -> float:
     rate = getattr(transport, "pacing_link_gbps", None)
     if rate is None:
         P, D = transport.world_size, 128
-        rows = max(LINK_PROBE_BYTES // (P * D * 2), 1)
-        windows = transport.windows("fa_a2a.pacing.link", (1, rows, P, D), torch.bfloat16)
+        windows = transport.windows("fa_a2a.pacing.link", probe_shape(P), torch.bfloat16)
         from cute_kernels.a2a import compile_post_a2a
 
         compile_post_a2a(torch.bfloat16, D, P)  # every rank compiled before the first timed store

@@ -52,11 +52,12 @@ def test_link_rate_of_host_windows_is_slow_and_auto_paces_it():
     from fa_a2a.xstage import FaTiles
     from ulysses.transport import tensor_from_address
 
-    P, rows, H, D = 8, 1024, 8, 128
+    P, rows, H, D = 8, 16384, 8, 128  # 32 MiB from rank 0, as the op's probe
     shape = (P, 1, rows, H, D)
     nbytes = P * rows * H * D * 2
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_w = tensor_from_address(host.data_ptr(), nbytes, torch.device("cuda")).view(torch.bfloat16).view(shape)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    host_w = tensor_from_address(host.data_ptr(), nbytes, dev).view(torch.bfloat16).view(shape)
     hbm_w = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
     r_host, r_hbm = measure_store_rate(host_w, 0), measure_store_rate(hbm_w, 0)
     print(f"post-A2A alone: host windows {r_host:.1f} GB/s, HBM windows {r_hbm:.1f} GB/s")
