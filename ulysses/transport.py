@@ -39,10 +39,10 @@ Backends:
                      socket with `setup_timeout_s`. Ranks on several hosts are refused (the
                      abstract Unix socket does not leave the host).
 
-  HostTransport      VmmTransport's processes with every data window in pinned host memory
-                     (POSIX shared memory mapped by every rank at one stride, registered with
-                     cuMemHostRegister): each store crosses PCIe. On one GPU, the slow link for
-                     real ranks (the store pacer's case, fa_a2a.pacing). Backend "host".
+  HostTransport      VmmTransport's processes with the post-A2A's (output) windows in pinned host
+                     memory (POSIX shared memory mapped by every rank at one stride, registered
+                     with cuMemHostRegister): each store into them crosses PCIe. On one GPU, the
+                     slow link for real ranks (the store pacer's case, fa_a2a.pacing). Backend "host".
 
   SymmetricMemoryTransport  ranks on distinct GPUs through torch symmetric memory
                      (torch.distributed._symmetric_memory, backend "symm", never chosen by
@@ -1042,19 +1042,25 @@ def unmap_host_windows(base: int, nbytes: int) -> None:
 
 
 class HostTransport(VmmTransport):
-    """One process per rank with every data window in pinned host memory shared by the ranks: each
-    store into a window (the pre-A2A's, the fused epilogue's) crosses PCIe. On one GPU it is the
-    slow link for real ranks (P processes under MPS); on several GPUs, peers through host memory.
+    """One process per rank with the post-A2A's windows (the attention's output windows, and the
+    pacing link probe's) in pinned host memory shared by the ranks: every store of the fused
+    epilogue or the post-A2A kernel crosses PCIe. On one GPU it is the slow link for real ranks
+    (P processes under MPS). The other windows (the pre-A2A's: the attention's q/k/v inputs) stay
+    in GPU memory: a rank reads its own input window in every Q tile, which on a real slow link is
+    its own HBM, and one GPU cannot put a window behind PCIe for the writers only (measured on an
+    H200, 2026-12-03: with the input windows in host memory too the attention ran 70-120x slower).
+    The owner's delivery copy out of its output window then reads over PCIe as well (a proxy cost:
+    on a real slow link that read is local).
 
-    Each rank creates its window as a memfd (POSIX shared memory), the fds travel like
+    Each rank creates its host window as a memfd (POSIX shared memory), the fds travel like
     VmmTransport's handles, and every rank maps the P files at one reserved range (rank d at
     base + d*W), registers the range with cuMemHostRegister (portable, device-mapped) and uses its
     device address (the uniform-stride layout of the other transports). The barrier's signal words
-    stay in GPU memory (VmmTransport's allocation): a few bytes per call that would otherwise poll
-    across PCIe. Linux only (memfd, mmap at a fixed address); backend "host" of get_transport.
+    stay in GPU memory too (a few bytes per call that would otherwise poll across PCIe). Linux
+    only (memfd, mmap at a fixed address); backend "host" of get_transport.
     Measured (one H200 under MPS, 2026-12-03): see fa_a2a.pacing and notes/measurements.md."""
 
-    _SIGNAL = "__signal__:"
+    HOST_WINDOWS = ("ulysses.out:", "ulysses.joint_out:", "fa_a2a.pacing.link:")  # name prefixes
 
     def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
@@ -1067,7 +1073,7 @@ class HostTransport(VmmTransport):
         return super()._probe(device)
 
     def _allocate(self, name: str, nbytes: int):
-        if name.startswith(self._SIGNAL):
+        if not name.startswith(self.HOST_WINDOWS):
             return super()._allocate(name, nbytes)
         cu = _cu()
         P, me = self.world_size, self._rank
