@@ -119,7 +119,7 @@ def _build_fused_auto(pt, s):
     if not hasattr(pt, "pacing"):
         link = measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)
         aligned = pt.S_loc % tiles.tile_m == 0  # the paced kernel is the TMA path
-        pt.pacing = decide(link, tiles) if aligned else None
+        pt.pacing = decide(link, tiles, gpu_sms=sm_count(pt.dev)) if aligned else None
         print(f"[fused_auto M={pt.M} {pt.dest}] link {link:.1f} GB/s: "
               + (pt.pacing.reason if aligned else f"unpaced (S_loc {pt.S_loc} not a multiple of {tiles.tile_m})"),
               flush=True)

@@ -25,6 +25,8 @@ The automatic rule (`decide`), from two facts:
     HBM: pacing would only add its atomics);
   - otherwise pace at PACE_FRACTION x R: unpaced, each wave would lose about V / R (the backlog
     stalls every SM's loads while it drains), more than pacing costs.
+  - ranks sharing one GPU (P processes under MPS): pace only where this rank's kernel makes O at
+    most SHARED_GPU_MAX_LOAD of the paced rate (O bytes / (waves x G) / rate), see below.
 Paths the paced kernel does not have (SM100, S_loc not a multiple of the tile rows) stay unpaced.
 
 Measured (one H200, 2026-12-03, rank 0's work of emulated P = 8, H_loc = 3, D = 128, bf16, windows
@@ -36,6 +38,15 @@ a wave's drain is 20% of its Q-loop there, 82% at 8K), while HBM drains a wave i
 Q-loop and fused costs nothing: QUEUE_FRACTION = 0.08 paces host memory up to S = 64K (10%) and
 leaves HBM unpaced down to S = 4K (~7%). Links in between (NVLink class, ~400 GB/s: ~11% at 8K)
 get paced: not measured here (no multi-GPU machine yet).
+
+Real ranks sharing the H200 under MPS over the host transport (2026-12-03, H = 24, D = 128, bf16,
+graph replay, max over ranks; hiding of what serial spends beyond FA4-local): paced at 88% of each
+rank's share of the link (P 2: 28.9 GB/s each, P 4: 14.9) vs unpaced: P 2 at S 8K/16K/32K 3/48/60%
+vs 9/28/51%, P 4 -57/-27/73% vs 13/28/55% (O made at 92/41/21% and 89/40/20% of the paced rate).
+Pacing cost more than it hid wherever O came faster than a quarter of the paced rate at P 4 (one
+kernel at a time, emulated, paced well at 76%: the concurrent ranks' slot waits, which hold their
+SMs, are the suspect, not yet measured). Hence SHARED_GPU_MAX_LOAD = 0.25 for ranks sharing a GPU:
+of these rows it paces the 32K ones only, and keeps P 2's 16K gain off the table.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ logger = logging.getLogger(__name__)
 PACE_FRACTION = 0.88  # of the measured A2A rate: 85-92% was best on the H200's host link
 QUEUE_FRACTION = 0.08  # a wave's drain above this share of the next Q-loop: pace
 FA4_TFLOPS = 700.0  # FA4 SM90 forward, bf16 D = 128, H200: 729 TFLOP/s at S 8192, 672 at 64K (B 1, H 24)
+SHARED_GPU_MAX_LOAD = 0.25  # ranks sharing a GPU: pace only kernels making O below this share of the rate
 BURST_TILES = 8  # the pacer's burst tolerance (the probe's setting)
 LINK_PROBE_BYTES = 32 << 20  # smaller probes under-read fast links (8 MiB on HBM: launch cost ~ store time)
 MAX_RATE_GBPS = 1e6
@@ -92,21 +104,30 @@ class Pacing:
     reason: str
 
 
-def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS) -> Pacing:
+def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[int] = None,
+           shared_gpu: bool = False) -> Pacing:
     """The automatic rule (module docstring) for a link of `link` GB/s and FA4's tiles
-    (xstage.FaTiles on this rank's share of the SMs)."""
+    (xstage.FaTiles on this rank's share of the SMs; gpu_sms: the whole GPU's, default the same;
+    shared_gpu: other ranks' kernels run at once on this GPU)."""
     if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
         raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
     if tiles.waves < 2:
         return Pacing(None, f"{tiles.tiles} tiles on {tiles.num_sms} SMs run in one wave: no Q-loop follows "
                             "the stores to hide them")
     drain_us = tiles.volume / (link * 1e3)  # bytes / (GB/s) = ns
-    qloop_us = tiles.kv_tiles * tiles.sigma_from_flops(fa_tflops * 1e12) * 1e6
+    sigma = dataclasses.replace(tiles, num_sms=gpu_sms or tiles.num_sms).sigma_from_flops(fa_tflops * 1e12)
+    qloop_us = tiles.kv_tiles * sigma * 1e6  # one SM's share of the whole GPU's FA4 rate
     facts = (f"a wave's O ({tiles.volume / 1e6:.2f} MB) drains in {drain_us:.1f} us at the link's {link:.1f} GB/s, "
              f"the next wave's Q-loop takes ~{qloop_us:.0f} us")
     if drain_us <= QUEUE_FRACTION * qloop_us:
         return Pacing(None, f"{facts}: within {QUEUE_FRACTION:.0%} of it, the link keeps up")
     rate = PACE_FRACTION * link
+    if shared_gpu:
+        load = tiles.tiles * tiles.burst_bytes / (tiles.waves * qloop_us * 1e3) / rate  # O made / pace
+        if load > SHARED_GPU_MAX_LOAD:
+            return Pacing(None, f"{facts}; but this rank's kernel makes O at {load:.0%} of the paced rate "
+                                f"while other ranks' kernels share the GPU: unpaced (pacing above "
+                                f"{SHARED_GPU_MAX_LOAD:.0%} cost more than it hid there)")
     return Pacing(rate, f"{facts}: paced at {PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
 
 
@@ -181,7 +202,7 @@ def plan_pacing(pace: Pace, transport, layout, batch: int, head_dim: int, dtype:
     tile_n = fa4_tile_shape(head_dim, causal)[1]
     out_bytes = torch.empty(0, dtype=dtype).element_size()
     tiles = FaTiles(layout.seq_pad, layout.heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
-    decision = decide(link_gbps(transport), tiles)
+    decision = decide(link_gbps(transport), tiles, gpu_sms=sms, shared_gpu=transport.ranks_per_gpu > 1)
     key = (id(transport), layout, batch, head_dim, dtype, causal)
     if key not in _logged:
         _logged.add(key)

@@ -63,12 +63,17 @@ def test_auto_leaves_fast_links_and_single_waves_unpaced():
         decide(0.0, _tiles(8192, 3))
 
 
-def test_ranks_sharing_a_gpu_decide_on_their_share():
-    """Two ranks at once on one GPU: each has half the SMs (half a wave's burst) and measured half the
-    link: the same drain time per wave, so the same decision; paced at its share of the link."""
-    alone, shared = decide(52.0, _tiles(8192, 3)), decide(26.0, _tiles(8192, 3, sms=66))
-    assert (alone.rate_gbps is None) == (shared.rate_gbps is None)
-    assert shared.rate_gbps == pytest.approx(PACE_FRACTION * 26.0)
+@pytest.mark.parametrize("P, link, paced", [(2, 28.9, (False, False, True)), (4, 14.9, (False, False, True))])
+def test_ranks_sharing_a_gpu_pace_only_slow_producers(P, link, paced):
+    """The measured real-rank rows (P processes on one H200 under MPS, host transport, H 24): each
+    rank has 1/P of the SMs and measured its share of the link; pacing paid at 32K only (the
+    kernel makes O at ~20% of the paced rate), it cost more than it hid at P 4's 8K/16K."""
+    for S, want in zip((8192, 16384, 32768), paced):
+        d = decide(link, _tiles(S, 24 // P, sms=132 // P), gpu_sms=132, shared_gpu=True)
+        assert (d.rate_gbps is not None) == want, (S, d.reason)
+        assert d.rate_gbps is None or d.rate_gbps == pytest.approx(PACE_FRACTION * link)
+    # one kernel at a time (emulated ranks) keeps pacing where the shared rule would not
+    assert decide(link, _tiles(8192, 24 // P, sms=132 // P), gpu_sms=132).rate_gbps is not None
 
 
 class _Transport:
