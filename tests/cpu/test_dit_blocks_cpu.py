@@ -1,4 +1,5 @@
-"""CPU tier of the fused QwenImage and Flux2 attention processors (fa_a2a.dit_blocks), no kernels.
+"""CPU tier of the fused Flux, QwenImage and Flux2 attention processors (fa_a2a.flux_block,
+fa_a2a.dit_blocks), no kernels.
 
 - q, k, v: what the block's segments give through the torch chain (Linear -> per-head RMSNorm ->
   RoPE, TorchQKV, with the segments' rotary as the block's fp32 table; heads, normed, rotated, rows
@@ -7,16 +8,26 @@
   single-stream attention: in fp32 from the module's Linears, and in bf16 from the weights the
   processor gathers for the block (QKVWeights for P = 2, the single-stream one a view of
   to_qkv_mlp_proj), single process.
-- Under diffusers' context parallelism (gloo, 2 and 3 processes, fp32 tiny models, even shards and
-  ulysses_anything's uneven ones): with enable_fused_projection the model falls back on CPU and
-  gives diffusers' output exactly, the reason counted per processor; the fused path's plumbing
-  with the block replaced by a torch reference of it (segments -> chain -> the Ulysses op of impl
-  "reference") gives diffusers' native CP output to 1e-5, and every call's q, k, v (the rank's rows
-  [text shard; image shard]) equal those diffusers' processor computes on the same rank.
-- The fallback reasons special to these processors; enable_fused_projection's install table.
+- Under diffusers' context parallelism (gloo, 2 and 3 processes, fp32 tiny Flux, QwenImage and
+  Flux2, even shards and ulysses_anything's uneven ones): with enable_fused_projection (after
+  enable_parallelism on even shards, before it on uneven ones: the processors take the config
+  when it comes) the model falls back on CPU (the fa-a2a backend of impl "reference") and gives
+  diffusers' output exactly (a copy of the model that keeps diffusers' processors) and its native
+  CP output to 1e-5, the reason counted per processor, every call through the backend; the fused
+  path's plumbing with the block replaced by a torch reference of it (segments -> chain -> the
+  Ulysses op of impl "reference") gives diffusers' native CP output to 1e-5, every call's segments
+  are the module's (text rows with add_*, then image rows with to_*, in double-stream blocks; one
+  segment of all rows in single-stream ones) with its rows and shard_rows, and every call's q, k, v
+  (the rank's rows [text shard; image shard]) equal those diffusers' processor computes on the
+  same rank.
+- Flux's weights gathered for the group (text rows: add_*, image rows: to_*), rebuilt when a weight
+  changes; the fallback reasons (those every processor shares, those special to QwenImage's and
+  Flux2's); enable_fused_projection's install table and its refusal.
 The kernels run in tests/gpu/test_dit_blocks.py.
 """
 
+import copy
+import functools
 import types
 
 import pytest
@@ -25,8 +36,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from fa_a2a import block, diffusers_backend as backend, dit_blocks, flux_block  # noqa: E402
-from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _qwen, _qwen_inputs  # noqa: E402
-from tests.cpu.test_flux_block_cpu import _config  # noqa: E402
+from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _flux, _flux_inputs, _qwen, _qwen_inputs  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 QKV_ATOL = 1e-5  # fp32 q/k/v (measured on this CPU: 0, bit for bit)
@@ -62,11 +72,13 @@ def _randomize_norms(model):
     return model
 
 
-# name -> (builder, inputs, {fused processor: calls per forward}, transformer module (its dispatch_attention_fn))
+# name -> (builder, inputs, {fused processor: calls per forward = its modules}, transformer module (its
+# dispatch_attention_fn))
 def _models():
-    from diffusers.models.transformers import transformer_flux2, transformer_qwenimage
+    from diffusers.models.transformers import transformer_flux, transformer_flux2, transformer_qwenimage
 
     return {
+        "flux": (_flux, _flux_inputs, {flux_block.FusedFluxAttnProcessor: 2}, transformer_flux),
         "qwenimage": (_qwen, _qwen_inputs, {dit_blocks.FusedQwenImageAttnProcessor: 2}, transformer_qwenimage),
         "flux2": (_flux2, _flux2_inputs, {dit_blocks.FusedFlux2AttnProcessor: 1,
                                           dit_blocks.FusedFlux2ParallelSelfAttnProcessor: 1}, transformer_flux2),
@@ -125,17 +137,18 @@ class _RecordDispatch:
 
 class _ReferenceBlock:
     """ulysses_qkv_attention's contract in torch: segments -> [B, rows, H, D]; records each call's
-    segment rows, shard_rows and q, k, v."""
+    segment rows, shard_rows, q, k, v and segment weights."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, x, proj=None, *, group=None, impl="fused", shard_rows=None, **kwargs):
+    def __call__(self, x, proj=None, *, group=None, impl="fused", shard_rows=None, pace="auto", **kwargs):
         import fa_a2a
 
-        assert proj is None and not kwargs and impl == "reference"  # the backend's impl, passed on
+        # the backend's impl and pace (the reference backend's: the default), passed on
+        assert proj is None and not kwargs and impl == "reference" and pace == "auto", (impl, pace, kwargs)
         q, k, v = _segment_qkv(x)
-        self.calls.append(([s.x.shape[1] for s in x], shard_rows, (q, k, v)))
+        self.calls.append(([s.x.shape[1] for s in x], shard_rows, (q, k, v), [s.proj for s in x]))
         return fa_a2a.ulysses_attention(q, k, v, group=group, impl="reference", shard_rows=shard_rows)
 
 
@@ -244,73 +257,97 @@ def _counts(procs):
     return {cls: backend.route_counts(cls.ROUTE_NAME) for cls in procs}
 
 
-def _check(P, group, rank):
+def _check(model_name, P, group, rank):
     from diffusers import ContextParallelConfig
 
     backend.cpu_testbed()
     name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
     torch.set_grad_enabled(False)
-    for model_name, (build, inputs, procs, module) in _models().items():
-        for anything, (shape, J) in ((False, EVEN), (True, UNEVEN)):
-            what = f"rank {rank} P={P} {model_name} ulysses_anything={anything}"
-            torch.manual_seed(0)
-            model = _randomize_norms(build().eval())
-            x = inputs(shape, J, torch.Generator().manual_seed(1))
-            ref = model(**x)[0]
-            model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P, ulysses_anything=anything))
-            model.set_attention_backend("native")
-            native = model(**x)[0]
-            assert (native - ref).abs().max().item() <= ATOL, what
-            model.set_attention_backend(name)
-            rec = _RecordDispatch(module)
-            try:
-                plain = model(**x)[0]  # diffusers' processors, fa-a2a's reference backend
-            finally:
-                rec.restore()
+    build, inputs, procs, module = _models()[model_name]
+    n_calls = sum(procs.values())
+    for anything, (shape, J) in ((False, EVEN), (True, UNEVEN)):
+        what = f"rank {rank} P={P} {model_name} ulysses_anything={anything}"
+        torch.manual_seed(0)
+        model = _randomize_norms(build().eval())
+        x = inputs(shape, J, torch.Generator().manual_seed(1))
+        ref = model(**x)[0]
+        plain_model = copy.deepcopy(model)  # diffusers' processors throughout
+        if anything:  # installed before diffusers' CP: the processors take the config when it comes
             flux_block.enable_fused_projection(model)
-            found = {type(m.processor) for m in model.modules() if hasattr(m, "processor")}
-            assert found == set(procs), (what, found)
+        for m in (model, plain_model):
+            m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P, ulysses_anything=anything))
+        model.set_attention_backend("native")
+        native = model(**x)[0]
+        assert (native - ref).abs().max().item() <= ATOL, what
+        plain_model.set_attention_backend(name)
+        rec = _RecordDispatch(module)
+        try:
+            plain = plain_model(**x)[0]  # diffusers' processors, fa-a2a's reference backend
+        finally:
+            rec.restore()
+        model.set_attention_backend(name)
+        if not anything:
+            flux_block.enable_fused_projection(model)
+        attns = [m for m in model.modules() if hasattr(m, "processor")]  # (in call order)
+        found = {cls: sum(type(m.processor) is cls for m in attns) for cls in {type(m.processor) for m in attns}}
+        assert found == procs, (what, found)
+        assert all(m.processor._parallel_config is not None and m.processor._attention_backend.value == name
+                   for m in attns), what
+        for cls in procs:
+            backend.route_counts(cls.ROUTE_NAME, reset=True)
+        backend.route_counts(name, reset=True)
+        out = model(**x)[0]
+        assert torch.equal(out, plain), f"{what} fallback: not diffusers' output"
+        err = (out - native).abs().max().item()
+        assert err <= ATOL, f"{what} fallback: max error {err:.3g} against diffusers' native CP"
+        assert _counts(procs) == {cls: {"fallback": n} for cls, n in procs.items()}, what
+        assert backend.route_counts(name) == {"ulysses": n_calls}, (what, backend.route_counts(name))
+
+        # the fused path's plumbing, the block call replaced by its torch reference
+        whys = ((flux_block, "_why_not_fused"), (dit_blocks, "_why_not_qwen"), (dit_blocks, "_why_not_flux2"),
+                (dit_blocks, "_why_not_parallel"))
+        saved = ([getattr(m, w) for m, w in whys], [cls.__dict__.get("_weights") for cls in procs],
+                 flux_block.ulysses_qkv_attention)
+        ref_block = _ReferenceBlock()
+        for m, w in whys:
+            setattr(m, w, lambda *a: None)
+        for cls in procs:
+            cls._weights = _chains
+        flux_block.ulysses_qkv_attention = ref_block
+        try:
             for cls in procs:
                 backend.route_counts(cls.ROUTE_NAME, reset=True)
+            backend.route_counts(name, reset=True)
             out = model(**x)[0]
-            assert torch.equal(out, plain), f"{what} fallback: not diffusers' output"
-            assert _counts(procs) == {cls: {"fallback": n} for cls, n in procs.items()}, what
-
-            # the fused path's plumbing, the block call replaced by its torch reference
-            whys = ("_why_not_qwen", "_why_not_flux2", "_why_not_parallel")
-            saved = ([getattr(dit_blocks, w) for w in whys], [cls.__dict__.get("_weights") for cls in procs],
-                     flux_block.ulysses_qkv_attention)
-            ref_block = _ReferenceBlock()
-            for w in whys:
-                setattr(dit_blocks, w, lambda *a: None)
-            for cls in procs:
-                cls._weights = _chains
-            flux_block.ulysses_qkv_attention = ref_block
-            try:
-                for cls in procs:
-                    backend.route_counts(cls.ROUTE_NAME, reset=True)
-                out = model(**x)[0]
-            finally:
-                for w, f in zip(whys, saved[0]):
-                    setattr(dit_blocks, w, f)
-                for cls, f in zip(procs, saved[1]):
-                    if f is None:
-                        del cls._weights
-                    else:
-                        cls._weights = f
-                flux_block.ulysses_qkv_attention = saved[2]
-            err = (out - native).abs().max().item()
-            assert err <= ATOL, f"{what} fused plumbing: max error {err:.3g} against diffusers' native CP"
-            assert _counts(procs) == {cls: {"fused": n} for cls, n in procs.items()}, what
-            t, i = _rows(J, P), _rows(shape[0] * shape[1] * shape[2], P)
-            every = [a + b for a, b in zip(t, i)]
-            shard_rows = every if len(set(every)) > 1 else None
-            assert len(ref_block.calls) == len(rec.qkv) == sum(procs.values()), what
-            for (rows, got_shard_rows, ours), theirs in zip(ref_block.calls, rec.qkv):
-                assert rows in ([t[rank], i[rank]], [every[rank]]), (what, rows)
-                assert got_shard_rows == shard_rows, (what, got_shard_rows, shard_rows)
-                err = _max_diff(ours, theirs)
-                assert err <= QKV_ATOL, f"{what}: block q/k/v differ from diffusers' by {err:.3g}"
+        finally:
+            for (m, w), f in zip(whys, saved[0]):
+                setattr(m, w, f)
+            for cls, f in zip(procs, saved[1]):
+                if f is None:
+                    del cls._weights
+                else:
+                    cls._weights = f
+            flux_block.ulysses_qkv_attention = saved[2]
+        err = (out - native).abs().max().item()
+        assert err <= ATOL, f"{what} fused plumbing: max error {err:.3g} against diffusers' native CP"
+        assert _counts(procs) == {cls: {"fused": n} for cls, n in procs.items()}, what
+        assert backend.route_counts(name) == {}, (what, backend.route_counts(name))  # the block, not the backend
+        t, i = _rows(J, P), _rows(shape[0] * shape[1] * shape[2], P)
+        every = [a + b for a, b in zip(t, i)]
+        shard_rows = every if len(set(every)) > 1 else None
+        assert len(ref_block.calls) == len(rec.qkv) == len(attns) == n_calls, what
+        for attn, (rows, got_shard_rows, ours, projs), theirs in zip(attns, ref_block.calls, rec.qkv):
+            chains = _chains(None, attn, None)
+            if getattr(attn, "added_kv_proj_dim", None) is not None:  # double-stream: text rows, then image rows
+                assert rows == [t[rank], i[rank]], (what, rows)
+                want = [chains.joint_proj, chains.proj]
+            else:  # single-stream: the rank's [text; image] rows as one segment
+                assert rows == [every[rank]], (what, rows)
+                want = [chains.proj]
+            assert len(projs) == len(want) and all(torch.equal(p.weight, w.weight) for p, w in zip(projs, want)), what
+            assert got_shard_rows == shard_rows, (what, got_shard_rows, shard_rows)
+            err = _max_diff(ours, theirs)
+            assert err <= QKV_ATOL, f"{what}: block q/k/v differ from diffusers' by {err:.3g}"
 
 
 def _rows(n, P):
@@ -318,13 +355,79 @@ def _rows(n, P):
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_fused_processors_under_diffusers_cp(P):
-    run_on_gloo_groups(_check, (P,), timeout_s=240)
+@pytest.mark.parametrize("model_name", ["flux", "qwenimage", "flux2"])
+def test_fused_processors_under_diffusers_cp(model_name, P):
+    run_on_gloo_groups(functools.partial(_check, model_name), (P,), timeout_s=240)
+
+
+def _check_flux_weights(P, group, rank):
+    """The gathered weights for P ranks: Flux's heads split evenly, so destination order is
+    [W_q; W_k; W_v] itself; the text rows' are the add_* projections'. Built once; rebuilt when a
+    weight changes in place."""
+    from diffusers.models.transformers.transformer_flux import FluxAttention
+
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)  # (the fused kernels' head dims: 64 or 128)
+    attn = FluxAttention(query_dim=128, heads=6, dim_head=64, added_kv_proj_dim=128, bias=True, eps=1e-6,
+                         context_pre_only=False).to(torch.bfloat16)
+    proc = flux_block.FusedFluxAttnProcessor()
+    mod = proc._weights(attn, group)
+    assert mod.proj.world_size == P and mod.joint_proj.world_size == P
+    for proj, (q, k, v, nq, nk) in ((mod.proj, (attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k)),
+                                    (mod.joint_proj, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj,
+                                                      attn.norm_added_q, attn.norm_added_k))):
+        assert torch.equal(proj.weight, torch.cat([q.weight, k.weight, v.weight]))
+        assert torch.equal(proj.bias, torch.cat([q.bias, k.bias, v.bias]))
+        assert torch.equal(proj.norm_weight, torch.cat([nq.weight.float().repeat(attn.heads),
+                                                        nk.weight.float().repeat(attn.heads)]))
+    assert proc._weights(attn, group) is mod
+    attn.add_k_proj.weight.add_(1)
+    again = proc._weights(attn, group)
+    assert again is not mod and torch.equal(again.joint_proj.weight[attn.heads * attn.head_dim:][:1],
+                                            attn.add_k_proj.weight[:1])
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_flux_weights_gathered_for_the_group(P):
+    run_on_gloo_groups(_check_flux_weights, (P,), timeout_s=240)
 
 
 # ---- single process: reasons, install ---------------------------------------------------------------------------
+def _config(ulysses, ring=1):
+    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=ulysses,
+                                                                               ring_degree=ring))
+
+
+def test_fallback_reasons_shared(monkeypatch):
+    """The reasons that send a call to diffusers' processor, every fused processor's (all shared by
+    the ranks), on Flux's."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # registration needs a GPU's count
+
+    attn = _flux().transformer_blocks[0].attn
+    x, e = torch.randn(1, 8, attn.query_dim), torch.randn(1, 2, attn.query_dim)
+    fused = AttentionBackendName(backend.register_diffusers_backend("fa_a2a", "fused"))
+    reference = AttentionBackendName(backend.register_diffusers_backend("fa_a2a_reference", "reference"))
+    proc = flux_block.FusedFluxAttnProcessor()
+    why = lambda: flux_block._why_not_fused(proc, attn, x, e, None)  # noqa: E731
+    assert why() == "no context parallelism"
+    proc._parallel_config = _config(1)
+    assert why() == "no context parallelism"
+    proc._parallel_config = _config(2, 2)
+    assert why() == "ring degree > 1"
+    proc._parallel_config = _config(2)
+    proc._attention_backend = reference
+    assert "impl 'reference'" in why()
+    proc._attention_backend = AttentionBackendName("native")
+    assert "impl None" in why()
+    proc._attention_backend = fused
+    assert why() == "CPU tensors"
+
+
 def test_fallback_reasons(monkeypatch):
-    """The reasons special to these processors (the shared ones: tests/cpu/test_flux_block_cpu.py)."""
+    """The reasons special to QwenImage's and Flux2's processors (the shared ones:
+    test_fallback_reasons_shared)."""
     from diffusers.models.attention_dispatch import AttentionBackendName
 
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # registration needs a GPU's count
@@ -380,14 +483,15 @@ def test_qwen_rotary_table_is_exact():
         dit_blocks._qwen_tables((f[3:], f[:3]), 4, 3, 64)
 
 
-def test_enable_fused_projection_installs_each_models_processors():
-    for build, procs in ((_qwen, {dit_blocks.FusedQwenImageAttnProcessor}),
-                         (_flux2, {dit_blocks.FusedFlux2AttnProcessor, dit_blocks.FusedFlux2ParallelSelfAttnProcessor})):
-        model = build()
-        assert flux_block.enable_fused_projection(model) is model
-        found = [m.processor for m in model.modules() if hasattr(m, "processor")]
-        assert {type(p) for p in found} == procs
-        flux_block.enable_fused_projection(model)  # again: the same processors
-        assert [m.processor for m in model.modules() if hasattr(m, "processor")] == found
+@pytest.mark.parametrize("model_name", ["flux", "qwenimage", "flux2"])
+def test_enable_fused_projection_installs_each_models_processors(model_name):
+    build, _, procs, _ = _models()[model_name]
+    model = build()
+    assert flux_block.enable_fused_projection(model) is model
+    found = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    assert {cls: sum(type(p) is cls for p in found) for cls in {type(p) for p in found}} == procs
+    flux_block.enable_fused_projection(model)  # again: the same processors
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == found
+    assert all(issubclass(fused, base) for _, base, fused in flux_block._installs())
     with pytest.raises(ValueError, match="model: expected FluxAttention modules"):
         flux_block.enable_fused_projection(torch.nn.Linear(2, 2))

@@ -1,23 +1,29 @@
-"""The fused QwenImage and Flux2 attention processors (fa_a2a.dit_blocks) on one GPU: 2 processes share it (bf16).
+"""The fused Flux, QwenImage and Flux2 attention processors (fa_a2a.flux_block, fa_a2a.dit_blocks) on one
+GPU: 2 processes share it (bf16).
 
-As tests/gpu/test_flux_block.py for Flux. Tiny QwenImage (2 double-stream blocks) and Flux2 (2
+Tiny Flux (2 double- + 2 single-stream blocks), QwenImage (2 double-stream blocks) and Flux2 (2
 double- + 2 single-stream blocks) at FA4's head dim (4 x 128 heads, 1024 image tokens) under
 diffusers' `enable_parallelism(ContextParallelConfig(ulysses_degree=2))`, on even shards (64 text
 tokens: 32 + 512 rows a rank) and on ulysses_anything's uneven ones (63 text tokens: 32 + 512 and
 31 + 512 rows, as shard_rows). Each rank runs the single-device model in fp32 (ref, on the same
 bf16 weights) and in bf16 (base: diffusers' SDPA), the CP model with the attention-only fused
 backend (diffusers' projection in torch, then fa_a2a.ulysses_attention), then with the fused
-processors installed (enable_fused_projection) for the backend's impl "fused" and "serial".
+processors installed (enable_fused_projection: the fused projection/pre-A2A and the fused
+FA4/post-A2A of fa_a2a.block) for the backend's impl "fused" and "serial".
 Checks: every attention call took the fused block (each processor's route counts; the backend saw
-no call); block "fused" == block "serial" bit for bit; FA4's rule against ref: max|out - ref| <=
-2 max|base - ref| + atol (and the same for the means); and the block within 2 max|base - ref| +
-atol of the attention-only path (they differ in the projection's rounding only). One copy of the
-weights: the q/k/v Linears (Flux2's single-stream: to_qkv_mlp_proj's first 3*inner rows) are the
-processors' gathered weights (the memory held grows by at most 5% of the q/k/v weights), and
-diffusers' processors on them give the attention-only output of before the gathering bit for bit.
+no call); block "fused" == block "serial" bit for bit (same arithmetic); FA4's rule against ref:
+max|out - ref| <= 2 max|base - ref| + atol (and the same for the means); and the block within
+2 max|base - ref| + atol of the attention-only path: the two differ only in the projection's
+rounding (the fused epilogue rounds q/k to bf16 once, diffusers after the Linear, the RMSNorm and
+the RoPE), an error of the bf16 model's own size. One copy of the weights: every fused module's
+q/k/v Linears (the image rows' to_*, the text rows' add_*; Flux2's single-stream: to_qkv_mlp_proj's
+first 3*inner rows) are views of the processor's gathered weight of their rows (proj, joint_proj),
+the memory held grows by at most 5% of the q/k/v weights, and diffusers' processors on the views
+give the attention-only output of before the gathering bit for bit.
 
 Test shims: diffusers' gathers of the model output go through host memory (gloo, CUDA tensors;
-uneven ones padded), and logger.warning_once is defined when absent.
+uneven ones padded), and logger.warning_once is defined when absent. FA_A2A_DIT_BLOCKS_JSON: a
+path for rank 0's errors and weight bytes per model and case.
 """
 
 import copy
@@ -34,7 +40,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from fa_a2a.diffusers_backend import _all_gather_anything_padded  # noqa: E402
-from tests.gpu.test_dit import _errors, _on  # noqa: E402
+from tests.gpu.test_dit import _errors, _flux, _on  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
@@ -46,6 +52,15 @@ HEADS, HEAD_DIM = 4, 128
 CASES = ((False, 64), (True, 63))  # (ulysses_anything, text tokens)
 IMPLS = ("fused", "serial")
 H = W = 32  # 1024 image tokens
+
+
+def _flux_inputs(J, g):  # (the model: test_dit's tiny Flux, 2 + 2 blocks of 4 x 128 heads)
+    ids = torch.zeros(H, W, 3)
+    ids[..., 1], ids[..., 2] = torch.arange(H)[:, None], torch.arange(W)[None, :]
+    return dict(hidden_states=torch.randn(1, H * W, 16, generator=g),
+                encoder_hidden_states=torch.randn(1, J, 64, generator=g),
+                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.rand(1, generator=g),
+                img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(J, 3))
 
 
 def _qwen():
@@ -81,10 +96,11 @@ def _flux2_inputs(J, g):
 
 
 def _models():
-    from fa_a2a import dit_blocks
+    from fa_a2a import dit_blocks, flux_block
 
-    # name -> (builder, inputs, {fused processor: attention calls per forward})
-    return {"qwenimage": (_qwen, _qwen_inputs, {dit_blocks.FusedQwenImageAttnProcessor: 2}),
+    # name -> (builder, inputs, {fused processor: attention calls per forward = its modules})
+    return {"flux": (_flux, _flux_inputs, {flux_block.FusedFluxAttnProcessor: 4}),
+            "qwenimage": (_qwen, _qwen_inputs, {dit_blocks.FusedQwenImageAttnProcessor: 2}),
             "flux2": (_flux2, _flux2_inputs, {dit_blocks.FusedFlux2AttnProcessor: 2,
                                               dit_blocks.FusedFlux2ParallelSelfAttnProcessor: 2})}
 
@@ -149,7 +165,8 @@ def _check(P, group, rank):
                 assert e["max_diff_attention_only"] <= 2 * e_attn["base_max_err"] + e_attn["atol"], (what, e)
                 outs[impl] = out
             assert torch.equal(outs["fused"], outs["serial"]), f"rank {rank} {case}: block fused and serial differ"
-            results[f"{case} weights"] = _check_one_copy(model, x, attn_only, names["fused"], f"rank {rank} {case}")
+            results[f"{case} weights"] = _check_one_copy(model, x, attn_only, procs, names["fused"],
+                                                         f"rank {rank} {case}")
     torch.cuda.synchronize()
     close_transports()
     if rank == 0 and os.environ.get("FA_A2A_DIT_BLOCKS_JSON"):
@@ -157,30 +174,39 @@ def _check(P, group, rank):
             json.dump(dict(device=torch.cuda.get_device_name(), P=P, results=results), f, indent=1)
 
 
-def _qkv_layers(attn):
-    """The Linears whose weights the block's q/k/v weights are (views of)."""
+def _qkv_groups(attn):
+    """The Linears whose weights the block's q/k/v weights are (views of), one list per gathered
+    weight: the image rows' (proj), then the text rows' (joint_proj) where the module has them."""
     from fa_a2a import dit_blocks, flux_block
 
     if isinstance(attn, dit_blocks.Flux2ParallelSelfAttention):
-        return [attn.to_qkv_mlp_proj]
-    return [m for layers, _ in flux_block._layers(attn) for m in layers]
+        return [[attn.to_qkv_mlp_proj]]
+    return [list(layers) for layers, _ in flux_block._layers(attn)]
 
 
-def _check_one_copy(model, x, attn_only, backend_name, what):
-    """The processors' gathered weights are the model's Linears (views): the memory held grows by at
-    most 5% of the q/k/v weights, and diffusers' own processors on the views (the attention-only
-    backend, as attn_only ran before the gathering) give attn_only bit for bit."""
-    from fa_a2a import dit_blocks
+def _check_one_copy(model, x, attn_only, procs, backend_name, what):
+    """The processors' gathered weights are the model's Linears (views: each of proj, joint_proj
+    shares its storage with its rows' Linears): the memory held grows by at most 5% of the q/k/v
+    weights, and diffusers' own processors on the views (the attention-only backend, as attn_only
+    ran before the gathering) give attn_only bit for bit. One fused module per attention call."""
+    from fa_a2a import flux_block
 
-    fused = {cls: base for _, base, cls in dit_blocks.INSTALLS}
+    fused = {cls: base for _, base, cls in flux_block._installs()}
     attns = [m for m in model.modules() if type(getattr(m, "processor", None)) in fused]
+    found = {cls: sum(type(a.processor) is cls for a in attns) for cls in {type(a.processor) for a in attns}}
+    assert found == procs, (what, found)
     mods = [a.processor._block[1] for a in attns]
     qkv = 0
     for a, mod in zip(attns, mods):
-        ptrs = {p.weight.untyped_storage().data_ptr() for p in (mod.proj, mod.joint_proj) if p is not None}
-        layers = _qkv_layers(a)
-        assert {m.weight.untyped_storage().data_ptr() for m in layers} == ptrs, f"{what}: not views"
-        qkv += sum(p.weight.nbytes for p in (mod.proj, mod.joint_proj) if p is not None)
+        projs = [p for p in (mod.proj, mod.joint_proj) if p is not None]
+        groups = _qkv_groups(a)
+        assert len(groups) == len(projs), (what, type(a).__name__, len(groups), len(projs))
+        for layers, proj in zip(groups, projs):
+            ptr = proj.weight.untyped_storage().data_ptr()
+            assert all(m.weight.untyped_storage().data_ptr() == ptr for m in layers), f"{what}: not views"
+            # the q/k/v weights: the smaller of the gathered weight and its Linears (Flux2's to_qkv_mlp_proj
+            # also holds the MLP rows)
+            qkv += min(proj.weight.nbytes, sum(m.weight.nbytes for m in layers))
     extra = memory.storage_bytes(memory.held_tensors(model, mods)) - memory.storage_bytes(memory.held_tensors(model, []))
     assert extra <= 0.05 * qkv, (what, extra, qkv)
     for a in attns:  # back to diffusers' processors, keeping the backend and the parallel config
