@@ -124,3 +124,19 @@ def test_host_windows_map_every_rank_at_one_stride():
         unmap_host_windows(b, P * W)
         for f in fds:
             os.close(f)
+
+
+def test_pace_is_part_of_the_agreed_signature():
+    """Ranks passing different pace to the fused impl disagree, and the message names pace (fake
+    CUDA tensors: check_call's kernel limits need CUDA)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa_a2a.problem import _disagreement, signature_fields, signature_word
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 128, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        fields = [signature_fields(check_call(q, k, v, None, "fused", False, None, None, 2, pace=pace)[0],
+                                   "ulysses_attention", "g", None) for pace in ("auto", None, 40.0)]
+    assert len({signature_word(f) for f in fields}) == 3
+    err = _disagreement([("ok", fields[0]), ("ok", fields[1])], None)
+    assert str(err).startswith("pace: expected the same value on every rank, got rank 0: 'auto', rank 1: None")
