@@ -889,6 +889,20 @@ class VmmTransport(Transport):
         self._usable(step)
         return self._agree(step, None, value)[0]
 
+    def _exchange_fds(self, problem: Optional[str], name: str, W: int, fd: int, label: str) -> list:
+        """A new window's first setup step: this rank's outcome and fd to every rank -> every rank's
+        fd (dup'ed into this process). All raise TransportSetupError if a rank failed or the ranks'
+        windows() calls differ (the step name is the same for every allocation: calls are told
+        apart by their name and size)."""
+        tags, fds = self._agree("windows", problem, [name, W], fd, label=label)
+        if any(t != tags[0] for t in tags):
+            for f in fds:
+                if f >= 0:
+                    os.close(f)
+            raise TransportSetupError("windows(): the ranks' calls differ, they must match",
+                                      {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
+        return fds
+
     def _allocate(self, name: str, nbytes: int):
         cu = _cu()
         P, me = self.world_size, self._rank
@@ -921,11 +935,7 @@ class VmmTransport(Transport):
                     "cuMemExportToShareableHandle"))
             except Exception as exc:
                 problem = _reason(exc)
-            # (the step name is the same for every allocation: differing calls are told apart below)
-            tags, fds = self._agree("windows", problem, [name, W], fd, label=label)
-            if any(t != tags[0] for t in tags):
-                raise TransportSetupError("windows(): the ranks' calls differ, they must match",
-                                          {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
+            fds = self._exchange_fds(problem, name, W, fd, label)
             os.close(fd)
             fd = -1
             # Step 2: import the peers' handles, map all P at base + d*W, zero this rank's window.
@@ -1087,10 +1097,7 @@ class HostTransport(VmmTransport):
                 os.ftruncate(fd, W)
             except Exception as exc:
                 problem = _reason(exc)
-            tags, fds = self._agree("windows", problem, [name, W], fd, label=label)
-            if any(t != tags[0] for t in tags):
-                raise TransportSetupError("windows(): the ranks' calls differ, they must match",
-                                          {q: f"called windows {t[0]} ({t[1]} bytes)" for q, t in enumerate(tags)})
+            fds = self._exchange_fds(problem, name, W, fd, label)
             problem = None
             try:  # step 2: map all P files at base + d*W, register the range, zero this rank's window
                 base = map_host_windows(fds, W)
