@@ -111,3 +111,17 @@ def test_bounded_types():
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected a finite number in \(0, 2\]"):
             x(text)
     assert cli.float_in(0, 2, lo_inclusive=True)("0") == 0.0
+
+
+def test_readme_dit_snippet_names_what_exists():
+    """The README's DiT snippet (run as written by tests/gpu/test_readme_dit.py) compiles and imports
+    only names that exist."""
+    import ast
+    import importlib
+
+    section = open(os.path.join(ROOT, "README.md")).read().split("## Use it in your DiT", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom):
+            module = importlib.import_module(node.module)
+            assert all(hasattr(module, a.name) for a in node.names), node.module
