@@ -140,3 +140,15 @@ def test_pace_is_part_of_the_agreed_signature():
     assert len({signature_word(f) for f in fields}) == 3
     err = _disagreement([("ok", fields[0]), ("ok", fields[1])], None)
     assert str(err).startswith("pace: expected the same value on every rank, got rank 0: 'auto', rank 1: None")
+
+
+def test_every_entry_refuses_a_bad_pace_by_name():
+    pytest.importorskip("diffusers")
+    from fa_a2a import UlyssesAttention
+    from fa_a2a.diffusers_backend import register_diffusers_backend
+
+    for make in (lambda: UlyssesAttention(pace="fast"), lambda: register_diffusers_backend("fa_a2a_p", pace=-1),
+                 lambda: check_call(*_qkv(), None, "fused", False, None, None, 2, pace=True)):
+        with pytest.raises(ValueError, match=r"^pace: "):
+            make()
+    assert UlyssesAttention(pace=40).pace == 40.0 and UlyssesAttention(pace=None).pace is None
