@@ -1,0 +1,91 @@
+"""The host channel's word exchange (ulysses.channel) among gloo rank processes.
+
+Every rank gets every rank's word in rank order, call after call: equal words and differing ones,
+ranks that arrive late (past the spinning, into the sleeps), the tag's wrap past 2^16 calls, the
+all_gather fallback of ranks on several hosts; and a rank that stops calling is named in the
+TimeoutError of the others. Each case runs under a hard deadline (no hang).
+"""
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ulysses.channel as channel_mod
+from ulysses.channel import WORD_BITS, Channel
+
+DEADLINE_S = 60
+CALLS = 3000
+
+
+def _run(case, P, *args):
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.spawn(_worker, args=(case, P, os.path.join(tmp, "init"), args), nprocs=P, join=False)
+        deadline = time.monotonic() + DEADLINE_S
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"{case.__name__} (P={P}): a rank was still running after {DEADLINE_S} s (hang)")
+
+
+def _worker(rank, case, P, init_file, args):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        case(rank, P, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _word(call, rank):
+    """Equal words on most calls, differing ones on every 7th; the extremes of the range now and then."""
+    if call % 7 == 3:
+        return (call * 1000003 + rank * 7919) % (1 << WORD_BITS)
+    return {0: 0, 1: (1 << WORD_BITS) - 1}.get(call % 11, call * 2654435761 % (1 << WORD_BITS))
+
+
+def _many_calls(rank, P, several_hosts):
+    if several_hosts:
+        channel_mod._host_id = lambda: f"host {rank}"
+    ch = Channel(dist.group.WORLD, timeout_s=20)
+    assert ch.kind == ("all_gather" if several_hosts else "shared memory")
+    first = (1 << 16) - CALLS // 2  # the tag wraps to 0 half way
+    ch.calls = first
+    for call in range(first, first + CALLS):
+        if call % 500 == rank:  # a late rank: the others spin, then sleep
+            time.sleep(0.003)
+        got = ch.exchange(_word(call, rank))
+        want = [_word(call, s) for s in range(P)]
+        assert got == want, f"rank {rank}, call {call}: got {got}, expected {want}"
+        assert all(type(w) is int for w in got)
+    with pytest.raises(ValueError, match="word"):
+        ch.exchange(1 << WORD_BITS)
+
+
+def _one_rank_stops(rank, P):
+    ch = Channel(dist.group.WORLD, timeout_s=1)
+    assert ch.exchange(5) == [5] * P
+    if rank != P - 1:  # the last rank stops calling
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"rank\(s\) \[{P - 1}\] of {P} did not reach call 2"):
+            ch.exchange(6)
+        assert time.monotonic() - t0 < 5
+    dist.barrier()
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_every_rank_gets_every_word_in_rank_order(P):
+    _run(_many_calls, P, False)
+
+
+def test_the_all_gather_fallback_gets_the_same_words():
+    _run(_many_calls, 2, True)
+
+
+def test_a_rank_that_stops_calling_is_named():
+    _run(_one_rank_stops, 3)
