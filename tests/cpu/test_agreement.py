@@ -152,7 +152,8 @@ def _devices_and_joint(rank, P, group, impl):
 
 def _block_refusal(rank, P, group, impl):
     """The attention block's local refusals go through the same agreement: every rank raises."""
-    from fa_a2a.block import ulysses_qkv_attention
+    import cute_kernels.qkv_a2a_sm90  # noqa: F401 - the checks' imports (quack, CuTe DSL: seconds on a
+    from fa_a2a.block import ulysses_qkv_attention  # loaded 2-core machine) are not the refusal's time
 
     x = torch.randn(1, S_LOC, 16)
     _refused("", lambda: ulysses_qkv_attention(x, None if rank == 0 else "weights", group=group, impl=impl))
