@@ -129,7 +129,7 @@ def _local_backward_op(ctx, grad_out, *args, **kwargs):
 # ---- routing -------------------------------------------------------------------------------------
 def rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
     """(q rows, k rows) of every rank of the group: one word per rank through the group's host
-    channel (ulysses.channel, the op's per-call agreement; a few microseconds, no collective and no
+    channel (ulysses.channel, the op's per-call agreement; ~1 us, no collective and no
     device synchronization). Every rank must call it at the same call."""
     from ulysses.channel import get_channel
 

@@ -6,7 +6,7 @@ steady-state call pays a dict lookup for its checks. Then, on a group of several
 call is agreed before any data moves (`agree_call`): each rank publishes one word, a hash of its
 signature (cached with it) or ERROR_WORD when its own checks refused the call (a bad argument,
 inputs that require grad), through the group's host channel (ulysses.channel: a shared-memory
-slot per rank, a few microseconds, no collective). Equal words: the call goes on. Otherwise every
+slot per rank, ~1 us, no collective). Equal words: the call goes on. Otherwise every
 rank sends its signature fields (or its error) to all, and every rank raises the same ValueError
 naming the first argument that differs and each rank's value - never a wrong answer, never a
 hang. A rank that stops calling makes the others raise TimeoutError after FA_A2A_TIMEOUT_S.
