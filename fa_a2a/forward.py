@@ -3,7 +3,8 @@
 impl (one rank r of P; rows and heads as in ulysses/layout.py):
   "fused"      pre-A2A kernel (q, k, v in one launch, 16-byte peer stores) -> barrier ->
                fa_a2a.fused.fa4_a2a_forward (FA4 whose epilogue stores O tiles into the peers'
-               output windows) -> barrier -> copy of this rank's window into the output.
+               output windows; paced where the call's pace decides so, fa_a2a.pacing) -> barrier
+               -> copy of this rank's window into the output.
   "serial"     pre-A2A -> barrier -> fa4_forward -> post-A2A kernel -> barrier -> copy.
   "nccl"       permute + torch.distributed.all_to_all_single around the local attention: the
                baseline users run today (yunchang, xDiT, DeepSpeed-Ulysses).
