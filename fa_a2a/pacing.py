@@ -111,9 +111,9 @@ def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[
     shared_gpu: other ranks' kernels run at once on this GPU)."""
     if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
         raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
-    if tiles.waves < 2:
-        return Pacing(None, f"{tiles.tiles} tiles on {tiles.num_sms} SMs run in one wave: no Q-loop follows "
-                            "the stores to hide them")
+    one = one_wave(tiles)
+    if one is not None:
+        return one
     drain_us = tiles.volume / (link * 1e3)  # bytes / (GB/s) = ns
     sigma = dataclasses.replace(tiles, num_sms=gpu_sms or tiles.num_sms).sigma_from_flops(fa_tflops * 1e12)
     qloop_us = tiles.kv_tiles * sigma * 1e6  # one SM's share of the whole GPU's FA4 rate
@@ -129,6 +129,14 @@ def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[
                                 f"while other ranks' kernels share the GPU: unpaced (pacing above "
                                 f"{SHARED_GPU_MAX_LOAD:.0%} cost more than it hid there)")
     return Pacing(rate, f"{facts}: paced at {PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
+
+
+def one_wave(tiles) -> Optional[Pacing]:
+    """The decision for tiles that run in one wave (unpaced, whatever the link), else None."""
+    if tiles.waves >= 2:
+        return None
+    return Pacing(None, f"{tiles.tiles} tiles on {tiles.num_sms} SMs run in one wave: no Q-loop follows the stores "
+                        "to hide them")
 
 
 def measure_store_rate(windows: torch.Tensor, rank: int, barrier=None, trials: int = 5) -> float:
@@ -162,7 +170,9 @@ def probe_shape(world_size: int) -> tuple:
 def link_gbps(transport) -> float:
     """The transport's link rate for pacing (GB/s): measure_store_rate of LINK_PROBE_BYTES from its
     first local rank into windows of its own, every rank at once, minimum over the ranks; measured
-    once per transport (collective the first time: every rank calls it at the same point)."""
+    once per transport (collective the first time: every rank calls it at the same point). The
+    probe's windows stay allocated with the transport: LINK_PROBE_BYTES per rank (P of them for
+    emulated ranks)."""
     rate = getattr(transport, "pacing_link_gbps", None)
     if rate is None:
         P, D = transport.world_size, 128
@@ -202,7 +212,8 @@ def plan_pacing(pace: Pace, transport, layout, batch: int, head_dim: int, dtype:
     tile_n = fa4_tile_shape(head_dim, causal)[1]
     out_bytes = torch.empty(0, dtype=dtype).element_size()
     tiles = FaTiles(layout.seq_pad, layout.heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
-    decision = decide(link_gbps(transport), tiles, gpu_sms=sms, shared_gpu=transport.ranks_per_gpu > 1)
+    decision = one_wave(tiles) or decide(link_gbps(transport), tiles, gpu_sms=sms,
+                                         shared_gpu=transport.ranks_per_gpu > 1)  # no probe for one wave
     key = (id(transport), layout, batch, head_dim, dtype, causal)
     if key not in _logged:
         _logged.add(key)

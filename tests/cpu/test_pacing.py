@@ -88,6 +88,10 @@ def test_plan_pacing_follows_the_option_and_the_path(monkeypatch):
     plan = lambda pace, path=None: plan_pacing(pace, _Transport(), lay, 1, 128, torch.bfloat16, False, 128,  # noqa
                                                path)
     assert plan(None) == Pacing(None, "pace off")
+    small = UlyssesLayout(1024, 24, 24, 8)  # 24 tiles: one wave, decided without timing the link
+    t = _Transport()
+    t.pacing_link_gbps = None  # not measured yet: a probe would fail on this stand-in
+    assert "one wave" in plan_pacing("auto", t, small, 1, 128, torch.bfloat16, False, 128, None).reason
     assert plan(40.0).rate_gbps == 40.0
     assert plan("auto").rate_gbps == pytest.approx(PACE_FRACTION * 52.0)
     t = _Transport()
