@@ -276,7 +276,7 @@ class VmmPeerBuffer:
 
     def __enter__(self) -> "VmmPeerBuffer":
         import torch
-        from ulysses.transport import PeerMemory, _vmm_allocation_prop
+        from ulysses.vmm import PeerMemory, _vmm_allocation_prop
 
         chunk = None
         if len(self.owners) > 1:

@@ -106,7 +106,7 @@ def test_plan_pacing_follows_the_option_and_the_path(monkeypatch):
 def test_host_windows_map_every_rank_at_one_stride():
     """The host transport's mapping (without CUDA): P shared-memory files at base + d*W, twice (two
     ranks' views); a store through one view is seen through the other and in the file."""
-    from ulysses.transport import map_host_windows, unmap_host_windows
+    from ulysses.vmm import map_host_windows, unmap_host_windows
 
     if not hasattr(os, "memfd_create"):
         pytest.skip("needs Linux memfd")

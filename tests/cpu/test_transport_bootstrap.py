@@ -20,7 +20,7 @@ HARD_S = 60  # a rank still running after this is hung: it exits with a tracebac
 
 def _bootstrap(P, group, rank, timeout_s):
     """As VmmTransport does it: the root listens before the ranks exchange its address."""
-    from ulysses.transport import _Bootstrap
+    from ulysses.bootstrap import _Bootstrap
 
     mine = os.urandom(6).hex()
     boot = _Bootstrap(0, P, f"\0fa_a2a.test.{mine}", timeout_s) if rank == 0 else None
@@ -103,7 +103,7 @@ def test_bootstrap_failures_are_bounded_and_named():
 
 # ---- small pieces, one process ---------------------------------------------------------------------
 def test_symmetric_window_bases_add_the_tensor_offset():
-    from ulysses.transport import symmetric_window_bases, uniform_window_stride
+    from ulysses.symm import symmetric_window_bases, uniform_window_stride
 
     class Handle:  # torch's handle: segment bases of a pool; the tensor sits 4 KiB in, on every rank
         buffer_ptrs = [0x10000000, 0x30000000]

@@ -41,7 +41,7 @@ def check_peer_buffer(issuer: int, owners: list[int]) -> None:
 
 
 def test_peer_memory_maps_chunks_at_one_range_on_the_same_gpu():
-    from ulysses.transport import PeerMemory, _vmm_allocation_prop
+    from ulysses.vmm import PeerMemory, _vmm_allocation_prop
 
     gran = _vmm_allocation_prop(0, posix_fd=False)[1]
     src = torch.randint(0, 256, (3 * gran,), dtype=torch.uint8, device="cuda")
@@ -60,7 +60,7 @@ def test_peer_memory_maps_chunks_at_one_range_on_the_same_gpu():
 
 
 def test_peer_memory_refuses_bad_arguments():
-    from ulysses.transport import PeerMemory, _vmm_allocation_prop
+    from ulysses.vmm import PeerMemory, _vmm_allocation_prop
 
     n = torch.cuda.device_count()
     with pytest.raises(ValueError, match=r"^owners: expected a non-empty list of GPU indices"):
@@ -75,7 +75,7 @@ def test_peer_memory_refuses_bad_arguments():
 
 
 def test_peer_memory_refuses_a_gpu_without_peer_access(monkeypatch):
-    import ulysses.transport as tr
+    import ulysses.vmm as tr
 
     monkeypatch.setattr(tr, "_can_access_peer", lambda a, b: False)
     with pytest.raises(ValueError, match=r"^access: GPU 0 cannot access the memory of GPU 0 \(cuDeviceCanAccessPeer\)"):

@@ -122,7 +122,7 @@ def _free_bytes(group):
 
 
 def _setup_failures(P, group, rank):
-    import ulysses.transport as tr
+    import ulysses.vmm as tr
     from ulysses.transport import TransportSetupError, VmmTransport
 
     faulthandler.dump_traceback_later(HARD_S, exit=True)
