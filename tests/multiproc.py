@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import tempfile
+import time
 import warnings
 
 import torch
@@ -28,6 +29,20 @@ def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None)
             _enter_mps(stack)
         args = (check, tuple(sizes), world, cuda, timeout_s, teardown, os.path.join(tmp, "init"))
         mp.spawn(_worker, args=args, nprocs=world, join=True)
+
+
+def spawn_with_deadline(worker, args: tuple, nprocs: int, deadline_s: float, what: str) -> None:
+    """mp.spawn(worker, args, nprocs) that fails the test when a process is still running after
+    deadline_s (a hang): every process is killed first."""
+    import pytest
+
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what}: a rank was still running after {deadline_s} s (hang)")
 
 
 def _enter_mps(stack: contextlib.ExitStack) -> None:

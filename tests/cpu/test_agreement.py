@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fa_a2a import ulysses_attention
+from tests.multiproc import spawn_with_deadline
 
 DEADLINE_S = 90
 B, S_LOC, H, D = 1, 4, 6, 8
@@ -28,14 +28,8 @@ def run_with_deadline(case, P, impl, env=None, cuda=False):
     """Spawn P gloo ranks running case(rank, P, group, impl) (cuda: every rank on GPU 0); fail if
     any rank fails or outlives the deadline."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(case, P, impl, os.path.join(tmp, "init"), env or {}, cuda), nprocs=P,
-                       join=False)
-        deadline = time.monotonic() + DEADLINE_S
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"{case.__name__} (P={P}, {impl}): a rank was still running after {DEADLINE_S} s (hang)")
+        spawn_with_deadline(_worker, (case, P, impl, os.path.join(tmp, "init"), env or {}, cuda), P, DEADLINE_S,
+                            f"{case.__name__} (P={P}, {impl})")
 
 
 def _worker(rank, case, P, impl, init_file, env, cuda):

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ulysses.channel as channel_mod
 from ulysses.channel import WORD_BITS, Channel
+from tests.multiproc import spawn_with_deadline
 
 DEADLINE_S = 60
 CALLS = 3000
@@ -24,13 +24,7 @@ CALLS = 3000
 
 def _run(case, P, *args):
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_worker, args=(case, P, os.path.join(tmp, "init"), args), nprocs=P, join=False)
-        deadline = time.monotonic() + DEADLINE_S
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"{case.__name__} (P={P}): a rank was still running after {DEADLINE_S} s (hang)")
+        spawn_with_deadline(_worker, (case, P, os.path.join(tmp, "init"), args), P, DEADLINE_S, f"{case.__name__} (P={P})")
 
 
 def _worker(rank, case, P, init_file, args):
