@@ -83,8 +83,12 @@ class Channel:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:  # the store's own timeout error type differs between torch versions
             missing = [k for k in keys if not self.store.check([k])]
-            raise TimeoutError(f"fa_a2a: ranks did not meet within {self.timeout_s:.0f} s on group ranks "
-                               f"{list(self.global_ranks)} (waiting for {missing[:4]}): {e}") from None
+            absent = [f"rank {g}" for s, g in enumerate(self.global_ranks)
+                      if not self.store.check([f"{self.prefix}/host/{s}"])]  # every rank's first key
+            who = f"{', '.join(absent)} never reached it" if absent else f"waiting for {missing[:4]}"
+            raise TimeoutError(f"fa_a2a: the ranks of group ranks {list(self.global_ranks)} did not meet at fa-a2a's "
+                               f"per-call agreement within {self.timeout_s:.0f} s: {who} (a rank that stopped "
+                               f"calling, raised before its call, or runs another attention backend): {e}") from None
 
     def _map_shared(self) -> Optional[tuple]:
         P, r, pre = self.world_size, self.rank, self.prefix

@@ -312,3 +312,43 @@ def test_without_parallel_config_the_backend_is_local_attention(one_accelerator)
     assert torch.allclose(out, torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v), atol=1e-6)
     with pytest.raises(ValueError, match="dropout_p"):
         backend._attention(name, "reference", q, k, v, None, 0.1, False, None, False, False, None)
+
+
+def _mixed_backends(rank, init_file):
+    """Rank 0 runs diffusers' native backend, rank 1 fa-a2a's, on the same CP model (issue 27's
+    model-level row): rank 0 never runs fa-a2a code, so it cannot be told; rank 1 waits for its word
+    at most FA_A2A_TIMEOUT_S and raises TimeoutError naming rank 0, and rank 0's collective then
+    fails as rank 1 leaves the group. Bounded on both ranks, no silent output."""
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "5"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        backend.cpu_testbed()
+        name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+        _, model = _cp_model("flux", 2, False)
+        model.set_attention_backend("native" if rank == 0 else name)
+        x = _flux_inputs(*EVEN, torch.Generator().manual_seed(1))
+        t0 = time.monotonic()
+        with torch.no_grad(), pytest.raises(Exception) as info:
+            model(**x)
+        if rank == 1:
+            assert isinstance(info.value, TimeoutError) and "rank 0" in str(info.value), repr(info.value)
+            assert time.monotonic() - t0 < 20
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_on_different_backends_end_bounded():
+    import os
+    import tempfile
+
+    from tests.multiproc import spawn_with_deadline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_with_deadline(_mixed_backends, (os.path.join(tmp, "init"),), 2, 90, "native on rank 0, fa_a2a on rank 1")
