@@ -318,7 +318,9 @@ def _mixed_backends(rank, init_file):
     """Rank 0 runs diffusers' native backend, rank 1 fa-a2a's, on the same CP model (issue 27's
     model-level row): rank 0 never runs fa-a2a code, so it cannot be told; rank 1 waits for its word
     at most FA_A2A_TIMEOUT_S and raises TimeoutError naming rank 0, and rank 0's collective then
-    fails as rank 1 leaves the group. Bounded on both ranks, no silent output."""
+    fails as rank 1 leaves the group. Bounded on both ranks, no silent output. (The row's twin,
+    ulysses_anything on one rank only, breaks inside diffusers' own output gather first: gloo
+    aborts the process on the mismatched collectives before any attention runs.)"""
     import datetime
     import os
     import time
