@@ -319,8 +319,9 @@ def _mixed_backends(rank, init_file):
     model-level row): rank 0 never runs fa-a2a code, so it cannot be told; rank 1 waits for its word
     at most FA_A2A_TIMEOUT_S and raises TimeoutError naming rank 0, and rank 0's collective then
     fails as rank 1 leaves the group. Bounded on both ranks, no silent output. (The row's twin,
-    ulysses_anything on one rank only, breaks inside diffusers' own output gather first: gloo
-    aborts the process on the mismatched collectives before any attention runs.)"""
+    ulysses_anything on one rank only, ended here with the ulysses_anything rank killed by SIGABRT
+    during an even-token call: diffusers then runs different collectives on the two ranks; not
+    traced further.)"""
     import datetime
     import os
     import time
