@@ -37,7 +37,10 @@ host memory each wave lost about its drain time (32K: +405 us over 6 waves, 67 u
 a wave's drain is 20% of its Q-loop there, 82% at 8K), while HBM drains a wave in ~3% of an 8K
 Q-loop and fused costs nothing: QUEUE_FRACTION = 0.08 paces host memory up to S = 64K (10%) and
 leaves HBM unpaced down to S = 4K (~7%). Links in between (NVLink class, ~400 GB/s: ~11% at 8K)
-get paced: not measured here (no multi-GPU machine yet).
+get paced: not measured here (no multi-GPU machine yet). This rule, measured the same way
+(`python -m fa_a2a.bench --dest host hbm --methods fa serial fused fused_auto`): host memory paced at
+44.2-45.6 GB/s, hiding 63 / 68 / 90% at M 8K / 16K / 32K (within 1% of the best hand-set rate); HBM
+unpaced, x0.990-0.999 of FA4 at 8K-64K.
 
 Real ranks sharing the H200 under MPS over the host transport (2026-12-03, H = 24, D = 128, bf16,
 graph replay, max over ranks; hiding of what serial spends beyond FA4-local): paced at 88% of each
