@@ -35,8 +35,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -73,17 +75,23 @@ def cache_dir() -> Path:
     return Path(base) / "fa_a2a"
 
 
+def _package_dir(name: str) -> Path:
+    """The folder of package `name`, found without running its __init__ (importing FA4's or
+    quack's package costs ~2 s: both import torch._dynamo)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"package {name!r} not found")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
 def _source_roots() -> tuple:
     """The Python code that runs while compiling: this package (the kernels), fa_a2a's compile
     functions (fused.py) and what they import from fa_a2a (xstage.py: FA4's tile geometry), FA4's
     CuTe package and quack. A compile function that starts using another fa_a2a module must add
     it here."""
-    import flash_attn.cute
-    import quack
-
     here = Path(__file__).resolve().parent
     return (here, here.parent / "fa_a2a" / "fused.py", here.parent / "fa_a2a" / "xstage.py",
-            Path(flash_attn.cute.__file__).resolve().parent, Path(quack.__file__).resolve().parent)
+            _package_dir("flash_attn.cute"), _package_dir("quack"))
 
 
 @functools.cache
@@ -124,6 +132,45 @@ def _store(path: Path):
     return JITPersistentCache(path)
 
 
+# FA4's JITPersistentCache names an entry f"{sha256(pickle.dumps(key))}.o" and exports its function
+# as "func" (flash_attn/cute/cache_utils.py, 4.0.0b36; tests/cpu/test_compile_cache.py checks both)
+_EXPORTED_NAME = "func"
+
+
+def _entry_file(folder: Path, full_key: tuple) -> Path:
+    return folder / f"{hashlib.sha256(pickle.dumps(full_key)).hexdigest()}.o"
+
+
+@functools.cache
+def _load_runtime_globally() -> None:
+    """Load the CuTe DSL runtime libraries with RTLD_GLOBAL, as FA4's cache module does at its
+    import: a loaded entry's object file needs their symbols (e.g. _cudaLibraryLoadData)."""
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if Path(lib).exists():
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+def _load_entry(folder: Path, full_key: tuple):
+    """The exported function of full_key in folder, or None (no entry, or one that fails to load:
+    FA4's store then recompiles and replaces it). Loads without importing FA4's package, so a warm
+    process never pays its import (~2 s, torch._dynamo). No lock: exports are renamed into place,
+    so the file is either absent or whole."""
+    path = _entry_file(folder, full_key)
+    if not path.is_file():
+        return None
+    import cutlass.cute as cute
+
+    _load_runtime_globally()
+    try:
+        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _EXPORTED_NAME)
+    except Exception:
+        return None
+
+
 def entry_folder(name: str) -> Path:
     """Where the entries of compile function `name` live under the current fingerprint."""
     return cache_dir() / source_fingerprint(_source_roots())[:32] / name
@@ -141,13 +188,16 @@ def load_or_compile(name: str, key: tuple, compile: Callable[[], Any]) -> tuple:
     except Exception:  # e.g. no GPU and no CUTE_DSL_ARCH: let the compile report it
         return compile(), False
     folder = entry_folder(name)
+    full_key = (name, key, settings)
+    loaded = _load_entry(folder, full_key)
+    if loaded is not None:
+        return loaded, True
     try:
         store = _store(folder)
     except OSError as e:
         _warn_once(f"fa_a2a compile cache: cannot use {folder} ({e}); compiling in memory only "
                    f"(set {ENV_DIR}, or {ENV_SWITCH}=0)")
         return compile(), False
-    full_key = (name, key, settings)
     if full_key in store:  # loads the entry (shared lock) into the store's memory
         return store[full_key], True
     compiled = compile()
@@ -201,4 +251,37 @@ def disk_cache(fn: Callable) -> Callable:
 
     wrapper.cache_info = cache_info
     wrapper.cache_clear = cache_clear
+    return wrapper
+
+
+def disk_value(fn: Callable) -> Callable:
+    """functools.cache for a small function of FA4's or quack's code (e.g. FA4's tile table), its
+    results kept on disk beside the compiled kernels under the same fingerprint (so a change to
+    that code is a miss): a warm process gets them without importing the package that computes
+    them. Positional arguments, hashable and picklable; the result picklable. FA_A2A_CACHE=0, or
+    a folder that cannot be written: computed in memory only."""
+
+    @functools.cache
+    @functools.wraps(fn)
+    def wrapper(*args):
+        path = None
+        if enabled():
+            try:
+                path = entry_folder(fn.__qualname__) / f"{hashlib.sha256(pickle.dumps(args)).hexdigest()}.pkl"
+                return pickle.loads(path.read_bytes())
+            except FileNotFoundError:
+                pass
+            except Exception:  # unreadable: recomputed and replaced below
+                pass
+        value = fn(*args)
+        if path is not None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(pickle.dumps(value))
+                os.replace(tmp, path)  # whole or absent for the other processes
+            except OSError:
+                tmp.unlink(missing_ok=True)
+        return value
+
     return wrapper

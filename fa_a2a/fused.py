@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from cute_kernels.compile_cache import disk_cache
+from cute_kernels.compile_cache import disk_cache, disk_value
 from cute_kernels.limits import DTYPES, HEAD_DIMS
 from ulysses.layout import check_rank
 
@@ -59,16 +59,31 @@ def _check_seqused_k(seqused_k: Optional[torch.Tensor], q: torch.Tensor) -> None
         raise ValueError("seqused_k: must be on q's device")
 
 
-def _config(head_dim: int, causal: bool):
+class Sm90Config(NamedTuple):
+    tile_m: int
+    tile_n: int
+    intra_wg_overlap: bool
+    mma_pv_is_rs: bool
+
+
+@disk_value
+def fa4_sm90_config(head_dim: int, causal: bool) -> Sm90Config:
+    """FA4's SM90 forward configuration for this head dim (head_dim_v = head_dim, no local window):
+    flash_attn.cute.interface._tile_size_fwd_sm90, the one table FA4 itself uses, read once per
+    machine (kept with the compile cache: a warm process does not import FA4's package for it).
+    The fused kernels and the X-Stage model (xstage.fa4_tile_shape) take their tiles from here.
+    For d = 128: 128 x 128 tiles."""
     from flash_attn.cute.interface import _tile_size_fwd_sm90
 
-    return _tile_size_fwd_sm90(head_dim, head_dim, causal, False)
+    cfg = _tile_size_fwd_sm90(head_dim, head_dim, causal, False)
+    return Sm90Config(int(cfg.m_block_size), int(cfg.n_block_size), bool(cfg.intra_wg_overlap),
+                      bool(cfg.mma_pv_is_rs))
 
 
 def _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal, **extra):
     import cutlass
 
-    cfg = _config(head_dim, causal)
+    cfg = fa4_sm90_config(head_dim, causal)
     cute_dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     return kernel_cls(
         cute_dtype,
@@ -78,8 +93,8 @@ def _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal, **extra)
         is_causal=causal,
         is_local=False,
         pack_gqa=False,
-        tile_m=cfg.m_block_size,
-        tile_n=cfg.n_block_size,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
         num_stages=2,
         num_threads=384,
         Q_in_regs=False,
@@ -94,9 +109,7 @@ def tile_m_for(head_dim: int, causal: bool = False, arch: int = 90) -> int:
     (90 or 100): SM90's tile_m for the head dim; on SM100 each Q stage, 128 rows."""
     if arch == 100:
         return SM100_TILE_M
-    from fa_a2a.xstage import fa4_tile_shape  # FA4's tile geometry has one home
-
-    return fa4_tile_shape(head_dim, causal)[0]
+    return fa4_sm90_config(head_dim, causal).tile_m
 
 
 def device_arch(q: torch.Tensor) -> int:
@@ -165,21 +178,28 @@ def _make_kernel_sm100(kernel_cls, head_dim, qhead_per_kvhead, causal, cfg: Sm10
     )
 
 
-def _fa4_sm100_middle(seqused_k):
-    """FA4 SM100 __call__'s arguments between softmax_scale and stream (only seqused_k set)."""
+def _no_aux(compiling: bool):
+    """FA4's empty AuxData: the class itself to compile (FA4's __call__ reads its fields); to
+    launch, the plain tuple TVM-FFI turns it into anyway (so a launch of a loaded kernel does not
+    import FA4's package)."""
+    if not compiling:
+        return (None, None)
     from flash_attn.cute.utils import AuxData
 
-    return (None, None, None, seqused_k, None, None, None, None, None, None, AuxData(None, None),
+    return AuxData(None, None)
+
+
+def _fa4_sm100_middle(seqused_k, compiling: bool = False):
+    """FA4 SM100 __call__'s arguments between softmax_scale and stream (only seqused_k set)."""
+    return (None, None, None, seqused_k, None, None, None, None, None, None, _no_aux(compiling),
             None, None, None, None, None, None, None, None)
 
 
-def _fa4_sm90_middle(seqused_k):
+def _fa4_sm90_middle(seqused_k, compiling: bool = False):
     """FA4 SM90 __call__'s arguments between softmax_scale and stream (only seqused_k set):
     (cu_q, cu_k, seqused_q, seqused_k, page_table, window_l, window_r, sink, blocksparse, aux,
     cu_total_m, cu_total_splits)."""
-    from flash_attn.cute.utils import AuxData
-
-    return (None, None, None, seqused_k, None, None, None, None, None, AuxData(None, None), None, None)
+    return (None, None, None, seqused_k, None, None, None, None, None, _no_aux(compiling), None, None)
 
 
 def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has_seqused_k: bool,
@@ -245,7 +265,7 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         if kind == "fa4":
             fa = _make_kernel_sm100(FlashAttentionForwardSm100, head_dim, qhead_per_kvhead, causal, sm100)
             # FA4 SM100 __call__: (q, k, v, o, lse, scale, <_fa4_sm100_middle>, stream)
-            return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk), stream=stream,
+            return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm100_middle(tsk, True), stream=stream,
                                 options=options)
         fa = _make_kernel_sm100(FlashAttentionA2AForwardSm100, head_dim, qhead_per_kvhead, causal, sm100,
                                 o_store=kind.removeprefix("a2a-"), rotate=rotate)
@@ -257,7 +277,7 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
     if kind == "fa4":
         fa = _make_kernel(FlashAttentionForwardSm90, dtype, head_dim, qhead_per_kvhead, causal)
         # FA4 SM90 __call__: (q, k, v, o, lse, scale, <_fa4_sm90_middle>, stream)
-        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm90_middle(tsk), stream, options=options)
+        return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, *_fa4_sm90_middle(tsk, True), stream, options=options)
     if paced:
         from cute_kernels.fa4_a2a_paced_sm90 import FlashAttentionA2APacedForwardSm90 as kernel_cls
     else:

@@ -107,14 +107,14 @@ def fa_burst_volume(num_producers: int, tile_m: int, head_dim: int, out_bytes: i
 
 def fa4_tile_shape(head_dim: int, causal: bool = False) -> tuple[int, int]:
     """(tile_m, tile_n) of FA4's SM90 forward for this head dim (head_dim_v = head_dim, no local
-    window): flash_attn.cute.interface._tile_size_fwd_sm90, the one table FA4 itself uses (imported
-    here, lazily, so that the model's arithmetic does not load FA4). For d = 128: (128, 128)."""
+    window), as the kernel layer reads FA4's own table (fa_a2a.fused.fa4_sm90_config; imported
+    lazily, so that the model's arithmetic does not load it). For d = 128: (128, 128)."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim <= 0:
         raise ValueError(f"head_dim: expected a positive integer, got {head_dim!r}")
-    from flash_attn.cute.interface import _tile_size_fwd_sm90
+    from fa_a2a.fused import fa4_sm90_config
 
-    cfg = _tile_size_fwd_sm90(int(head_dim), int(head_dim), bool(causal), False)
-    return int(cfg.m_block_size), int(cfg.n_block_size)
+    cfg = fa4_sm90_config(int(head_dim), bool(causal))
+    return cfg.tile_m, cfg.tile_n
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,18 @@ from cute_kernels.signal import compile_barrier
 ROOT = Path(__file__).resolve().parents[2]
 
 # One fresh process: the barrier first (the first compile or load of a process pays one-time
-# costs), then the timed kernel. Prints "<barrier loads> <post_a2a loads> <post_a2a seconds>".
+# costs), then the timed kernel. Prints "<barrier loads> <post_a2a loads> <post_a2a seconds>
+# <whether FA4's package, quack or torch._dynamo got imported>".
 _CHILD = """
-import time, torch
+import sys, time, torch
 from cute_kernels.a2a import compile_post_a2a
 from cute_kernels.signal import compile_barrier
 compile_barrier(3, 1)
 t = time.perf_counter()
 compile_post_a2a(torch.bfloat16, 64, 3, True)
 dt = time.perf_counter() - t
-print(compile_barrier.cache_info().loads, compile_post_a2a.cache_info().loads, dt)
+heavy = int(any(m in sys.modules for m in ("flash_attn.cute", "quack", "torch._dynamo")))
+print(compile_barrier.cache_info().loads, compile_post_a2a.cache_info().loads, dt, heavy)
 """
 
 
@@ -40,8 +42,8 @@ def _child(cache: Path) -> subprocess.Popen:
 def _result(proc: subprocess.Popen) -> tuple:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    barrier, post, seconds = out.split()[-3:]
-    return int(barrier), int(post), float(seconds)
+    barrier, post, seconds, heavy = out.split()[-4:]
+    return int(barrier), int(post), float(seconds), heavy == "1"
 
 
 def _entries(cache: Path, pattern: str = "*") -> list:
@@ -55,11 +57,12 @@ def test_racing_processes_store_one_entry_that_a_fresh_process_loads(tmp_path):
     assert [p.parent.name for p in objects] == ["compile_barrier", "compile_post_a2a"], objects
     assert all((tmp_path / p).stat().st_size > 0 for p in objects)
     assert not [p for p in _entries(tmp_path) if p.suffix not in (".o", ".lock")], "temporary files left"
-    compiled = [seconds for _, loads, seconds in raced if loads == 0]
+    compiled = [seconds for _, loads, seconds, _ in raced if loads == 0]
     assert compiled, "neither racer compiled compile_post_a2a"
 
-    barrier, post, warm = _result(_child(tmp_path))
+    barrier, post, warm, heavy = _result(_child(tmp_path))
     assert (barrier, post) == (1, 1), "the fresh process compiled instead of loading"
+    assert not heavy, "a warm process imported FA4's package, quack or torch._dynamo (~2 s) to load its kernels"
     assert warm < min(compiled) / 5, f"load {warm:.3f} s, compile {min(compiled):.3f} s"
 
 
@@ -120,6 +123,62 @@ def test_project_sources_are_in_the_fingerprint():
     names = {Path(r).name for r in roots}
     assert {"cute_kernels", "fused.py", "xstage.py", "cute", "quack"} <= names
     assert all(Path(r).exists() for r in roots)
+
+
+def test_entries_are_named_as_fa4s_store_names_them(tmp_path):
+    """The warm path loads entries itself (without FA4's package): its naming must be FA4's."""
+    from flash_attn.cute.cache_utils import JITPersistentCache
+
+    store = JITPersistentCache(tmp_path)
+    key = ("compile_barrier", (2, 1), "settings", torch.bfloat16)
+    assert C._entry_file(tmp_path, key) == tmp_path / f"{store._key_to_hash(key)}.o"
+    assert C._EXPORTED_NAME == JITPersistentCache.EXPORT_FUNCTION_PREFIX
+
+
+def test_source_roots_are_found_without_importing_the_packages():
+    code = ("import sys; from cute_kernels.compile_cache import _source_roots; _source_roots(); "
+            "print(sorted(m for m in ('flash_attn.cute', 'quack') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]"
+
+
+def test_disk_values_are_kept_beside_the_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    calls = []
+
+    def table(d, causal):
+        calls.append((d, causal))
+        return (d, 2 * d, causal)
+
+    assert C.disk_value(table)(64, True) == (64, 128, True)
+    (entry,) = _entries(tmp_path, "*.pkl")
+    assert entry.parent.name.endswith("table") and entry.parent.parent.name == C.source_fingerprint(C._source_roots())[:32]
+    assert C.disk_value(table)(64, True) == (64, 128, True)  # a fresh process: read, not computed
+    assert calls == [(64, True)]
+    (tmp_path / entry).write_bytes(b"junk")  # unreadable: computed again and replaced
+    assert C.disk_value(table)(64, True) == (64, 128, True) and len(calls) == 2
+    assert C.disk_value(table)(64, True) == (64, 128, True) and len(calls) == 2
+    monkeypatch.setenv(C.ENV_SWITCH, "0")
+    assert C.disk_value(table)(32, False) == (32, 64, False) and len(calls) == 3
+    assert len(_entries(tmp_path, "*.pkl")) == 1
+    assert not [p for p in _entries(tmp_path) if p.name.endswith(".tmp")]
+
+
+def test_fa4_tile_table_is_fa4s_own(tmp_path, monkeypatch):
+    from flash_attn.cute.interface import _tile_size_fwd_sm90
+
+    from fa_a2a.fused import fa4_sm90_config
+
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    fa4_sm90_config.cache_clear()
+    for d in (64, 128):
+        cfg = _tile_size_fwd_sm90(d, d, False, False)
+        assert fa4_sm90_config(d, False) == (cfg.m_block_size, cfg.n_block_size, cfg.intra_wg_overlap,
+                                             cfg.mma_pv_is_rs)
+    fa4_sm90_config.cache_clear()
 
 
 def test_unloadable_entry_is_recompiled_and_replaced(tmp_path, monkeypatch):
