@@ -127,17 +127,34 @@ def _local_backward_op(ctx, grad_out, *args, **kwargs):
 
 
 # ---- routing -------------------------------------------------------------------------------------
-def rows_per_rank(q_rows: int, k_rows: int, group) -> list[tuple[int, int]]:
+def rows_per_rank(q_rows: int, k_rows: int, group, *, ulysses_anything: bool = False) -> list[tuple[int, int]]:
     """(q rows, k rows) of every rank of the group: one word per rank through the group's host
     channel (ulysses.channel, the op's per-call agreement; ~1 us, no collective and no
-    device synchronization). Every rank must call it at the same call."""
+    device synchronization). Every rank must call it at the same call.
+
+    The word also carries the rank's ulysses_anything flag: ranks whose ContextParallelConfig
+    disagree on it raise the same ValueError (naming ulysses_anything and the ranks on each side)
+    at the same call, even where their shards happen to be equal. Unchecked, such ranks return
+    from attention and then run different collectives in diffusers' output gather (an all_gather
+    of the shard sizes against one of the output; see _attention), which gloo ends in SIGABRT.
+    """
     from ulysses.channel import get_channel
 
     for name, rows in (("query", q_rows), ("key", k_rows)):
         if not 0 <= rows < 1 << 23:
             raise ValueError(f"{name}: expected fewer than 2**23 rows per rank, got {rows}")
-    words = get_channel(group).exchange(q_rows << 23 | k_rows)
-    return [(w >> 23, w & ((1 << 23) - 1)) for w in words]
+    words = get_channel(group).exchange(bool(ulysses_anything) << 46 | q_rows << 23 | k_rows)
+    flags = [w >> 46 for w in words]
+    if any(f != flags[0] for f in flags):
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group)
+        on = [g for g, f in zip(ranks, flags) if f]
+        off = [g for g, f in zip(ranks, flags) if not f]
+        raise ValueError(f"ulysses_anything: rank(s) {on} of group ranks {ranks} run with ContextParallelConfig("
+                         f"ulysses_anything=True), rank(s) {off} without; every rank must enable_parallelism with "
+                         "the same config")
+    return [((w >> 23) & ((1 << 23) - 1), w & ((1 << 23) - 1)) for w in words]
 
 
 def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
@@ -211,8 +228,16 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     reason, extra = _not_fusable(impl, query, key, attn_mask, return_lse, cp), {}
     if reason is None:
         group = cp._ulysses_mesh.get_group()
-        rows = rows_per_rank(query.shape[1], key.shape[1], group)  # every call on every rank: ranks that
-        # disagree (ulysses_anything on some ranks only) reach the op's agreement, which names shard_rows
+        # Every call on every rank, with the flag: ranks that disagree on ulysses_anything raise the
+        # same ValueError here, on every rank. Even shards would otherwise pass the op's agreement
+        # (equal rows, no shard_rows) and the ranks would leave attention for diffusers' output
+        # gather (ContextParallelGatherHook.post_forward), where the ulysses_anything rank's size
+        # all_gather (gather_size_by_comm in _all_gather_anything, or cpu_testbed's padded one) meets
+        # the other rank's all_gather of its output (EquipartitionSharder.unshard): gloo's tcp
+        # transport throws gloo::EnforceNotMet ("Received data size doesn't match expected size")
+        # off the Python thread -> std::terminate -> SIGABRT on the ulysses_anything rank, while the
+        # other rank's gather may return without the first rank's shard (a wrong output, silently).
+        rows = rows_per_rank(query.shape[1], key.shape[1], group, ulysses_anything=cp.ulysses_anything)
         if cp.ulysses_anything or key.shape[1] != query.shape[1] or any(r != rows[0] for r in rows):
             extra, reason = _shard_kwargs(rows, bool(is_causal))
     if reason is None:

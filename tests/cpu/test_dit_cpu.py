@@ -15,7 +15,8 @@ The spawned ranks call fa_a2a.diffusers_backend.cpu_testbed(), which lets diffus
 machine without a GPU, with either build of torch (CPU or CUDA), over gloo (it changes no
 arithmetic); the single-process tests answer torch.accelerator.device_count() with 1 the same way.
 Also: registration refused without a GPU, for a name another library registers, and for another
-impl under a registered name.
+impl under a registered name; ranks that disagree (another attention backend, or ulysses_anything on
+one rank only) end within a bound with a named error on every rank.
 """
 
 import copy
@@ -319,9 +320,7 @@ def _mixed_backends(rank, init_file):
     model-level row): rank 0 never runs fa-a2a code, so it cannot be told; rank 1 waits for its word
     at most FA_A2A_TIMEOUT_S and raises TimeoutError naming rank 0, and rank 0's collective then
     fails as rank 1 leaves the group. Bounded on both ranks, no silent output. (The row's twin,
-    ulysses_anything on one rank only, ended here with the ulysses_anything rank killed by SIGABRT
-    during an even-token call: diffusers then runs different collectives on the two ranks; not
-    traced further.)"""
+    ulysses_anything on one rank only: _anything_on_one_rank below.)"""
     import datetime
     import os
     import time
@@ -355,3 +354,75 @@ def test_ranks_on_different_backends_end_bounded():
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn_with_deadline(_mixed_backends, (os.path.join(tmp, "init"),), 2, 90, "native on rank 0, fa_a2a on rank 1")
+
+
+def _anything_on_one_rank(rank, init_file):
+    """ulysses_anything on rank 0 only, both ranks on fa-a2a's backend (issue 27's twin of the row
+    above): an even-token call, then an uneven one.
+
+    Before the fix the even call ended with rank 0 killed by SIGABRT: both ranks saw equal shards,
+    so fa-a2a's row exchange and the op's agreement passed and attention ran; then diffusers'
+    output gather (diffusers/hooks/context_parallel.py, ContextParallelGatherHook.post_forward)
+    ran different collectives on the two ranks: rank 0 PartitionAnythingSharder.unshard_anything
+    -> _all_gather_anything, whose first collective is an all_gather of one int64 (the shard sizes:
+    diffusers/models/_modeling_parallel.py gather_size_by_comm, or cpu_testbed's padded gather's
+    all_gather_into_tensor), rank 1 EquipartitionSharder.unshard -> funcol.all_gather_tensor of its
+    output shard. gloo's tcp transport, reading the larger message for rank 0's size buffer, failed
+    GLOO_ENFORCE "op.preamble.length <= op.nbytes. 576 vs 4. Received data size doesn't match
+    expected size" (torch's third_party/gloo/gloo/transport/tcp/pair.cc:456); the gloo::EnforceNotMet
+    escaped on gloo's own thread, not into Python (faulthandler showed rank 0's Python thread still
+    inside the all_gather): std::terminate -> SIGABRT. Rank 1, depending on timing, returned an
+    output whose rank-0 half never arrived (max error 1.56 against the single-device model), then
+    failed the uneven call's split, or raised gloo's RuntimeError as rank 0's socket closed.
+    Now the backend's row exchange carries the flag: both ranks raise the same ValueError naming
+    ulysses_anything at the first attention call, before any collective. The uneven call then
+    fails on rank 1 in diffusers' own EquipartitionSharder.shard (an assert: not divisible) before
+    any attention, and rank 0 waits for it at most FA_A2A_TIMEOUT_S: TimeoutError naming rank 1."""
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        backend.cpu_testbed()
+        name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+        _, model = _cp_model("flux", 2, rank == 0)
+        model.set_attention_backend(name)
+        torch.set_grad_enabled(False)
+        dist.barrier()  # the ranks start the even call together (the channel's wait is 10 s)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            model(**_flux_inputs(*EVEN, torch.Generator().manual_seed(1)))
+        assert str(info.value).startswith("ulysses_anything: rank(s) [0] of group ranks [0, 1] run with "
+                                          "ContextParallelConfig(ulysses_anything=True), rank(s) [1] without"), \
+            f"rank {rank}: {info.value!r}"
+        assert time.monotonic() - t0 < 30, f"rank {rank}: the even call took {time.monotonic() - t0:.1f} s"
+        dist.barrier()
+        t0 = time.monotonic()
+        uneven = _flux_inputs(*UNEVEN, torch.Generator().manual_seed(1))
+        if rank == 1:
+            with pytest.raises(AssertionError, match="divisible by mesh size"):
+                model(**uneven)
+        else:
+            with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not reach call \d+"):
+                model(**uneven)
+        assert time.monotonic() - t0 < 40, f"rank {rank}: the uneven call took {time.monotonic() - t0:.1f} s"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ulysses_anything_on_one_rank_ends_with_a_named_error():
+    """Both ranks end cleanly (no SIGABRT, no output): spawn fails the test on a rank killed by a
+    signal or raising, and spawn_with_deadline on one still running after 90 s."""
+    import os
+    import tempfile
+
+    from tests.multiproc import spawn_with_deadline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_with_deadline(_anything_on_one_rank, (os.path.join(tmp, "init"),), 2, 90,
+                            "ulysses_anything on rank 0 only")
