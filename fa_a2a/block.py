@@ -41,7 +41,9 @@ and 176.6 / 373.5 / 2836.8 with that chain under torch.compile (0.67 / 0.72 / 0.
 
 Argument checks: the attention facts through fa_a2a.problem (check_call on stand-in q/k/v of the
 block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
-a bad argument on one rank makes every rank raise the same ValueError.
+a bad argument on one rank makes every rank raise the same ValueError. After the agreement a rank's
+call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.forward._rank_call):
+transport, window plan, bound attention launch and the projection's routing.
 """
 
 from __future__ import annotations
@@ -109,9 +111,14 @@ def apply_rope(x: torch.Tensor, rope_cs: torch.Tensor) -> torch.Tensor:
 
 def rope_table(rotary, rows: int, head_dim: int, device, name: str = "rotary") -> Optional[torch.Tensor]:
     """rotary -> the kernel's fp32 [rows, D] table: None, the table itself, or diffusers' (cos, sin)
-    pair [rows, D] (each frequency repeated for the adjacent pair)."""
-    from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+    pair [rows, D] (each frequency repeated for the adjacent pair) converted into a new table."""
+    src = _rope_source(rotary, rows, head_dim, device, name)
+    return _interleave(*src) if isinstance(src, tuple) else src
 
+
+def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
+    """rope_table's checks without its conversion -> None, the table, or the (cos, sin) pair; raises
+    what rope_table raises (a pair off `device`: the message of the table it would make there)."""
     if rotary is None:
         return None
     if isinstance(rotary, (tuple, list)):
@@ -121,16 +128,29 @@ def rope_table(rotary, rows: int, head_dim: int, device, name: str = "rotary") -
         if cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
             raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
-        table = interleaved_cos_sin(cos, sin)
-    elif isinstance(rotary, torch.Tensor):
-        table = rotary
-    else:
+        for t in (cos, sin):
+            if t.device != torch.device(device):
+                raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, "
+                                 f"got {torch.float32} {(rows, head_dim)} on {t.device}")
+        return cos, sin
+    if not isinstance(rotary, torch.Tensor):
         raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
-    if (table.dtype != torch.float32 or tuple(table.shape) != (rows, head_dim)
-            or table.device != torch.device(device) or not table.is_contiguous()):
+    if (rotary.dtype != torch.float32 or tuple(rotary.shape) != (rows, head_dim)
+            or rotary.device != torch.device(device) or not rotary.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
-                         f"{table.dtype} {tuple(table.shape)} on {table.device}")
-    return table
+                         f"{rotary.dtype} {tuple(rotary.shape)} on {rotary.device}")
+    return rotary
+
+
+def _interleave(cos: torch.Tensor, sin: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """interleaved_cos_sin(cos, sin), into out (fp32 [S, D], contiguous) when given: the same values
+    (each element cast to fp32 once), one stack into out instead of a new table."""
+    if out is None:
+        from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+
+        return interleaved_cos_sin(cos, sin)
+    torch.stack([cos[:, 0::2], sin[:, 0::2]], dim=-1, out=out.view(out.shape[0], -1, 2))
+    return out
 
 
 # ---- weights -------------------------------------------------------------------------------------
@@ -424,39 +444,68 @@ def project(windows, layout, rank: int, x, proj=None, rope=None, joint_x=None, j
     read; its padding rows are projected from zero rows with the last segment's weights (segment_writes).
     joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles by each
     launch's rows; else config and one_launch for every launch."""
-    from cute_kernels.qkv_a2a_sm90 import qkv_a2a_projection
-
     segs = [(x, proj, rope)] if isinstance(x, torch.Tensor) else list(x)
-    dq, dk, dv = windows
-    pick = {"q": (dq, None, None), "kv": (None, dk, dv), "qkv": (dq, dk, dv)}
-    auto = isinstance(config, str) and config == "auto"
+    joint = (joint_x, joint_proj, joint_rope) if joint_x is not None else None
+    _Projection(windows, layout, rank, segs, joint, config=config, one_launch=one_launch)(segs, joint)
 
-    def run(sx, sp, sr, targets, row0):
-        cfg, one = auto_tiles(sx.shape[1], sp, sr) if auto else (config, one_launch)
-        qkv_a2a_projection(sx, sp, targets, row0, rope_cs=sr, config=cfg, one_launch=one)
 
-    zeros = None
-    for i, n, which, row0 in segment_writes(layout, rank, [s[0].shape[1] for s in segs]):
-        if i < len(segs):
-            sx, sp, sr = segs[i]
-            if n < sx.shape[1]:  # (the rows past the valid ones: never read)
-                sx, sr = sx[:, :n], None if sr is None else sr[:n]
-            run(sx, sp, sr, pick[which], row0)
-            continue
-        if zeros is None:  # the padding rows: their k/v are masked keys, but 0 * NaN = NaN would reach P @ V
-            lx, sp, lr = segs[-1]
-            zeros = (lx.new_zeros(lx.shape[0], n, lx.shape[2]), sp,
-                     None if lr is None else lr.new_zeros(n, lr.shape[1]))
-        run(*zeros, pick[which], row0)
-    if joint_x is None:
-        return
-    own = [w[rank:rank + 1] for w in windows]
-    S, S_pad = layout.seq_len, layout.seq_pad
-    if S == S_pad:
-        run(joint_x, joint_proj, joint_rope, own, S_pad)
-    else:
-        run(joint_x, joint_proj, joint_rope, (own[0], None, None), S_pad)
-        run(joint_x, joint_proj, joint_rope, (None, own[1], own[2]), S)
+_JOINT = -1  # _Projection's segment index of the joint rows
+
+
+class _Projection:
+    """Rank `rank`'s projection launches into `windows`, routed once: segment_writes' list, each
+    launch's (config, one_launch) (auto_tiles) and the zero stand-in rows of its padding rows.
+    Built from one call's segments (x, proj, rope) and joint (x, proj, rope) or None, of which it
+    reads only the rows, the weights' kind (bias, norm, widths) and whether there is a rope: a
+    call of the same shapes and kinds reuses it with its own tensors (`__call__`)."""
+
+    def __init__(self, windows, layout, rank: int, segs, joint=None, *, config="auto", one_launch: bool = False):
+        from cute_kernels import qkv_a2a_sm90
+
+        self._launch = qkv_a2a_sm90.qkv_a2a_projection
+        dq, dk, dv = windows
+        pick = {"q": (dq, None, None), "kv": (None, dk, dv), "qkv": (dq, dk, dv)}
+        auto = isinstance(config, str) and config == "auto"
+
+        def tiles(rows, proj, rope):
+            return auto_tiles(rows, proj, rope) if auto else (config, one_launch)
+
+        # (segment index (len(segs): the zero rows, _JOINT), rows to slice to or None, windows, row0, config,
+        #  one_launch)
+        self.launches, self.zeros = [], None
+        for i, n, which, row0 in segment_writes(layout, rank, [s[0].shape[1] for s in segs]):
+            sx, sp, sr = segs[min(i, len(segs) - 1)]
+            if i == len(segs) and self.zeros is None:
+                # the padding rows: their k/v are masked keys, but 0 * NaN = NaN would reach P @ V
+                self.zeros = (sx.new_zeros(sx.shape[0], n, sx.shape[2]),
+                              None if sr is None else sr.new_zeros(n, sr.shape[1]))
+            cut = n if i < len(segs) and n < sx.shape[1] else None  # (the rows past the valid ones: never read)
+            self.launches.append((i, cut, pick[which], row0, *tiles(n, sp, sr)))
+        if joint is None:
+            return
+        own = [w[rank:rank + 1] for w in windows]
+        S, S_pad = layout.seq_len, layout.seq_pad
+        cfg = tiles(joint[0].shape[1], joint[1], joint[2])
+        if S == S_pad:
+            self.launches.append((_JOINT, None, tuple(own), S_pad, *cfg))
+        else:
+            self.launches.append((_JOINT, None, (own[0], None, None), S_pad, *cfg))
+            self.launches.append((_JOINT, None, (None, own[1], own[2]), S, *cfg))
+
+    def __call__(self, segs, joint=None) -> None:
+        """Launch the projection of segs ((x, proj, rope) per segment) and joint ((x, proj, rope),
+        present exactly when it was at build) with the routing built."""
+        n_segs = len(segs)
+        for i, cut, windows, row0, cfg, one in self.launches:
+            if i == _JOINT:
+                sx, sp, sr = joint
+            elif i == n_segs:
+                (sx, sr), sp = self.zeros, segs[-1][1]
+            else:
+                sx, sp, sr = segs[i]
+                if cut is not None:
+                    sx, sr = sx[:, :cut], None if sr is None else sr[:cut]
+            self._launch(sx, sp, windows, row0, rope_cs=sr, config=cfg, one_launch=one)
 
 
 def auto_tiles(rows: int, proj, rope) -> tuple:
@@ -517,10 +566,95 @@ def _proj_facts(proj):
 
 
 def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
-    """(x, proj, rope table) per segment of a checked call."""
+    """(x, proj, rope source: None, the table or the (cos, sin) pair) per segment of a checked call
+    (rope_table's checks, every call; the conversion is the prepared call's)."""
     segs, names = _as_segments(x, proj, rotary, name)
-    return tuple((s.x, s.proj, rope_table(s.rotary, s.x.shape[1], s.proj.head_dim, s.x.device, rn))
+    return tuple((s.x, s.proj, _rope_source(s.rotary, s.x.shape[1], s.proj.head_dim, s.x.device, rn))
                  for s, (_, _, rn) in zip(segs, names))
+
+
+class _RankBlock:
+    """One rank's block calls of one checked signature, prepared once (fa_a2a.forward._rank_call's
+    counterpart): the transport, the window plan, the bound attention launch, the routed projection
+    (_Projection), the fp32 rope tables the (cos, sin) pairs are converted into, and the rank's
+    joint weight slice. A steady-state call neither re-reads the transport's settings nor hashes the
+    layout, re-routes the projection or allocates (its output aside): nothing is allocated under
+    CUDA-graph capture after a first eager call.
+
+    The rotary tables are converted every call, into buffers of this object. Caching the converted
+    table keyed by the inputs' (data_ptr, _version, shape, dtype) is not safe: writes that bypass
+    the version counter (through .data, a CUDA-graph replay or a custom kernel) leave the key as it
+    was; a freed input's address comes back with a fresh version 0; inference tensors have no
+    version counter; and a cache hit during capture would leave the conversion out of the graph,
+    so a replay after the caller copies new positions into its static rotary inputs would read the
+    old table. The conversion is one stack kernel into a buffer (it was a stack into a new tensor
+    and, for non-fp32 inputs, a cast)."""
+
+    def __init__(self, transport, problem, rank: int, segs, joint_x, joint_proj, joint_rope, config,
+                 one_launch: bool):
+        from fa_a2a.forward import window_plan
+
+        p, lay = problem, problem.layout
+        self.transport, self.rank, self.head_dim = transport, rank, p.head_dim
+        self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
+        self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
+        self.rows = sum(s[0].shape[1] for s in segs)
+        self.joint_rows = joint_x.shape[1] if joint_x is not None else 0
+        device = segs[0][0].device
+        buffer = lambda rows, src: (torch.empty(rows, p.head_dim, dtype=torch.float32, device=device)  # noqa: E731
+                                    if isinstance(src, tuple) else None)
+        self.tables = [buffer(s[0].shape[1], s[2]) for s in segs]  # where a (cos, sin) pair is converted
+        self.joint_table = buffer(self.joint_rows, joint_rope) if self.joint_rows else None
+        self.joint_src = self.joint_slice = None
+        rope = lambda src, t: src if t is None else t  # noqa: E731 (the routing reads its presence and width)
+        joint = ((joint_x, self._joint_proj(joint_proj or segs[0][1]), rope(joint_rope, self.joint_table))
+                 if self.joint_rows else None)
+        self.project = _Projection((plan.dq, plan.dk, plan.dv), lay, rank,
+                                   [(x, w, rope(r, t)) for (x, w, r), t in zip(segs, self.tables)], joint,
+                                   config=config, one_launch=one_launch)
+
+    def _joint_proj(self, src):
+        if src is not self.joint_src:  # the rank's slice of the joint weights, kept for the next call
+            self.joint_src, self.joint_slice = src, _rank_slice(src, self.rank)
+        return self.joint_slice
+
+    def __call__(self, segs, joint, joint_rotary, joint_proj):
+        segs = [(x, w, _interleave(*r, t) if isinstance(r, tuple) else r) for (x, w, r), t in zip(segs, self.tables)]
+        jt = None
+        if self.joint_rows:
+            r = _rope_source(joint_rotary, self.joint_rows, self.head_dim, segs[0][0].device, "joint_rotary")
+            jt = (joint, self._joint_proj(joint_proj or segs[0][1]),
+                  _interleave(*r, self.joint_table) if isinstance(r, tuple) else r)
+        self.project(segs, jt)
+        self.transport.barrier()
+        self.attend()
+        self.transport.barrier()
+        out, joint_out = self.plan.finish(self.rank, self.rows)
+        return out if joint is None else (out, _joint_result(out, joint_out))
+
+
+def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joint_proj, joint_rotary, config,
+                one_launch: bool) -> _RankBlock:
+    """The prepared _RankBlock of this call, from `calls` (its signature's, keyed there by the current
+    device and the rank's segment rows; the signature holds the group name and the rank), built on
+    a miss; those of closed transports are dropped, as fa_a2a.forward._rank_call does."""
+    local = (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs))
+    call = calls.get(local)
+    if call is None or call.transport.closed:
+        from fa_a2a.forward import emulated_transport
+        from ulysses.transport import get_transport
+
+        for prepared in [e[3] for e in _resolved.values()] + [calls]:
+            for stale in [k for k, c in prepared.items() if c.transport.closed]:
+                del prepared[stale]
+        x0, p0 = segs[0][:2]
+        transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
+        joint_x = joint if joint is not None and joint.shape[1] else None
+        jrope = (_rope_source(joint_rotary, joint_x.shape[1], p0.head_dim, x0.device, "joint_rotary")
+                 if joint_x is not None else None)
+        call = calls[local] = _RankBlock(transport, problem, rank, segs, joint_x, joint_proj, jrope, config,
+                                         one_launch)
+    return call
 
 
 def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
@@ -545,9 +679,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
     before graph capture).
     """
-    from fa_a2a.forward import emulated_transport, window_plan
     from fa_a2a.op import _group
-    from ulysses.transport import get_transport
 
     group, group_name, P, rank = _group(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name, type(pace), pace)
@@ -560,32 +692,18 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank, pace=pace).problem
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
-            entry = (problem, fields, fields and signature_word(fields))
+            entry = (problem, fields, fields and signature_word(fields), {})  # {}: its prepared calls (_rank_block)
             if key is not None:
                 _resolved[key] = entry
-        problem, fields, word = entry
+        problem, fields, word, calls = entry
         segs = _rank_segments(x, proj, rotary)
         _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
                        + [("joint", joint)])
-        return (problem, segs), fields, word
+        return (problem, segs, calls), fields, word
 
-    problem, segs = checked_and_agreed(checks, group if collective else None)
-    x0, p0 = segs[0][:2]
-    joint_x = joint if joint is not None and joint.shape[1] else None
-    joint_rope = (rope_table(joint_rotary, joint.shape[1], p0.head_dim, x0.device, "joint_rotary")
-                  if joint_x is not None else None)
-    p, lay = problem, problem.layout
-    transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
-    plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-    attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the first barrier
-    jproj = _rank_slice(joint_proj or p0, rank) if joint_x is not None else None
-    project((plan.dq, plan.dk, plan.dv), lay, rank, segs, joint_x=joint_x, joint_proj=jproj, joint_rope=joint_rope,
-            config=config, one_launch=one_launch)
-    transport.barrier()
-    attend()
-    transport.barrier()
-    out, joint_out = plan.finish(rank, sum(s[0].shape[1] for s in segs))
-    return out if joint is None else (out, _joint_result(out, joint_out))
+    problem, segs, calls = checked_and_agreed(checks, group if collective else None)
+    call = _rank_block(calls, group, P, rank, problem, segs, joint, joint_proj, joint_rotary, config, one_launch)
+    return call(segs, joint, joint_rotary, joint_proj)
 
 
 def _joint_result(out, joint_out):

@@ -331,3 +331,125 @@ def test_emulated_segment_argument_checks(name, change, match):
         xs, proj = args.pop("xs"), args.pop("proj")
         with pytest.raises(ValueError, match=match):
             block.ulysses_qkv_attention_emulated(xs, proj, **args)
+
+
+# ---- the real-rank path's prepared call ------------------------------------------------------------
+class _FakeTransport:
+    def __init__(self):
+        self.closed, self.barriers = False, 0
+
+    def barrier(self):
+        self.barriers += 1
+
+
+class _FakePlan:
+    def __init__(self, transport, lay, B, D, dtype, device):
+        self.transport, self.attends, self.joint = transport, 0, lay.joint_len > 0
+        self.dq, self.dk, self.dv = _windows(lay.world_size, B, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D,
+                                             device, dtype)
+
+    def attend_launch(self, rank, impl, causal, scale, pace):
+        return lambda: setattr(self, "attends", self.attends + 1)
+
+    def finish(self, rank, rows):
+        return ("out", rank, rows), ("joint out", rank) if self.joint else None
+
+
+def test_rank_block_launches_what_project_launches(monkeypatch):
+    """The prepared call (uneven rows: padding rows from zeros, joint rows with S < S_pad, Flux's two
+    segments, (cos, sin) pairs) launches exactly what project() launches with freshly converted
+    tables, call after call: the same routing, its rope tables converted into its own buffers
+    (bit-equal to interleaved_cos_sin of this call's pair), the same zero rows, and the joint
+    weights sliced once."""
+    import types
+
+    from fa_a2a import forward
+
+    seen = []
+    monkeypatch.setattr(K, "qkv_a2a_projection", lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
+                        seen.append((x, proj, tuple(windows), row0, rope_cs, config, one_launch)))
+    P, rank, D, J = 2, 1, 64, 5
+    lay = UlyssesLayout.from_shard_rows([36, 33], 4, 4, P, joint_len=J)  # rank 1: 33 valid rows + 3 padding
+    p = types.SimpleNamespace(layout=lay, batch=1, head_dim=D, dtype=torch.bfloat16, impl="fused", causal=False,
+                              scale=0.125, pace=None)
+    transport = _FakeTransport()
+    monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: _FakePlan(t, lay, B, D, dtype, "cpu"))
+    sliced = []
+    monkeypatch.setattr(block, "_rank_slice", lambda w, r: sliced.append((w, r)) or f"{w}@{r}")
+
+    def call_args(seed):
+        g = torch.Generator().manual_seed(seed)
+        pair = lambda n: (torch.randn(n, D, generator=g), torch.randn(n, D, generator=g))  # noqa: E731
+        segs = ((torch.randn(1, 4, 16, generator=g), "text", pair(4)),
+                (torch.randn(1, 32, 32, generator=g), "image", pair(32)))
+        return segs, torch.randn(1, J, 16, generator=g), pair(J)
+
+    def same(a, b):  # the same window view
+        return a is b if a is None or b is None else (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape,
+                                                                                              b.stride())
+
+    segs, jx, jpair = call_args(0)
+    rb = block._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
+    windows = (rb.plan.dq, rb.plan.dk, rb.plan.dv)
+    bufs = [t.data_ptr() for t in rb.tables + [rb.joint_table]]
+    prepared = []
+    for seed in (1, 2):
+        segs, jx, jpair = call_args(seed)
+        seen.clear()
+        assert rb(segs, jx, jpair, "joint") == (("out", rank, 36), ("joint out", rank))
+        got = list(seen)
+        prepared.append(got)
+        seen.clear()
+        tables = [K.interleaved_cos_sin(*r) for _, _, r in segs]
+        block.project(windows, lay, rank, [(x, w, t) for (x, w, _), t in zip(segs, tables)], joint_x=jx,
+                      joint_proj="joint@1", joint_rope=K.interleaved_cos_sin(*jpair), config=None)
+        assert [a[1] for a in got] == ["text", "image", "image", "image", "joint@1", "joint@1"]
+        assert len(got) == len(seen)
+        for a, b in zip(got, seen):  # the same launch with the same values; x and windows the same tensors
+            assert a[1] == b[1] and a[3:4] + a[5:] == b[3:4] + b[5:]
+            assert all(same(u, v) for u, v in zip(a[2], b[2]))
+            assert torch.equal(a[0], b[0]) and (a[4] is None) == (b[4] is None)
+            assert a[4] is None or torch.equal(a[4], b[4])
+        assert got[0][0] is segs[0][0] and got[4][0] is got[5][0] is jx
+        assert got[1][0].data_ptr() == segs[1][0].data_ptr() and got[1][0].shape[1] == 29  # its valid rows
+        for a in got:  # rope tables: views of the prepared buffers (the padding rows': its zeros)
+            assert a[4].data_ptr() in bufs or a[4] is rb.project.zeros[1]
+    for a, b in zip(*prepared):  # the zero rows and the rope buffers of one call are the next call's
+        assert a[2] == b[2] and (a[0] is b[0]) == (a[0] is rb.project.zeros[0]) and a[4].data_ptr() == b[4].data_ptr()
+    assert sliced == [("joint", rank)]
+    assert transport.barriers == 4 and rb.plan.attends == 2
+
+
+def test_rank_block_steady_state_and_refusals(monkeypatch):
+    """ulysses_qkv_attention (P = 1, fake CUDA tensors): the transport, the window plan and the
+    projection's routing are looked up once per signature (not per call); a bad rotary of the same
+    signature is still refused by name; a closed transport's call is rebuilt."""
+    from fa_a2a import forward
+
+    seen, made = [], []
+    monkeypatch.setattr(block, "_resolved", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(K, "qkv_a2a_projection", lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
+                        seen.append((x, row0, rope_cs, config, one_launch)))
+    monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
+    monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
+                        _FakePlan(t, lay, B, D, dtype, "cuda"))
+    routed = []
+    inner = block.segment_writes
+    monkeypatch.setattr(block, "segment_writes", lambda *a: routed.append(a) or inner(*a))
+    with FakeTensorMode():
+        S, D, C = 32, 64, 64
+        proj = _fake_proj(1, 4, 4, D, C)
+        xs = [torch.empty(1, S, C, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+        table = torch.empty(S, D, device="cuda")
+        for x in xs:
+            assert block.ulysses_qkv_attention(x, proj, rotary=table) == ("out", 0, S)
+        assert [type(m).__name__ if m != "plan" else m for m in made] == ["_FakeTransport", "plan"]
+        assert len(routed) == 1 and [s[0] for s in seen] == xs and all(s[2] is table for s in seen)
+        with pytest.raises(ValueError, match="rotary: expected a contiguous float32 \\[32, 64\\] table"):
+            block.ulysses_qkv_attention(xs[0], proj, rotary=torch.empty(S - 1, D, device="cuda"))
+        with pytest.raises(ValueError, match="rotary: expected cos, sin of shape \\[32, 64\\]"):
+            block.ulysses_qkv_attention(xs[0], proj, rotary=(table, torch.empty(1, D, device="cuda")))
+        made[0].closed = True
+        assert block.ulysses_qkv_attention(xs[0], proj, rotary=table) == ("out", 0, S)
+        assert len(made) == 4 and not made[2].closed and len(routed) == 2
