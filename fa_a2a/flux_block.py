@@ -196,7 +196,7 @@ class _FusedBlockProcessor:
         impl = _backend_impl(self._attention_backend)
         J = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
         rows = J + hidden_states.shape[1]
-        shard_rows = _shard_rows(rows, group) if cp.ulysses_anything else None
+        shard_rows = _shard_rows(rows, group, cp.ulysses_anything)
         segments = self._segments(self._weights(attn, group), hidden_states, encoder_hidden_states, rotary)
         pace = diffusers_backend.backend_pace(_backend_name(self._attention_backend))
         return ulysses_qkv_attention(segments, group=group, impl=impl, shard_rows=shard_rows, pace=pace).flatten(2, 3)
@@ -301,11 +301,13 @@ def _split_rotary(image_rotary_emb, J: int, rows: int):
     return (cos[:J], sin[:J]), (cos[J:], sin[J:])
 
 
-def _shard_rows(rows: int, group) -> Optional[list]:
-    """Every rank's rows (uneven shards of ulysses_anything) as shard_rows, None when all are equal."""
+def _shard_rows(rows: int, group, ulysses_anything: bool) -> Optional[list]:
+    """Every rank's rows (uneven shards of ulysses_anything) as shard_rows, None when all are equal.
+    Exchanged on every call, as the backend does: ranks that disagree on ulysses_anything raise
+    the same ValueError here (diffusers_backend.rows_per_rank) instead of parting ways later."""
     from fa_a2a import diffusers_backend
 
-    every = [q for q, _ in diffusers_backend.rows_per_rank(rows, rows, group)]
+    every = [q for q, _ in diffusers_backend.rows_per_rank(rows, rows, group, ulysses_anything=ulysses_anything)]
     return every if len(set(every)) > 1 else None
 
 
