@@ -19,8 +19,10 @@ impl under a registered name; ranks that disagree (another attention backend, or
 one rank only) end within a bound with a named error on every rank.
 """
 
+import contextlib
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -315,24 +317,34 @@ def test_without_parallel_config_the_backend_is_local_attention(one_accelerator)
         backend._attention(name, "reference", q, k, v, None, 0.1, False, None, False, False, None)
 
 
+@contextlib.contextmanager
+def _two_gloo_ranks_on_reference(rank: int, init_file: str, *, wait_s: int, group_timeout_s: int):
+    """A spawned test rank's 2-rank gloo group (its timeout group_timeout_s; FA_A2A_TIMEOUT_S = wait_s)
+    with fa-a2a's reference backend registered on the CPU testbed -> the backend's name; the group
+    destroyed at exit."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ["FA_A2A_TIMEOUT_S"] = str(wait_s)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=group_timeout_s))
+    try:
+        backend.cpu_testbed()
+        yield backend.register_diffusers_backend("fa_a2a_reference", "reference")
+    finally:
+        dist.destroy_process_group()
+
+
 def _mixed_backends(rank, init_file):
     """Rank 0 runs diffusers' native backend, rank 1 fa-a2a's, on the same CP model (issue 27's
     model-level row): rank 0 never runs fa-a2a code, so it cannot be told; rank 1 waits for its word
     at most FA_A2A_TIMEOUT_S and raises TimeoutError naming rank 0, and rank 0's collective then
     fails as rank 1 leaves the group. Bounded on both ranks, no silent output. (The row's twin,
     ulysses_anything on one rank only: _anything_on_one_rank below.)"""
-    import datetime
-    import os
     import time
 
-    import torch.distributed as dist
-
-    os.environ["FA_A2A_TIMEOUT_S"] = "5"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        backend.cpu_testbed()
-        name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+    with _two_gloo_ranks_on_reference(rank, init_file, wait_s=5, group_timeout_s=30) as name:
         _, model = _cp_model("flux", 2, False)
         model.set_attention_backend("native" if rank == 0 else name)
         x = _flux_inputs(*EVEN, torch.Generator().manual_seed(1))
@@ -342,12 +354,9 @@ def _mixed_backends(rank, init_file):
         if rank == 1:
             assert isinstance(info.value, TimeoutError) and "rank 0" in str(info.value), repr(info.value)
             assert time.monotonic() - t0 < 20
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ranks_on_different_backends_end_bounded():
-    import os
     import tempfile
 
     from tests.multiproc import spawn_with_deadline
@@ -378,18 +387,11 @@ def _anything_on_one_rank(rank, init_file):
     ulysses_anything at the first attention call, before any collective. The uneven call then
     fails on rank 1 in diffusers' own EquipartitionSharder.shard (an assert: not divisible) before
     any attention, and rank 0 waits for it at most FA_A2A_TIMEOUT_S: TimeoutError naming rank 1."""
-    import datetime
-    import os
     import time
 
     import torch.distributed as dist
 
-    os.environ["FA_A2A_TIMEOUT_S"] = "10"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        backend.cpu_testbed()
-        name = backend.register_diffusers_backend("fa_a2a_reference", "reference")
+    with _two_gloo_ranks_on_reference(rank, init_file, wait_s=10, group_timeout_s=60) as name:
         _, model = _cp_model("flux", 2, rank == 0)
         model.set_attention_backend(name)
         torch.set_grad_enabled(False)
@@ -411,14 +413,11 @@ def _anything_on_one_rank(rank, init_file):
             with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not reach call \d+"):
                 model(**uneven)
         assert time.monotonic() - t0 < 40, f"rank {rank}: the uneven call took {time.monotonic() - t0:.1f} s"
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ulysses_anything_on_one_rank_ends_with_a_named_error():
     """Both ranks end cleanly (no SIGABRT, no output): spawn fails the test on a rank killed by a
     signal or raising, and spawn_with_deadline on one still running after 90 s."""
-    import os
     import tempfile
 
     from tests.multiproc import spawn_with_deadline
