@@ -269,9 +269,7 @@ def disk_value(fn: Callable) -> Callable:
             try:
                 path = entry_folder(fn.__qualname__) / f"{hashlib.sha256(pickle.dumps(args)).hexdigest()}.pkl"
                 return pickle.loads(path.read_bytes())
-            except FileNotFoundError:
-                pass
-            except Exception:  # unreadable: recomputed and replaced below
+            except Exception:  # absent or unreadable: computed, and written below
                 pass
         value = fn(*args)
         if path is not None:
