@@ -229,14 +229,9 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     if reason is None:
         group = cp._ulysses_mesh.get_group()
         # Every call on every rank, with the flag: ranks that disagree on ulysses_anything raise the
-        # same ValueError here, on every rank. Even shards would otherwise pass the op's agreement
-        # (equal rows, no shard_rows) and the ranks would leave attention for diffusers' output
-        # gather (ContextParallelGatherHook.post_forward), where the ulysses_anything rank's size
-        # all_gather (gather_size_by_comm in _all_gather_anything, or cpu_testbed's padded one) meets
-        # the other rank's all_gather of its output (EquipartitionSharder.unshard): gloo's tcp
-        # transport throws gloo::EnforceNotMet ("Received data size doesn't match expected size")
-        # off the Python thread -> std::terminate -> SIGABRT on the ulysses_anything rank, while the
-        # other rank's gather may return without the first rank's shard (a wrong output, silently).
+        # same ValueError here (rows_per_rank says what happens otherwise: diffusers' output gather
+        # runs different collectives on the ranks; ContextParallelGatherHook.post_forward's size
+        # all_gather against EquipartitionSharder.unshard's, which gloo ends in SIGABRT).
         rows = rows_per_rank(query.shape[1], key.shape[1], group, ulysses_anything=cp.ulysses_anything)
         if cp.ulysses_anything or key.shape[1] != query.shape[1] or any(r != rows[0] for r in rows):
             extra, reason = _shard_kwargs(rows, bool(is_causal))
