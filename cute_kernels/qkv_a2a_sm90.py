@@ -612,12 +612,29 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     The norm applies when proj has norm weights. one_launch: q, k and v in one launch of
     qkv_bias_norm_rope_epi (bias + norm + RoPE on q and k, v passed through exactly) instead of
     q|k and v apart: one grid instead of two partial waves. Graph-capturable; no host sync. On
-    fake tensors (FakeTensorMode) it compiles and checks without launching.
+    fake tensors (FakeTensorMode) it compiles and checks without launching. Calls that repeat
+    with the same shapes and windows: qkv_a2a_launcher (checked and bound once).
     """
+    qkv_a2a_launcher(x, proj, windows, row0, rope_cs=rope_cs, config=config, one_launch=one_launch)(x, proj, rope_cs)
+
+
+def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
+                     row0: int, *, rope_cs: Optional[torch.Tensor] = None,
+                     config: Optional[GemmConfig] = None, one_launch: bool = False):
+    """qkv_a2a_projection's checks, launch groups, compiles and window views, done once for these
+    arguments -> launch(x, proj, rope_cs=None) on the current stream.
+
+    A launch takes an x of this x's shape, dtype and device, a proj of this proj's kind (shapes,
+    bias and norm present, world size, heads: e.g. another layer's weights) and rope_cs exactly when
+    one is given here (fp32 [M, D]); the caller keeps to that (fa_a2a.block: its call signature). Per
+    launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
+    and kept on proj; the epilogue arguments with this call's rope_cs; x itself, or a contiguous
+    copy where its rows are not 16-byte aligned (the TMA's requirement; the checks here hold for
+    this x only). The windows and row0 are bound here."""
     _check_inputs(x, proj, rope_cs, config, one_launch)
     if not isinstance(windows, (tuple, list)) or len(windows) != 3 or all(w is None for w in windows):
         raise ValueError("windows: a tuple (dq, dk, dv) with at least one tensor expected")
-    B, M, _ = x.shape
+    B, M, C = x.shape
     P, D = proj.world_size, proj.head_dim
     first = next(w for w in windows if w is not None)
     N = first.shape[2] if first.dim() == 5 else -1
@@ -639,58 +656,90 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     if row0 + M > N:
         raise ValueError(f"row0: rows [row0, row0 + {M}) must lie in the windows' {N} rows, got {row0}")
     if M == 0:
-        return  # e.g. a rank without padded rows
+        return _no_launch  # e.g. a rank without padded rows
     epilogue = proj.norm_weight is not None or rope_cs is not None
     es = x.element_size()
+    runs = []
     for g in _groups(proj, [w is not None for w in windows], epilogue, one_launch):
         # split a group where the windows of its tensors are not one uniform-stride block
-        runs = [[g["ts"][0]]]
+        split = [[g["ts"][0]]]
         for t in g["ts"][1:]:
-            a, b = windows[runs[-1][-1]], windows[t]
+            a, b = windows[split[-1][-1]], windows[t]
             T = b.storage_offset() - a.storage_offset()
             same = (_same_storage(a, b) and a.stride() == b.stride() and T > 0
                     and (T * es) % 16 == 0)
-            if same and len(runs[-1]) > 1:
-                same = T == a.storage_offset() - windows[runs[-1][-2]].storage_offset()
+            if same and len(split[-1]) > 1:
+                same = T == a.storage_offset() - windows[split[-1][-2]].storage_offset()
             if same:
-                runs[-1].append(t)
+                split[-1].append(t)
             else:
-                runs.append([t])
-        for ts in runs:
-            _launch_group(x, proj, windows, dict(g, ts=ts), row0, rope_cs, config)
-
-
-def _launch_group(x, proj, windows, g, row0, rope_cs, config):
-    B, M, _ = x.shape
-    width, ts = g["width"], g["ts"]
-    cfg = _group_config(config, g, proj)
-    kern = compile_projection(x.dtype, width, proj.head_dim,
-                              proj.bias.dtype if proj.bias is not None else None,
-                              g["epi"] is not None and proj.norm_weight is not None,
-                              g["epi"] is not None and rope_cs is not None, cfg, g["epi"] == "qkv")
+                split.append([t])
+        for ts in split:
+            run = dict(g, ts=ts)
+            cfg = _group_config(config, run, proj)
+            runs.append((run, compile_projection(
+                x.dtype, run["width"], D, proj.bias.dtype if proj.bias is not None else None,
+                run["epi"] is not None and proj.norm_weight is not None,
+                run["epi"] is not None and rope_cs is not None, cfg, run["epi"] == "qkv")))
     if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
-        return
-    lo, hi, gv = _group_values(proj, g, rope_cs)
-    bias = gv["bias"]
-    weight = proj.weight[lo:hi].unsqueeze(0)
-    sched = _scheduler_args(kern.cluster_size, x.device.index or 0)
-    if kern.call_ops:
-        values = _epilogue_values(_group_mod(g, gv), head_dim=proj.head_dim, **gv)
-        fields = dict.fromkeys(kern.epi_type._fields)
-        for name, op, key in kern.call_ops:
-            value = values[name]
-            if type(op).host_call_arg is not EpiOp.host_call_arg:
-                value = op.host_call_arg(value, key)
-            fields[name] = value
-        epi = kern.epi_type(**fields)
-    else:
-        epi = GemmDefaultEpiMixin.EpilogueArguments(
-            alpha=None, beta=None, mRowVecBroadcast=bias.unsqueeze(0) if bias is not None else None,
-            mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None,
-        )
-    for b in range(B):
-        d5 = rank_window_view([windows[t] for t in ts], row0, b, M)
-        kern.compiled(x[b:b + 1], weight, d5, None, epi, sched, None, None, None)
+        return _no_launch
+    device_index = x.device.index or 0
+    bound = tuple((kern, run, tuple(rank_window_view([windows[t] for t in run["ts"]], row0, b, M) for b in range(B)),
+                   _scheduler_args(kern.cluster_size, device_index)) for run, kern in runs)
+
+    def launch(x, proj, rope_cs=None) -> None:
+        if (x.stride(2) != 1 or (x.stride(1) != C and M > 1) or (x.stride(0) * es) % 16
+                or x.data_ptr() % 16):
+            x = x.contiguous()
+        for kern, run, views, sched in bound:
+            weight, epi, cs = _launch_args(proj, run, kern)
+            if cs is not None:  # the epilogue's arguments with this call's RoPE table
+                name, op, key = cs
+                epi = kern.epi_type(**dict(epi, **{name: _call_arg(op, rope_cs, key)}))
+            if B == 1:
+                kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
+            else:
+                for b in range(B):
+                    kern.compiled(x[b:b + 1], weight, views[b], None, epi, sched, None, None, None)
+
+    return launch
+
+
+def _no_launch(x, proj, rope_cs=None) -> None:
+    return None
+
+
+def _call_arg(op, value, key):
+    return value if type(op).host_call_arg is EpiOp.host_call_arg else op.host_call_arg(value, key)
+
+
+def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
+    """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with a
+    RoPE table in the epilogue (weight, the other fields as a dict, (name, op, key) of the table):
+    sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
+    cache = proj.__dict__.setdefault("_launch_args", {})
+    key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
+    args = cache.get(key)
+    if args is None:
+        rope = any(name == "cs" for name, _, _ in kern.call_ops)
+        lo, hi, values = _group_values(proj, run, True if rope else None)
+        weight = proj.weight[lo:hi].unsqueeze(0)
+        bias = values["bias"]
+        if not kern.call_ops:
+            args = (weight, GemmDefaultEpiMixin.EpilogueArguments(
+                alpha=None, beta=None, mRowVecBroadcast=bias.unsqueeze(0) if bias is not None else None,
+                mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None), None)
+        else:
+            values = _epilogue_values(_group_mod(run, values), head_dim=proj.head_dim, **values)
+            fields, cs = dict.fromkeys(kern.epi_type._fields), None
+            for name, op, op_key in kern.call_ops:
+                if name == "cs":
+                    cs = (name, op, op_key)
+                else:
+                    fields[name] = _call_arg(op, values[name], op_key)
+            args = (weight, fields if cs is not None else kern.epi_type(**fields), cs)
+        cache[key] = args
+    return args
 
 
 def rank_window_view(tensors: Sequence[torch.Tensor], row0: int, batch: int, rows: int) -> torch.Tensor:

@@ -112,8 +112,10 @@ def apply_rope(x: torch.Tensor, rope_cs: torch.Tensor) -> torch.Tensor:
 def rope_table(rotary, rows: int, head_dim: int, device, name: str = "rotary") -> Optional[torch.Tensor]:
     """rotary -> the kernel's fp32 [rows, D] table: None, the table itself, or diffusers' (cos, sin)
     pair [rows, D] (each frequency repeated for the adjacent pair) converted into a new table."""
+    from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+
     src = _rope_source(rotary, rows, head_dim, device, name)
-    return _interleave(*src) if isinstance(src, tuple) else src
+    return interleaved_cos_sin(*src) if isinstance(src, tuple) else src
 
 
 def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
@@ -142,15 +144,24 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     return rotary
 
 
-def _interleave(cos: torch.Tensor, sin: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """interleaved_cos_sin(cos, sin), into out (fp32 [S, D], contiguous) when given: the same values
-    (each element cast to fp32 once), one stack into out instead of a new table."""
-    if out is None:
-        from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+class _RopeTable:
+    """Where a diffusers (cos, sin) pair [rows, D] becomes the kernel's fp32 table, every call: one
+    stack into this buffer (interleaved_cos_sin's values, each element cast to fp32 once). The two
+    strided views the stack reads are kept for the pair last seen and rebuilt only when a tensor's
+    address, strides or dtype change (a view costs ~7 us of host time on the H200 machine, the
+    check ~1 us; a kept view holds its storage, so an unchanged address is the same memory)."""
 
-        return interleaved_cos_sin(cos, sin)
-    torch.stack([cos[:, 0::2], sin[:, 0::2]], dim=-1, out=out.view(out.shape[0], -1, 2))
-    return out
+    def __init__(self, rows: int, head_dim: int, device):
+        self.table = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
+        self._out = self.table.view(rows, head_dim // 2, 2)
+        self._key = self._views = None
+
+    def __call__(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        key = (cos.data_ptr(), cos.stride(), cos.dtype, sin.data_ptr(), sin.stride(), sin.dtype)
+        if key != self._key:
+            self._key, self._views = key, [cos[:, 0::2], sin[:, 0::2]]
+        torch.stack(self._views, dim=-1, out=self._out)
+        return self.table
 
 
 # ---- weights -------------------------------------------------------------------------------------
@@ -453,16 +464,16 @@ _JOINT = -1  # _Projection's segment index of the joint rows
 
 
 class _Projection:
-    """Rank `rank`'s projection launches into `windows`, routed once: segment_writes' list, each
-    launch's (config, one_launch) (auto_tiles) and the zero stand-in rows of its padding rows.
-    Built from one call's segments (x, proj, rope) and joint (x, proj, rope) or None, of which it
-    reads only the rows, the weights' kind (bias, norm, widths) and whether there is a rope: a
-    call of the same shapes and kinds reuses it with its own tensors (`__call__`)."""
+    """Rank `rank`'s projection launches into `windows`, routed and bound once: segment_writes' list,
+    each launch's (config, one_launch) (auto_tiles), the zero stand-in rows of its padding rows and
+    each launch's qkv_a2a_launcher (checked, compiled, window views made). Built from one call's
+    segments (x, proj, rope) and joint (x, proj, rope) or None; a call of the same shapes and kinds
+    (the block's signature) launches with its own tensors (`__call__`)."""
 
     def __init__(self, windows, layout, rank: int, segs, joint=None, *, config="auto", one_launch: bool = False):
         from cute_kernels import qkv_a2a_sm90
 
-        self._launch = qkv_a2a_sm90.qkv_a2a_projection
+        bind = qkv_a2a_sm90.qkv_a2a_launcher
         dq, dk, dv = windows
         pick = {"q": (dq, None, None), "kv": (None, dk, dv), "qkv": (dq, dk, dv)}
         auto = isinstance(config, str) and config == "auto"
@@ -470,8 +481,7 @@ class _Projection:
         def tiles(rows, proj, rope):
             return auto_tiles(rows, proj, rope) if auto else (config, one_launch)
 
-        # (segment index (len(segs): the zero rows, _JOINT), rows to slice to or None, windows, row0, config,
-        #  one_launch)
+        # (segment index (len(segs): the zero rows, _JOINT), rows to slice to or None, bound launch)
         self.launches, self.zeros = [], None
         for i, n, which, row0 in segment_writes(layout, rank, [s[0].shape[1] for s in segs]):
             sx, sp, sr = segs[min(i, len(segs) - 1)]
@@ -480,23 +490,27 @@ class _Projection:
                 self.zeros = (sx.new_zeros(sx.shape[0], n, sx.shape[2]),
                               None if sr is None else sr.new_zeros(n, sr.shape[1]))
             cut = n if i < len(segs) and n < sx.shape[1] else None  # (the rows past the valid ones: never read)
-            self.launches.append((i, cut, pick[which], row0, *tiles(n, sp, sr)))
+            if i == len(segs):
+                sx, sr = self.zeros
+            elif cut is not None:
+                sx, sr = sx[:, :cut], None if sr is None else sr[:cut]
+            cfg, one = tiles(n, sp, sr)
+            self.launches.append((i, cut, bind(sx, sp, pick[which], row0, rope_cs=sr, config=cfg, one_launch=one)))
         if joint is None:
             return
         own = [w[rank:rank + 1] for w in windows]
         S, S_pad = layout.seq_len, layout.seq_pad
-        cfg = tiles(joint[0].shape[1], joint[1], joint[2])
-        if S == S_pad:
-            self.launches.append((_JOINT, None, tuple(own), S_pad, *cfg))
-        else:
-            self.launches.append((_JOINT, None, (own[0], None, None), S_pad, *cfg))
-            self.launches.append((_JOINT, None, (None, own[1], own[2]), S, *cfg))
+        jx, jp, jr = joint
+        cfg, one = tiles(jx.shape[1], jp, jr)
+        targets = [(tuple(own), S_pad)] if S == S_pad else [((own[0], None, None), S_pad), ((None, own[1], own[2]), S)]
+        for which, row0 in targets:
+            self.launches.append((_JOINT, None, bind(jx, jp, which, row0, rope_cs=jr, config=cfg, one_launch=one)))
 
     def __call__(self, segs, joint=None) -> None:
         """Launch the projection of segs ((x, proj, rope) per segment) and joint ((x, proj, rope),
         present exactly when it was at build) with the routing built."""
         n_segs = len(segs)
-        for i, cut, windows, row0, cfg, one in self.launches:
+        for i, cut, launch in self.launches:
             if i == _JOINT:
                 sx, sp, sr = joint
             elif i == n_segs:
@@ -505,7 +519,7 @@ class _Projection:
                 sx, sp, sr = segs[i]
                 if cut is not None:
                     sx, sr = sx[:, :cut], None if sr is None else sr[:cut]
-            self._launch(sx, sp, windows, row0, rope_cs=sr, config=cfg, one_launch=one)
+            launch(sx, sp, sr)
 
 
 def auto_tiles(rows: int, proj, rope) -> tuple:
@@ -537,32 +551,51 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
     """The cache key of a checked call: facts every rank shares for a valid call (the rank's total
     rows, never how its rows split between segments, which is its own: a key that one rank finds
     and another misses would leave the agreement collective to some ranks only)."""
-    def facts(t, rows=True):
-        if t is None:
-            return None
-        if isinstance(t, (tuple, list)):
-            return tuple(facts(u, rows) for u in t)
-        if isinstance(t, torch.Tensor):
-            return (t.shape if rows else t.shape[:-2] + t.shape[-1:], t.dtype, t.device, len(t.shape))
-        raise TypeError
-
     try:
-        segs, _ = _as_segments(x, proj, rotary, "x")
-        seg_facts = tuple((facts(s.x, False), _proj_facts(s.proj), facts(s.rotary, False)) for s in segs)
-        key = (sum(s.x.shape[1] for s in segs), seg_facts, facts(joint), _proj_facts(joint_proj), facts(joint_rotary),
-               tuple((type(a), a if not isinstance(a, list) else tuple(a)) for a in args))
+        if isinstance(x, torch.Tensor):  # (the usual call, without _as_segments' Segment)
+            rows, seg_facts = x.shape[1], ((_facts(x, False), _proj_facts(proj), _facts(rotary, False)),)
+        else:
+            segs, _ = _as_segments(x, proj, rotary, "x")
+            rows = sum(s.x.shape[1] for s in segs)
+            seg_facts = tuple((_facts(s.x, False), _proj_facts(s.proj), _facts(s.rotary, False)) for s in segs)
+        types = tuple(map(type, args))
+        if list in types:
+            args = tuple(tuple(a) if type(a) is list else a for a in args)
+        key = (rows, seg_facts, _facts(joint), _proj_facts(joint_proj), _facts(joint_rotary), types, args)
         hash(key)
         return key
     except (TypeError, AttributeError, ValueError):
         return None
 
 
+def _facts(t, rows: bool = True):
+    """A signature's facts of a tensor (shape, without its rows unless `rows`; dtype; device), of a
+    tuple or list of them, or None."""
+    if t is None:
+        return None
+    if isinstance(t, torch.Tensor):
+        s = t.shape
+        return (s if rows else s[:-2] + s[-1:], t.dtype, t.device)
+    if isinstance(t, (tuple, list)):
+        return tuple(_facts(u, rows) for u in t)
+    raise TypeError
+
+
+_HEAD_MAPS: dict = {}  # head map -> a small int standing for it in signatures (hashed every call)
+
+
 def _proj_facts(proj):
+    """The signature's facts of a weights object, computed at its first call and kept on it (its
+    fields are frozen)."""
     if proj is None:
         return None
-    w = proj.weight
-    return (type(proj), w.shape, w.dtype, w.device, proj.bias is None, proj.norm_weight is None, proj.world_size,
-            proj.heads_loc, proj.kv_heads_loc, proj.head_dim, proj.head_map)
+    facts = proj.__dict__.get("_block_facts")
+    if facts is None:
+        w = proj.weight
+        facts = proj.__dict__["_block_facts"] = (
+            type(proj), w.shape, w.dtype, w.device, proj.bias is None, proj.norm_weight is None, proj.world_size,
+            proj.heads_loc, proj.kv_heads_loc, proj.head_dim, _HEAD_MAPS.setdefault(proj.head_map, len(_HEAD_MAPS)))
+    return facts
 
 
 def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
@@ -587,8 +620,8 @@ class _RankBlock:
     was; a freed input's address comes back with a fresh version 0; inference tensors have no
     version counter; and a cache hit during capture would leave the conversion out of the graph,
     so a replay after the caller copies new positions into its static rotary inputs would read the
-    old table. The conversion is one stack kernel into a buffer (it was a stack into a new tensor
-    and, for non-fp32 inputs, a cast)."""
+    old table. The conversion is one stack kernel into a buffer (_RopeTable; it was a stack into a
+    new tensor and, for non-fp32 inputs, a cast)."""
 
     def __init__(self, transport, problem, rank: int, segs, joint_x, joint_proj, joint_rope, config,
                  one_launch: bool):
@@ -601,12 +634,11 @@ class _RankBlock:
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint_x.shape[1] if joint_x is not None else 0
         device = segs[0][0].device
-        buffer = lambda rows, src: (torch.empty(rows, p.head_dim, dtype=torch.float32, device=device)  # noqa: E731
-                                    if isinstance(src, tuple) else None)
+        buffer = lambda rows, src: _RopeTable(rows, p.head_dim, device) if isinstance(src, tuple) else None  # noqa: E731
         self.tables = [buffer(s[0].shape[1], s[2]) for s in segs]  # where a (cos, sin) pair is converted
         self.joint_table = buffer(self.joint_rows, joint_rope) if self.joint_rows else None
         self.joint_src = self.joint_slice = None
-        rope = lambda src, t: src if t is None else t  # noqa: E731 (the routing reads its presence and width)
+        rope = lambda src, t: src if t is None else t.table  # noqa: E731 (the routing reads its presence and width)
         joint = ((joint_x, self._joint_proj(joint_proj or segs[0][1]), rope(joint_rope, self.joint_table))
                  if self.joint_rows else None)
         self.project = _Projection((plan.dq, plan.dk, plan.dv), lay, rank,
@@ -619,17 +651,14 @@ class _RankBlock:
         return self.joint_slice
 
     def __call__(self, segs, joint, joint_rotary, joint_proj):
-        segs = [(x, w, _interleave(*r, t) if isinstance(r, tuple) else r) for (x, w, r), t in zip(segs, self.tables)]
+        segs = [(x, w, t(*r) if isinstance(r, tuple) else r) for (x, w, r), t in zip(segs, self.tables)]
         jt = None
         if self.joint_rows:
             r = _rope_source(joint_rotary, self.joint_rows, self.head_dim, segs[0][0].device, "joint_rotary")
             jt = (joint, self._joint_proj(joint_proj or segs[0][1]),
-                  _interleave(*r, self.joint_table) if isinstance(r, tuple) else r)
+                  self.joint_table(*r) if isinstance(r, tuple) else r)
         self.project(segs, jt)
-        self.transport.barrier()
-        self.attend()
-        self.transport.barrier()
-        out, joint_out = self.plan.finish(self.rank, self.rows)
+        out, joint_out = self.plan.complete(self.rank, self.rows, self.attend)
         return out if joint is None else (out, _joint_result(out, joint_out))
 
 

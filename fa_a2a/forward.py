@@ -229,6 +229,15 @@ class WindowPlan:
     def attend(self, rank: int, impl: str, causal: bool, scale: float, pace=None) -> None:
         self.attend_launch(rank, impl, causal, scale, pace)()
 
+    def complete(self, rank: int, rows: int, attend, out=None, joint_out=None):
+        """The rest of rank's call once its pre-A2A is launched (the op's pre-A2A kernel, the block's
+        projection): barrier (every rank's q/k/v rows are in the in-windows) -> attend -> barrier
+        (every O tile is in its owner's out-window) -> finish."""
+        self.transport.barrier()
+        attend()
+        self.transport.barrier()
+        return self.finish(rank, rows, out, joint_out)
+
     def finish(self, rank: int, rows: int, out=None, joint_out=None):
         """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
         key = (rank, rows)
@@ -310,14 +319,11 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
         return _deliver(p.layout, 0, _single_rank(p, q, k, v, joint), rows, out, joint_out)
     if p.impl in ("nccl", "reference"):
         return _deliver(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), rows, out, joint_out)
-    transport, plan, pre, attend = _rank_call(p, group, rank)
+    _, plan, pre, attend = _rank_call(p, group, rank)
     if p.shard_rows is not None:
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
     pre(q, k, v, joint)
-    transport.barrier()
-    attend()
-    transport.barrier()
-    return plan.finish(rank, rows, out, joint_out)
+    return plan.complete(rank, rows, attend, out, joint_out)
 
 
 # ---- P emulated ranks in one process --------------------------------------------------------------

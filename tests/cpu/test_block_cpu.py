@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import qkv_a2a_sm90 as K
-from fa_a2a import block
+from fa_a2a import block, forward
 from ulysses.layout import UlyssesLayout
 
 
@@ -25,8 +25,17 @@ def launches(monkeypatch):
                          P=next(w for w in windows if w is not None).shape[0], row0=row0,
                          rope_rows=None if rope_cs is None else rope_cs.shape[0]))
 
-    monkeypatch.setattr(K, "qkv_a2a_projection", record)
+    monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(record))
     return seen
+
+
+def _bind_recorder(record):
+    """A stand-in for K.qkv_a2a_launcher: each launch calls record(x, proj, windows, row0, rope_cs=,
+    config=, one_launch=) with the launch's x, proj and rope_cs and the windows, row0 and tiles bound."""
+    def bind(x, proj, windows, row0, *, rope_cs=None, config=None, one_launch=False):
+        return lambda x, proj, rope_cs=None: record(x, proj, windows, row0, rope_cs=rope_cs, config=config,
+                                                    one_launch=one_launch)
+    return bind
 
 
 def test_project_even_rows_one_launch(launches):
@@ -351,8 +360,36 @@ class _FakePlan:
     def attend_launch(self, rank, impl, causal, scale, pace):
         return lambda: setattr(self, "attends", self.attends + 1)
 
-    def finish(self, rank, rows):
+    def finish(self, rank, rows, out=None, joint_out=None):
         return ("out", rank, rows), ("joint out", rank) if self.joint else None
+
+    complete = forward.WindowPlan.complete
+
+
+def test_rope_table_follows_every_change_of_its_pair():
+    """_RopeTable (the prepared call's (cos, sin) conversion): bit-equal to interleaved_cos_sin call
+    after call, also after the pair's values change in place, after a new pair, after `.data` points
+    a tensor elsewhere (its kept views are then rebuilt), for bf16 pairs and strided ones."""
+    rows, D = 6, 8
+    g = torch.Generator().manual_seed(0)
+    rt = block._RopeTable(rows, D, "cpu")
+    pair = lambda dtype=torch.float32: (torch.randn(rows, D, generator=g, dtype=dtype),  # noqa: E731
+                                        torch.randn(rows, D, generator=g, dtype=dtype))
+    cos, sin = pair()
+    cases = []
+    cases.append((cos, sin))
+    cases.append((cos.mul_(3), sin))  # same tensors, new values
+    cases.append(pair())
+    cases.append(pair(torch.bfloat16))
+    wide = torch.randn(rows, 2 * D, generator=g)
+    cases.append((wide[:, :D], wide[:, D:]))  # strided rows
+    cos, sin = pair()
+    rt(cos, sin)
+    cos.data = torch.randn(rows, D, generator=g)  # the same object, other memory
+    cases.append((cos, sin))
+    for c, s_ in cases:
+        out = rt(c, s_)
+        assert out is rt.table and torch.equal(out, K.interleaved_cos_sin(c, s_))
 
 
 def test_rank_block_launches_what_project_launches(monkeypatch):
@@ -363,11 +400,10 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     weights sliced once."""
     import types
 
-    from fa_a2a import forward
-
     seen = []
-    monkeypatch.setattr(K, "qkv_a2a_projection", lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
-                        seen.append((x, proj, tuple(windows), row0, rope_cs, config, one_launch)))
+    monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
+        lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
+        seen.append((x, proj, tuple(windows), row0, rope_cs, config, one_launch))))
     P, rank, D, J = 2, 1, 64, 5
     lay = UlyssesLayout.from_shard_rows([36, 33], 4, 4, P, joint_len=J)  # rank 1: 33 valid rows + 3 padding
     p = types.SimpleNamespace(layout=lay, batch=1, head_dim=D, dtype=torch.bfloat16, impl="fused", causal=False,
@@ -391,7 +427,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     segs, jx, jpair = call_args(0)
     rb = block._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
     windows = (rb.plan.dq, rb.plan.dk, rb.plan.dv)
-    bufs = [t.data_ptr() for t in rb.tables + [rb.joint_table]]
+    bufs = [t.table.data_ptr() for t in rb.tables + [rb.joint_table]]
     prepared = []
     for seed in (1, 2):
         segs, jx, jpair = call_args(seed)
@@ -424,13 +460,12 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     """ulysses_qkv_attention (P = 1, fake CUDA tensors): the transport, the window plan and the
     projection's routing are looked up once per signature (not per call); a bad rotary of the same
     signature is still refused by name; a closed transport's call is rebuilt."""
-    from fa_a2a import forward
 
     seen, made = [], []
     monkeypatch.setattr(block, "_resolved", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(K, "qkv_a2a_projection", lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
-                        seen.append((x, row0, rope_cs, config, one_launch)))
+    monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
+        lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs, config, one_launch))))
     monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
                         _FakePlan(t, lay, B, D, dtype, "cuda"))

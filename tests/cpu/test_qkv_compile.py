@@ -111,6 +111,47 @@ def test_one_launch_compiles(record_compiles):
             K.qkv_a2a_projection(x, proj, windows, 200, one_launch=True)
 
 
+@pytest.mark.parametrize("bias,norm,rope,one", [(True, True, True, False), (True, False, False, False),
+                                                 (True, True, True, True), (False, True, False, False)])
+def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope, one):
+    """qkv_a2a_launcher's per-launch arguments of a weights object (_launch_args): its weight rows and
+    epilogue vectors of each launch group as views (no copy), the RoPE table left to the call,
+    built once per weights object and kept on it; another layer's weights get their own."""
+    P, H_loc, D, C = 2, 2, 64, 32
+    n = P * 3 * H_loc * D
+    g = torch.Generator().manual_seed(0)
+
+    def weights():
+        return K.QKVWeights(torch.randn(n, C, generator=g).bfloat16(),
+                            torch.randn(n, generator=g).bfloat16() if bias else None,
+                            torch.randn(P * 2 * H_loc * D, generator=g) if norm else None, P, H_loc, H_loc, D)
+
+    proj, other = weights(), weights()
+    epilogue = norm or rope
+    for group in K._groups(proj, [True, True, True], epilogue, one):
+        kern = K.compile_projection(torch.bfloat16, group["width"], D, torch.bfloat16 if bias else None,
+                                    group["epi"] is not None and norm, group["epi"] is not None and rope,
+                                    K._group_config(None, group, proj), group["epi"] == "qkv")
+        weight, epi, cs = K._launch_args(proj, group, kern)
+        lo, hi = proj.column_range(group["ts"][0])[0], proj.column_range(group["ts"][-1])[1]
+        assert weight.shape == (1, hi - lo, C) and weight.data_ptr() == proj.weight[lo].data_ptr()
+        assert (cs is not None) == (rope and group["epi"] is not None)
+        if cs is not None:
+            assert cs[0] == "cs" and isinstance(epi, dict) and epi["cs"] is None
+            vectors = [v for v in epi.values() if isinstance(v, torch.Tensor)]
+        elif group["epi"] is None:
+            vectors = [epi.mRowVecBroadcast] if bias else []
+            assert bias or epi.mRowVecBroadcast is None
+        else:
+            vectors = [v for v in epi if isinstance(v, torch.Tensor)]
+        sources = ([proj.bias] if bias else []) + ([proj.norm_weight] if norm and group["epi"] else [])
+        sources += list(proj.one_launch_vectors) if group["epi"] == "qkv" else []
+        for v in vectors:  # every tensor argument is a view of the weights' own vectors
+            assert v.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in sources}
+        assert K._launch_args(proj, group, kern) is K._launch_args(proj, group, kern)
+        assert K._launch_args(other, group, kern)[0].data_ptr() == other.weight[lo].data_ptr()
+
+
 _ALL_EPILOGUES = {**{key: mod for key, mod in K._QK_EPILOGUES.items()},
                   (True, True, True, "one launch"): K.qkv_bias_norm_rope_epi}
 
