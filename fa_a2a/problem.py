@@ -258,12 +258,11 @@ def agree_call(fields: Optional[dict], word: int, error: Optional[str], group) -
     ValueError if any rank's call was invalid (its own message) or the ranks' signatures differ
     (the first differing argument, all values). fields / word: this rank's signature
     (signature_fields, signature_word), ignored when `error` is given."""
-    from ulysses.channel import ERROR_WORD, get_channel
+    import ulysses.channel as host  # 0.2 us a call on the dev machine; "from ulysses.channel import" 0.6 us
 
-    channel = get_channel(group)
-    mine = ERROR_WORD if error is not None else word
-    words = channel.exchange(mine)
-    if all(w == words[0] for w in words) and words[0] != ERROR_WORD:
+    channel = host.get_channel(group)
+    words = channel.exchange(host.ERROR_WORD if error is not None else word)
+    if words[0] != host.ERROR_WORD and words.count(words[0]) == len(words):
         return
     message = ("error", error) if error is not None else ("ok", fields)
     raise _disagreement(channel.gather_messages(message), error)

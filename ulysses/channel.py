@@ -10,14 +10,22 @@ Call c of rank r stores ((c mod 2^16) << 47 | word) at [c % 2, r] with one align
 [c % 2, s] carries tag c mod 2^16: one list count when every word is this rank's (the usual case),
 a min and a max otherwise, no Python loop over the slots. Rank s cannot overwrite row c % 2 again
 (its call c + 2) before every rank has published call c + 1, which a rank does only after it has
-read call c: two rows suffice. No collective, no GPU synchronization. Host time per exchange,
-measured 2026-12-03 on this CPU-only dev machine (2 cores, shared with other jobs): 0.5 us in one
-process with every other word already there (P = 1 to 4); among gloo rank processes
-(examples/agreement_cost.py, median of 5 runs) 1.0 us for the rank that arrives last and 1.2 us per
-call over all ranks, their wait included, at P = 2 (2.1 / 2.2 us before: numpy element access, a
-generator over the slots). A rank that waits past ~20 us yields its core between reads (where ranks
-outnumber cores the late rank gets to run: P = 4 there, 93 us per call, 2.3 ms before) and past
-1 ms sleeps between reads.
+read call c: two rows suffice. No collective, no GPU synchronization.
+Host time, measured 2026-12-04 with `python examples/agreement_cost.py --ranks P` (gloo rank
+processes), "own cost of the rank that arrives last / per call over all ranks, their wait
+included", the version before in parentheses (runs alternated with it; both machines' speed varies
+by up to 2x between runs):
+  this CPU-only dev machine (2 cores, shared with other jobs), P = 2, medians of 10 runs: the
+  exchange 0.78 / 0.84 us (0.89 / 0.95); the whole per-call agreement (fa_a2a.problem.agree_call:
+  get_channel, the exchange, the verdict) 1.61 / 1.67 us (5.1 / 5.3: an import and the default
+  store's lookup on every call). One process, every other word already there (median of 21 runs):
+  0.37 us per exchange at P = 2, 0.42 at P = 4 (0.39, 0.46).
+  a 16-core GPU host (Xeon), per call over all ranks, two sessions of 3 to 5 runs: the exchange
+  1.1-1.3 us at P = 2 (1.4), 1.7-2.2 at P = 4 (1.7-2.2); the agreement 1.9-2.1 us at P = 2
+  (4.4-4.8), 2.5-3.1 at P = 4 (5.0-6.0).
+A rank that waits past ~20 us yields its core between reads (where ranks outnumber cores the late
+rank gets to run: P = 4 on the dev machine, 93 us per call, 2.3 ms before; measured 2026-12-03)
+and past 1 ms sleeps between reads.
 Ranks on several hosts (or where the file cannot be shared) fall back to an all_gather of one
 int64 over the group.
 
@@ -141,7 +149,7 @@ class Channel:
         while True:
             vals = row.tolist()  # one 8-byte load per slot: each slot's tag and word together
             if vals.count(mine) == P:  # everyone is at call c, with this rank's word (the usual case)
-                return [vals[0] - lo] * P
+                return [word] * P
             if lo <= min(vals) and max(vals) < lo + _WORDS:  # everyone is at call c; words differ
                 return [v - lo for v in vals]
             spins += 1
@@ -181,13 +189,19 @@ class Channel:
         return [pickle.loads(self.store.get(f"{key}/{s}")) for s in range(self.world_size)]
 
 
-_channels: dict = {}
+_channels: dict = {}  # (group name, default store's id) and (global ranks, store id) -> channel
+_group_channels: dict = {}  # group object -> its channel: the per-call lookup (each key stays alive in here)
 
 
 def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
     """The channel of the group's ranks, built at the first call over them (collective over those
     ranks). Every group over the same global ranks shares it: ranks that call over different
-    group objects still meet, and the signature (which names the group) tells them apart."""
+    group objects still meet, and the signature (which names the group) tells them apart.
+    After the first call over a group object, one dict lookup (a new default store, after
+    destroy_process_group and a new init, comes with new group objects)."""
+    ch = _group_channels.get(group)
+    if ch is not None:
+        return ch
     import torch.distributed as dist
 
     key = (group.group_name, id(dist.distributed_c10d._get_default_store()))
@@ -200,9 +214,11 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
                 timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", "30"))
             ch = _channels[ranks_key] = Channel(group, timeout_s)
         _channels[key] = ch
+    _group_channels[group] = ch
     return ch
 
 
 def close_channels() -> None:
     """Forget every channel (after destroy_process_group; the next call builds a new one)."""
     _channels.clear()
+    _group_channels.clear()

@@ -2,8 +2,9 @@
 
 Every rank gets every rank's word in rank order, call after call: equal words and differing ones,
 ranks that arrive late (past the spinning, into the sleeps), the tag's wrap past 2^16 calls, the
-all_gather fallback of ranks on several hosts; and a rank that stops calling is named in the
-TimeoutError of the others. Each case runs under a hard deadline (no hang).
+all_gather fallback of ranks on several hosts; get_channel's lookup per group object (a new
+init gets a new channel); and a rank that stops calling is named in the TimeoutError of the
+others. Each case runs under a hard deadline (no hang).
 """
 
 import datetime
@@ -15,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 import ulysses.channel as channel_mod
-from ulysses.channel import WORD_BITS, Channel
+from ulysses.channel import WORD_BITS, Channel, get_channel
 from tests.multiproc import spawn_with_deadline
 
 DEADLINE_S = 60
@@ -61,6 +62,20 @@ def _many_calls(rank, P, several_hosts):
         ch.exchange(1 << WORD_BITS)
 
 
+def _channel_per_group(rank, P, init_file):
+    ch = get_channel(dist.group.WORLD)
+    assert get_channel(dist.group.WORLD) is ch  # the per-call lookup
+    assert get_channel(dist.new_group(list(range(P)))) is ch  # another group object over the same ranks
+    assert ch.exchange(rank + 1) == list(range(1, P + 1))
+    dist.destroy_process_group()  # a new init: new store, new group objects, a new channel
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=30))
+    fresh = get_channel(dist.group.WORLD)
+    assert fresh is not ch and fresh.store is not ch.store
+    assert get_channel(dist.group.WORLD) is fresh
+    assert fresh.exchange(7) == [7] * P
+
+
 def _one_rank_stops(rank, P):
     ch = Channel(dist.group.WORLD, timeout_s=1)
     assert ch.exchange(5) == [5] * P
@@ -79,6 +94,11 @@ def test_every_rank_gets_every_word_in_rank_order(P):
 
 def test_the_all_gather_fallback_gets_the_same_words():
     _run(_many_calls, 2, True)
+
+
+def test_each_group_object_finds_its_channel_and_a_new_init_a_new_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        _run(_channel_per_group, 2, os.path.join(tmp, "init2"))
 
 
 def test_a_rank_that_stops_calling_is_named():
