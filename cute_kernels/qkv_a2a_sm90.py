@@ -630,7 +630,10 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
     launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
     and kept on proj; the epilogue arguments with this call's rope_cs; x itself, or a contiguous
     copy where its rows are not 16-byte aligned (the TMA's requirement; the checks here hold for
-    this x only). The windows and row0 are bound here."""
+    this x only). The windows and row0 are bound here. Host time of one bound launch (one H200's
+    host, 2026-12-04, behind a sleep kernel): 18.2 us, against 14.4 us for the op's pre-A2A launch;
+    through the block, which called qkv_a2a_projection before, the host time per call fell from 238
+    to 196 us (P 1, S 128) and from 470 to 223 us (two ranks, S_loc 1152; examples/eager_host_cost.py)."""
     _check_inputs(x, proj, rope_cs, config, one_launch)
     if not isinstance(windows, (tuple, list)) or len(windows) != 3 or all(w is None for w in windows):
         raise ValueError("windows: a tuple (dq, dk, dv) with at least one tensor expected")

@@ -43,7 +43,8 @@ Argument checks: the attention facts through fa_a2a.problem (check_call on stand
 block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
 a bad argument on one rank makes every rank raise the same ValueError. After the agreement a rank's
 call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.forward._rank_call):
-transport, window plan, bound attention launch and the projection's routing.
+transport, window plan, bound attention launch and the projection's routing and bound launches
+(cute_kernels.qkv_a2a_sm90.qkv_a2a_launcher).
 """
 
 from __future__ import annotations

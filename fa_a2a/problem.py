@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
+from ulysses import channel as host_channel
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
@@ -258,11 +259,9 @@ def agree_call(fields: Optional[dict], word: int, error: Optional[str], group) -
     ValueError if any rank's call was invalid (its own message) or the ranks' signatures differ
     (the first differing argument, all values). fields / word: this rank's signature
     (signature_fields, signature_word), ignored when `error` is given."""
-    import ulysses.channel as host  # 0.2 us a call on the dev machine; "from ulysses.channel import" 0.6 us
-
-    channel = host.get_channel(group)
-    words = channel.exchange(host.ERROR_WORD if error is not None else word)
-    if words[0] != host.ERROR_WORD and words.count(words[0]) == len(words):
+    channel = host_channel.get_channel(group)
+    words = channel.exchange(host_channel.ERROR_WORD if error is not None else word)
+    if words[0] != host_channel.ERROR_WORD and words.count(words[0]) == len(words):
         return
     message = ("error", error) if error is not None else ("ok", fields)
     raise _disagreement(channel.gather_messages(message), error)
