@@ -629,8 +629,8 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
     one is given here (fp32 [M, D]); the caller keeps to that (fa_a2a.block: its call signature). Per
     launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
     and kept on proj; the epilogue arguments with this call's rope_cs; x itself, or a contiguous
-    copy where its rows are not 16-byte aligned (the TMA's requirement; the checks here hold for
-    this x only). The windows and row0 are bound here. Host time of one bound launch (one H200's
+    copy (fresh storage) where its rows are not 16-byte aligned (the TMA's requirement; the checks
+    here hold for this x only). The windows and row0 are bound here. Host time of one bound launch (one H200's
     host, 2026-12-04, behind a sleep kernel): 18.2 us, against 14.4 us for the op's pre-A2A launch;
     through the block, which called qkv_a2a_projection before, the host time per call fell from 238
     to 196 us (P 1, S 128) and from 470 to 223 us (two ranks, S_loc 1152; examples/eager_host_cost.py)."""
@@ -693,7 +693,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
     def launch(x, proj, rope_cs=None) -> None:
         if (x.stride(2) != 1 or (x.stride(1) != C and M > 1) or (x.stride(0) * es) % 16
                 or x.data_ptr() % 16):
-            x = x.contiguous()
+            x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
             weight, epi, cs = _launch_args(proj, run, kern)
             if cs is not None:  # the epilogue's arguments with this call's RoPE table

@@ -635,8 +635,11 @@ class _RankBlock:
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint_x.shape[1] if joint_x is not None else 0
         device = segs[0][0].device
-        buffer = lambda rows, src: _RopeTable(rows, p.head_dim, device) if isinstance(src, tuple) else None  # noqa: E731
-        self.tables = [buffer(s[0].shape[1], s[2]) for s in segs]  # where a (cos, sin) pair is converted
+
+        def buffer(rows, src):  # where a (cos, sin) pair is converted
+            return _RopeTable(rows, p.head_dim, device) if isinstance(src, tuple) else None
+
+        self.tables = [buffer(s[0].shape[1], s[2]) for s in segs]
         self.joint_table = buffer(self.joint_rows, joint_rope) if self.joint_rows else None
         self.joint_src = self.joint_slice = None
         rope = lambda src, t: src if t is None else t.table  # noqa: E731 (the routing reads its presence and width)
