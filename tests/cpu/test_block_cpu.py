@@ -465,7 +465,8 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     monkeypatch.setattr(block, "_resolved", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
-        lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs, config, one_launch))))
+        lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
+        seen.append((x, row0, rope_cs, config, one_launch))))
     monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
                         _FakePlan(t, lay, B, D, dtype, "cuda"))
