@@ -31,18 +31,37 @@ def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
 
 
-def spawn_with_deadline(worker, args: tuple, nprocs: int, deadline_s: float, what: str) -> None:
+def spawn_with_deadline(worker, args: tuple, nprocs: int, deadline_s: float, what: str, *,
+                        may_abort: tuple = ()) -> None:
     """mp.spawn(worker, args, nprocs) that fails the test when a process is still running after
-    deadline_s (a hang): every process is killed first."""
+    deadline_s (a hang: every process is killed first) or ends with an error. Every rank runs to
+    its end (a failing rank does not end the others). Ranks in may_abort may also end by SIGABRT:
+    gloo aborts a process whose collective a peer never joins (its error escapes on gloo's own
+    thread, std::terminate), which a rank that runs no fa-a2a code cannot avoid."""
+    import pickle
+    import signal
+
     import pytest
 
     ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{what}: a rank was still running after {deadline_s} s (hang)")
+    while any(p.is_alive() for p in ctx.processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    failures = []
+    for rank, p in enumerate(ctx.processes):
+        if p.is_alive():
+            failures.append(f"rank {rank} was still running after {deadline_s} s (hang)")
+        elif p.exitcode != 0 and not (p.exitcode == -signal.SIGABRT and rank in may_abort):
+            trace = ""
+            if os.path.exists(ctx.error_files[rank]) and os.path.getsize(ctx.error_files[rank]):
+                with open(ctx.error_files[rank], "rb") as fh:
+                    trace = pickle.load(fh)
+            failures.append(f"rank {rank} ended with exit code {p.exitcode}\n{trace}")
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    if failures:
+        pytest.fail(f"{what}:\n" + "\n".join(failures))
 
 
 def _enter_mps(stack: contextlib.ExitStack) -> None:
