@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 

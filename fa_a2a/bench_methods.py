@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fa_a2a.bench_config import BenchConfig, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 NA_REAL = "n/a (needs real ranks)"
 NA_EMULATED = "n/a (emulated ranks only)"
@@ -105,26 +108,28 @@ def _build_fused(pt, s):
 
 
 def _build_fused_auto(pt, s):
-    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.decide) from the link
-    rate into windows where this point's windows are (the op's probe, measured once per point) and
-    FA4's tiles."""
-    from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.plan_pacing), decided
+    once per point: real ranks from their transport's link (link_gbps, as the op) and its ranks per
+    GPU; emulated ranks (one kernel at a time, the whole GPU) from the link measured into windows
+    where this point's windows are."""
     from fa_a2a.fused import fa4_a2a_forward
-    from fa_a2a.pacing import BURST_TILES, decide, measure_store_rate, probe_shape, sm_count
-    from fa_a2a.xstage import FaTiles
+    from fa_a2a.pacing import launch_pacer, link_gbps, measure_store_rate, pace_path, plan_pacing, probe_shape
 
     cfg = pt.cfg
-    tiles = FaTiles.fa4(pt.M, cfg.heads_local, cfg.head_dim, num_sms=sm_count(pt.dev), batch=cfg.batch,
-                        causal=cfg.causal)
+    tile_m, path = pace_path(s["q"], pt.S_loc, cfg.head_dim, cfg.causal)
     if not hasattr(pt, "pacing"):
-        link = measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)
-        aligned = pt.S_loc % tiles.tile_m == 0  # the paced kernel is the TMA path
-        pt.pacing = decide(link, tiles, gpu_sms=sm_count(pt.dev)) if aligned else None
-        print(f"[fused_auto M={pt.M} {pt.dest}] link {link:.1f} GB/s: "
-              + (pt.pacing.reason if aligned else f"unpaced (S_loc {pt.S_loc} not a multiple of {tiles.tile_m})"),
-              flush=True)
-    rate = pt.pacing.rate_gbps if pt.pacing is not None else None
-    pacer = None if rate is None else make_pacer(pt.dev, rate, tiles.burst_bytes, BURST_TILES)
+        if cfg.real_ranks:
+            from ulysses.transport import get_transport
+
+            t = get_transport(pt.group)
+            link, ranks_per_gpu = (lambda: link_gbps(t)), t.ranks_per_gpu
+        else:
+            link = lambda: measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)  # noqa: E731
+            ranks_per_gpu = 1
+        pt.pacing = plan_pacing("auto", link, pt.dev, pt.M, cfg.heads_local, cfg.batch, cfg.head_dim, pt.dtype,
+                                cfg.causal, tile_m, path, ranks_per_gpu=ranks_per_gpu)
+        print(f"[fused_auto M={pt.M} {pt.dest}] {pt.pacing.reason}", flush=True)
+    pacer = launch_pacer(pt.pacing, pt.dev, tile_m, cfg.head_dim, pt.dtype)
     w = pt.windows(f"fused_auto.{s['i']}")
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal, pacer=pacer)), pt.mine(w)
 

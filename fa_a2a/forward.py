@@ -157,29 +157,17 @@ class WindowPlan:
         return self._launches[key]
 
     def pacer(self, rank: int, causal: bool, pace):
-        """The store pacer of rank's fused launch (cute_kernels.fa4_a2a_paced_sm90.make_pacer), or
-        None for an unpaced one: fa_a2a.pacing decides (pace "auto": collective the first time)."""
+        """The store pacer of rank's fused launch (fa_a2a.pacing.launch_pacer), or None for an
+        unpaced one: fa_a2a.pacing decides (pace "auto": collective the first time)."""
         if pace is None:
             return None
-        from fa_a2a.fused import device_arch, tile_m_for
-        from fa_a2a.pacing import BURST_TILES, plan_pacing
+        from fa_a2a.pacing import launch_pacer, link_gbps, pace_path, plan_pacing
 
-        lay = self.layout
-        arch = device_arch(self.dq)
-        tile_m = tile_m_for(self.D, causal, arch)
-        path = None
-        if arch != 90:
-            path = f"the paced kernel is SM90's (this GPU is SM{arch})"
-        elif lay.seq_loc % tile_m:
-            path = f"S_loc {lay.seq_loc} is not a multiple of the tile's {tile_m} rows (the paced kernel is the TMA path)"
-        decision = plan_pacing(pace, self.transport, lay, self.B, self.D, self.dtype, causal, tile_m, path)
-        self.pacing = decision
-        if decision.rate_gbps is None:
-            return None
-        from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
-
-        tile_bytes = tile_m * self.D * self.dq.element_size()
-        return make_pacer(self.transport.device, decision.rate_gbps, tile_bytes, BURST_TILES)
+        lay, t = self.layout, self.transport
+        tile_m, path = pace_path(self.dq, lay.seq_loc, self.D, causal)
+        self.pacing = plan_pacing(pace, lambda: link_gbps(t), t.device, lay.seq_pad, lay.heads_loc, self.B, self.D,
+                                  self.dtype, causal, tile_m, path, ranks_per_gpu=t.ranks_per_gpu)
+        return launch_pacer(self.pacing, t.device, tile_m, self.D, self.dtype)
 
     def _pre_launch(self, rank: int):
         from cute_kernels.a2a import pre_a2a_launcher

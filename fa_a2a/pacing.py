@@ -58,12 +58,12 @@ import dataclasses
 import logging
 import math
 import statistics
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 __all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "Pacing", "check_pace", "encode_pace", "decode_pace",
-           "decide", "measure_store_rate", "link_gbps", "plan_pacing"]
+           "decide", "measure_store_rate", "link_gbps", "pace_path", "plan_pacing", "launch_pacer"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +196,28 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_pacing(pace: Pace, transport, layout, batch: int, head_dim: int, dtype: torch.dtype, causal: bool,
-                tile_m: int, pace_path: Optional[str]) -> Pacing:
-    """The pacing of one fused attention launch: pace as checked by check_pace; pace_path None when
-    the paced kernel can run this call, else why not. A rate where it cannot run: ValueError."""
+def pace_path(q: torch.Tensor, seq_loc: int, head_dim: int, causal: bool) -> tuple:
+    """(rows of the fused kernel's output tile for this call, None where the paced kernel can run
+    it, else why not, in words)."""
+    from fa_a2a.fused import device_arch, tile_m_for
+
+    arch = device_arch(q)
+    tile_m = tile_m_for(head_dim, causal, arch)
+    if arch != 90:
+        return tile_m, f"the paced kernel is SM90's (this GPU is SM{arch})"
+    if seq_loc % tile_m:
+        return tile_m, (f"S_loc {seq_loc} is not a multiple of the tile's {tile_m} rows (the paced kernel is "
+                        "the TMA path)")
+    return tile_m, None
+
+
+def plan_pacing(pace: Pace, link: Callable[[], float], device, seqlen: int, heads_loc: int, batch: int,
+                head_dim: int, dtype: torch.dtype, causal: bool, tile_m: int, pace_path: Optional[str], *,
+                ranks_per_gpu: int = 1) -> Pacing:
+    """The pacing of one fused attention launch: pace as checked by check_pace; link() the link's
+    GB/s (called only where the rule needs it: link_gbps(transport) for the op); seqlen, heads_loc:
+    this rank's attention; pace_path as pace_path() returns it; ranks_per_gpu: rank processes whose
+    kernels share this GPU. A rate where the paced kernel cannot run: ValueError."""
     if pace is None:
         return Pacing(None, "pace off")
     if pace_path is not None:
@@ -210,16 +228,26 @@ def plan_pacing(pace: Pace, transport, layout, batch: int, head_dim: int, dtype:
         return Pacing(pace, f"pace {pace:g} GB/s given")
     from fa_a2a.xstage import FaTiles, fa4_tile_shape
 
-    sms = sm_count(transport.device)
-    share = max(sms // transport.ranks_per_gpu, 1)
+    sms = sm_count(device)
+    share = max(sms // ranks_per_gpu, 1)
     tile_n = fa4_tile_shape(head_dim, causal)[1]
     out_bytes = torch.empty(0, dtype=dtype).element_size()
-    tiles = FaTiles(layout.seq_pad, layout.heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
-    decision = one_wave(tiles) or decide(link_gbps(transport), tiles, gpu_sms=sms,
-                                         shared_gpu=transport.ranks_per_gpu > 1)  # no probe for one wave
-    key = (id(transport), layout, batch, head_dim, dtype, causal)
+    tiles = FaTiles(seqlen, heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
+    decision = one_wave(tiles) or decide(link(), tiles, gpu_sms=sms, shared_gpu=ranks_per_gpu > 1)  # no probe for one wave
+    key = (seqlen, heads_loc, batch, head_dim, dtype, causal, share, decision)
     if key not in _logged:
         _logged.add(key)
-        logger.info("fa_a2a pace='auto' (S %d, H_loc %d, D %d, %d of %d SMs): %s", layout.seq_pad,
-                    layout.heads_loc, head_dim, share, sms, decision.reason)
+        logger.info("fa_a2a pace='auto' (S %d, H_loc %d, D %d, %d of %d SMs): %s", seqlen, heads_loc, head_dim,
+                    share, sms, decision.reason)
     return decision
+
+
+def launch_pacer(decision: Pacing, device, tile_m: int, head_dim: int, dtype: torch.dtype):
+    """The fused launch's store pacer for a decision (cute_kernels.fa4_a2a_paced_sm90.make_pacer),
+    None where it is unpaced."""
+    if decision.rate_gbps is None:
+        return None
+    from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+
+    tile_bytes = tile_m * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return make_pacer(device, decision.rate_gbps, tile_bytes, BURST_TILES)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fa_a2a import pacing
-from fa_a2a.pacing import PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, plan_pacing
+from fa_a2a.pacing import (PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, launch_pacer, pace_path,
+                           plan_pacing)
 from fa_a2a.problem import check_call
 from fa_a2a.xstage import FaTiles
-from ulysses.layout import UlyssesLayout
 
 
 @pytest.mark.parametrize("pace, expected", [("auto", "auto"), (None, None), ("off", None), (44, 44.0), (0.5, 0.5)])
@@ -76,31 +76,42 @@ def test_ranks_sharing_a_gpu_pace_only_slow_producers(P, link, paced):
     assert decide(link, _tiles(8192, 24 // P, sms=132 // P), gpu_sms=132).rate_gbps is not None
 
 
-class _Transport:
-    device = torch.device("cpu")
-    ranks_per_gpu = 1
-    pacing_link_gbps = 52.0  # as measured: link_gbps does not time anything
-
-
 def test_plan_pacing_follows_the_option_and_the_path(monkeypatch):
     monkeypatch.setattr(pacing, "sm_count", lambda device: 132)
-    lay = UlyssesLayout(32768, 24, 24, 8)  # rank 0 of P 8: S 32768, H_loc 3
-    plan = lambda pace, path=None: plan_pacing(pace, _Transport(), lay, 1, 128, torch.bfloat16, False, 128,  # noqa
-                                               path)
-    assert plan(None) == Pacing(None, "pace off")
-    small = UlyssesLayout(1024, 24, 24, 8)  # 24 tiles: one wave, decided without timing the link
-    t = _Transport()
-    t.pacing_link_gbps = None  # not measured yet: a probe would fail on this stand-in
-    assert "one wave" in plan_pacing("auto", t, small, 1, 128, torch.bfloat16, False, 128, None).reason
-    assert plan(40.0).rate_gbps == 40.0
+    cpu = torch.device("cpu")
+
+    def plan(pace, path=None, *, seqlen=32768, link=lambda: 52.0, ranks_per_gpu=1):
+        # rank 0 of P 8: H_loc 3; link as measured (nothing timed)
+        return plan_pacing(pace, link, cpu, seqlen, 3, 1, 128, torch.bfloat16, False, 128, path,
+                           ranks_per_gpu=ranks_per_gpu)
+
+    def unmeasured():
+        raise AssertionError("the link was probed")
+
+    assert plan(None, link=unmeasured) == Pacing(None, "pace off")
+    # 24 tiles: one wave, decided without timing the link
+    assert "one wave" in plan("auto", seqlen=1024, link=unmeasured).reason
+    assert plan(40.0, link=unmeasured).rate_gbps == 40.0
     assert plan("auto").rate_gbps == pytest.approx(PACE_FRACTION * 52.0)
-    t = _Transport()
-    t.ranks_per_gpu, t.pacing_link_gbps = 2, 1500.0
-    assert plan_pacing("auto", t, lay, 1, 128, torch.bfloat16, False, 128, None).rate_gbps is None
+    assert plan("auto", link=lambda: 1500.0, ranks_per_gpu=2).rate_gbps is None
     why = "S_loc 100 is not a multiple of the tile's 128 rows"
-    assert plan("auto", why) == Pacing(None, f"unpaced: {why}")
+    assert plan("auto", why, link=unmeasured) == Pacing(None, f"unpaced: {why}")
     with pytest.raises(ValueError, match=r"^pace: a rate needs the paced kernel, and S_loc 100"):
         plan(44.0, why)
+    assert launch_pacer(Pacing(None, "off"), cpu, 128, 128, torch.bfloat16) is None
+
+
+def test_pace_path_names_why_the_paced_kernel_cannot_run(monkeypatch):
+    import fa_a2a.fused as fused
+
+    q = torch.empty(0)
+    monkeypatch.setattr(fused, "device_arch", lambda q: 90)
+    tile_m, why = pace_path(q, 4096, 128, False)
+    assert why is None and 4096 % tile_m == 0
+    assert pace_path(q, tile_m + 1, 128, False) == (
+        tile_m, f"S_loc {tile_m + 1} is not a multiple of the tile's {tile_m} rows (the paced kernel is the TMA path)")
+    monkeypatch.setattr(fused, "device_arch", lambda q: 100)
+    assert pace_path(q, 4096, 128, False)[1] == "the paced kernel is SM90's (this GPU is SM100)"
 
 
 def test_host_windows_map_every_rank_at_one_stride():
