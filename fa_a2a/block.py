@@ -654,7 +654,9 @@ class _RankBlock:
             self.joint_src, self.joint_slice = src, _rank_slice(src, self.rank)
         return self.joint_slice
 
-    def __call__(self, segs, joint, joint_rotary, joint_proj):
+    def launch_projection(self, segs, joint, joint_rotary, joint_proj) -> None:
+        """This call's projection into the in-windows: its (cos, sin) pairs converted into the
+        prepared tables, then the bound launches (the first step of a call)."""
         segs = [(x, w, t(*r) if isinstance(r, tuple) else r) for (x, w, r), t in zip(segs, self.tables)]
         jt = None
         if self.joint_rows:
@@ -662,6 +664,9 @@ class _RankBlock:
             jt = (joint, self._joint_proj(joint_proj or segs[0][1]),
                   self.joint_table(*r) if isinstance(r, tuple) else r)
         self.project(segs, jt)
+
+    def __call__(self, segs, joint, joint_rotary, joint_proj):
+        self.launch_projection(segs, joint, joint_rotary, joint_proj)
         out, joint_out = self.plan.complete(self.rank, self.rows, self.attend)
         return out if joint is None else (out, _joint_result(out, joint_out))
 
@@ -750,6 +755,9 @@ def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     return window_plan(emulated_transport(world_size, device), layout, B, D, dtype)
 
 
+_resolved_emulated: dict = {}  # the P ranks' signatures -> (Problem, {(device, rows per rank): their _RankBlocks})
+
+
 def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
                                    impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
@@ -758,13 +766,55 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
     P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
     list of P per-rank rotaries (or None); xs[r] may be a list of Segment (then rotary[r] None, proj
-    None); joint, joint_rotary: as one rank takes them."""
+    None); joint, joint_rotary: as one rank takes them. Checked once per signature (the P ranks'
+    ulysses_qkv_attention signatures), each rank's call prepared once (_RankBlock), as a real rank's."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
     P = len(xs)
     rotary = [None] * P if rotary is None else rotary
     if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
+    args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
+    keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
+    entry = None if None in keys else _resolved_emulated.get(keys)
+    if entry is None:
+        entry = _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
+                                seq_len, shard_rows, pace)
+        if None not in keys:
+            _resolved_emulated[keys] = entry
+    p, prepared = entry
+    segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]
+    _check_no_grad([(f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x", seg[0])
+                    for r, x in enumerate(xs) for i, seg in enumerate(segs[r])] + [("joint", joint)])
+    device = segs[0][0][0].device
+    local = (device, tuple(tuple(seg[0].shape[1] for seg in rank_segs) for rank_segs in segs))
+    blocks = prepared.get(local)
+    if blocks is None or blocks[0].transport.closed:
+        from fa_a2a.forward import emulated_transport
+
+        transport = emulated_transport(P, device)
+        joint_x = joint if joint is not None and joint.shape[1] else None
+        jrope = (_rope_source(joint_rotary, joint_x.shape[1], p.head_dim, device, "joint_rotary")
+                 if joint_x is not None else None)
+        blocks = prepared[local] = [_RankBlock(transport, p, r, segs[r], joint_x, joint_proj, jrope, config,
+                                               one_launch) for r in range(P)]
+    for b, rank_segs in zip(blocks, segs):
+        b.launch_projection(rank_segs, joint, joint_rotary, joint_proj)
+    transport = blocks[0].transport
+    transport.barrier()  # one launch plays the P ranks
+    for b in blocks:
+        b.attend()
+    transport.barrier()
+    done = [b.plan.finish(b.rank, b.rows) for b in blocks]
+    outs = [o for o, _ in done]
+    return outs if joint is None else (outs, [_joint_result(o, j) for o, j in done])
+
+
+def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
+                    shard_rows, pace) -> tuple:
+    """Every rank's local checks (names xs[r]) and rank 0's batch, dtype and device on every rank ->
+    (Problem, {} for the prepared calls)."""
+    P = len(xs)
     calls = [_check_rank_call(x, proj, rotary[r], joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
                               seq_len, shard_rows, P, r, f"xs[{r}]", pace) for r, x in enumerate(xs)]
     p = calls[0].problem
@@ -773,24 +823,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
             (a, *_), (b, *_) = calls[0].segments[0], calls[r].segments[0]
             raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(a.shape)} "
                              f"{a.dtype} on {a.device}), got {tuple(b.shape)} {b.dtype} on {b.device}")
-    _check_no_grad([(f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x", s[0])
-                    for r, (x, c) in enumerate(zip(xs, calls)) for i, s in enumerate(c.segments)]
-                   + [("joint", joint)])
-    lay = p.layout
-    device = calls[0].segments[0][0].device
-    plan = emulated_plan(P, lay, p.batch, p.head_dim, p.dtype, device)
-    transport = plan.transport
-    for r, c in enumerate(calls):
-        jproj = _rank_slice(joint_proj or c.segments[0][1], r) if c.joint_x is not None else None
-        project((plan.dq, plan.dk, plan.dv), lay, r, c.segments, joint_x=c.joint_x, joint_proj=jproj,
-                joint_rope=c.joint_rope, config=config, one_launch=one_launch)
-    transport.barrier()
-    for r in range(P):
-        plan.attend(r, p.impl, p.causal, p.scale, p.pace)
-    transport.barrier()
-    done = [plan.finish(r, sum(s[0].shape[1] for s in c.segments)) for r, c in enumerate(calls)]
-    outs = [o for o, _ in done]
-    return outs if joint is None else (outs, [_joint_result(o, j) for o, j in done])
+    return p, {}
 
 
 # ---- module --------------------------------------------------------------------------------------

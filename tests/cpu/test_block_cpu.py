@@ -489,3 +489,44 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
         made[0].closed = True
         assert block.ulysses_qkv_attention(xs[0], proj, rotary=table) == ("out", 0, S)
         assert len(made) == 4 and not made[2].closed and len(routed) == 2
+
+
+def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
+    """ulysses_qkv_attention_emulated (P = 2, fake CUDA tensors): the P ranks' calls are checked and
+    prepared (transport, plans, routed projections) once per signature; every call then launches
+    each rank's projection with its own x and pair, one barrier, each rank's attention, one barrier,
+    and each rank's delivery. Other rows per rank are a new signature; a bad rotary of a known one
+    is still refused by name."""
+    seen, made, checked = [], [], []
+    monkeypatch.setattr(block, "_resolved_emulated", {})
+    monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
+        lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs))))
+    monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
+    monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
+                        _FakePlan(t, lay, B, D, dtype, "cuda"))
+    inner = block._check_rank_call
+    monkeypatch.setattr(block, "_check_rank_call", lambda *a, **k: checked.append(a[-2]) or inner(*a, **k))
+    with FakeTensorMode():
+        P, S, D, C = 2, 32, 64, 64
+        proj = _fake_proj(P, 4, 4, D, C)
+
+        def call_args(rows=S):
+            xs = [torch.empty(1, rows, C, dtype=torch.bfloat16, device="cuda") for _ in range(P)]
+            return xs, [torch.empty(rows, D, device="cuda") for _ in range(P)]  # fp32 tables (a pair's
+            # conversion is a stack, which fake CUDA tensors of a CPU build of torch cannot run)
+
+        for _ in range(3):
+            xs, rots = call_args()
+            seen.clear()
+            assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S), ("out", 1, S)]
+            assert [s[0] for s in seen] == xs  # rank 0's projection, then rank 1's, each with its own x
+            assert [s[2] for s in seen] == rots
+        transport = made[0]
+        assert [m if m == "plan" else type(m).__name__ for m in made] == ["_FakeTransport", "plan", "plan"]
+        assert checked == ["xs[0]", "xs[1]"] and transport.barriers == 6
+        with pytest.raises(ValueError, match=r"rotary: expected a contiguous float32 \[32, 64\] table"):
+            xs, rots = call_args()
+            block.ulysses_qkv_attention_emulated(xs, proj, rotary=[rots[0], torch.empty(1, D, device="cuda")])
+        xs, rots = call_args(S - 8)  # other rows: checked and prepared again
+        assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S - 8), ("out", 1, S - 8)]
+        assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
