@@ -697,8 +697,8 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
         for kern, run, views, sched in bound:
             weight, epi, cs = _launch_args(proj, run, kern)
             if cs is not None:  # the epilogue's arguments with this call's RoPE table
-                name, op, key = cs
-                epi = kern.epi_type(**dict(epi, **{name: _call_arg(op, rope_cs, key)}))
+                op, key = cs
+                epi = kern.epi_type(**epi, cs=_call_arg(op, rope_cs, key))
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
             else:
@@ -718,8 +718,8 @@ def _call_arg(op, value, key):
 
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
     """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with a
-    RoPE table in the epilogue (weight, the other fields as a dict, (name, op, key) of the table):
-    sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
+    RoPE table in the epilogue (weight, the other fields as a dict, (op, key) of the table's field
+    "cs"): sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
     key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
     args = cache.get(key)
@@ -737,7 +737,8 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
             fields, cs = dict.fromkeys(kern.epi_type._fields), None
             for name, op, op_key in kern.call_ops:
                 if name == "cs":
-                    cs = (name, op, op_key)
+                    cs = (op, op_key)
+                    del fields[name]
                 else:
                     fields[name] = _call_arg(op, values[name], op_key)
             args = (weight, fields if cs is not None else kern.epi_type(**fields), cs)
