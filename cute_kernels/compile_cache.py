@@ -10,12 +10,19 @@ into place (P ranks starting at once may all compile a cold key, one export land
 it; an entry that fails to load is recompiled and replaced). Loading an entry takes milliseconds
 where compiling FA4's forward takes seconds.
 
+Beside each object file, its shared library `<sha256>.so`, linked with the C compiler ($CC, else
+cc) against the DSL's runtime libraries: a TVM-FFI module that `tvm_ffi.load_module` loads
+without the CuTe DSL. Importing the DSL was most of a warm process's first call (1.19 s of 1.45 s
+on the H200 machine, 2026-12-03); the key below is read without it too. This CPU machine
+(2026-12-04): the barrier's .so loads in 2-3 ms, `import tvm_ffi` after torch 0.03 s, `import
+cutlass.cute` 0.52 s. Where no compiler links, the object file loads through the DSL as before.
+
 What is ours is the key and the switch:
 
 - key: the compile function's qualified name and all its arguments (defaults applied, so a
-  call with and without a default argument share an entry), the DSL's compile settings (its own
-  cache key: the target arch, the compiler options, debug/lineinfo, ...), FA4's FLASH_ATTENTION_*
-  variables, and a fingerprint of everything else that changes the generated code: the Python
+  call with and without a default argument share an entry), the DSL's compile settings (its
+  CUTE_DSL_* variables: the target arch, the compiler options, debug/lineinfo, ...; without
+  CUTE_DSL_ARCH the GPU's compute capability), FA4's FLASH_ATTENTION_* variables, and a fingerprint of everything else that changes the generated code: the Python
   code that runs while compiling (cute_kernels, fa_a2a/fused.py and fa_a2a/xstage.py, FA4's
   CuTe package, quack), the versions of the CuTe DSL, TVM-FFI, FA4, quack and torch, and the
   Python version. A change to any of them is a miss (old entries stay on disk under the old
@@ -116,13 +123,23 @@ def source_fingerprint(roots: tuple) -> str:
 
 
 def _compile_settings() -> str:
-    """What besides the arguments and the sources changes the generated code: the DSL's own
-    compile-cache key (arch included) and FA4's FLASH_ATTENTION_* variables."""
-    from cutlass.cutlass_dsl import CuTeDSL
+    """What besides the arguments and the sources changes the generated code, read without
+    importing the CuTe DSL (~1.2 s on the H200 machine, the most of a warm first call): every
+    CUTE_DSL_* variable (the DSL's compile settings: arch, optimization, debug/lineinfo, options;
+    variables that do not change the code only split the cache), FA4's FLASH_ATTENTION_* ones and,
+    without CUTE_DSL_ARCH, the current GPU's compute capability (the DSL's default target). The
+    DSL's own defaults come with its version (in the fingerprint). Raises RuntimeError with neither
+    a GPU nor CUTE_DSL_ARCH (the compile then reports it)."""
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("CUTE_DSL_") or (k.startswith("FLASH_ATTENTION_") and "_CACHE_" not in k))
+    target = None
+    if "CUTE_DSL_ARCH" not in os.environ:
+        import torch
 
-    fa4 = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("FLASH_ATTENTION_") and "_CACHE_" not in k)
-    return CuTeDSL._get_dsl().envar.cache_key_str() + repr(fa4)
+        if not torch.cuda.is_available():
+            raise RuntimeError("no GPU and no CUTE_DSL_ARCH: no compile target")
+        target = torch.cuda.get_device_capability()
+    return repr((env, target))
 
 
 @functools.cache
@@ -154,21 +171,63 @@ def _load_runtime_globally() -> None:
             ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
+_loaded_modules: list = []
+
+
 def _load_entry(folder: Path, full_key: tuple):
     """The exported function of full_key in folder, or None (no entry, or one that fails to load:
-    FA4's store then recompiles and replaces it). Loads without importing FA4's package, so a warm
-    process never pays its import (~2 s, torch._dynamo). No lock: exports are renamed into place,
-    so the file is either absent or whole."""
-    path = _entry_file(folder, full_key)
-    if not path.is_file():
+    FA4's store then recompiles and replaces it). The entry's shared library (`.so`, linked from
+    its object file) loads through TVM-FFI alone, in milliseconds and without importing the CuTe
+    DSL; without one (no linker where it was compiled, or not linked yet) the object file loads
+    through the DSL and is linked for the next process. Never imports FA4's package (~2 s,
+    torch._dynamo). No lock: entries are renamed into place, so a file is either absent or whole."""
+    obj = _entry_file(folder, full_key)
+    shared = obj.with_suffix(".so")
+    if shared.is_file():
+        import tvm_ffi
+
+        try:
+            module = tvm_ffi.load_module(str(shared))
+            _loaded_modules.append(module)  # the library stays loaded while its function lives
+            return module[_EXPORTED_NAME]
+        except Exception:
+            pass
+    if not obj.is_file():
         return None
     import cutlass.cute as cute
 
     _load_runtime_globally()
     try:
-        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _EXPORTED_NAME)
+        loaded = getattr(cute.runtime.load_module(str(obj), enable_tvm_ffi=True), _EXPORTED_NAME)
     except Exception:
         return None
+    _link_shared(obj)
+    return loaded
+
+
+def _link_shared(obj: Path) -> None:
+    """Link the entry's object file into its shared library (`.so` beside it, replacing one that
+    did not load) with the C compiler ($CC, else cc): the DSL's runtime libraries are its
+    dependencies, found through their folders. Renamed into place. Without a compiler, or when
+    linking fails, the entry stays object-only (its loads import the DSL)."""
+    import shutil
+    import subprocess
+
+    shared = obj.with_suffix(".so")
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or not obj.is_file():
+        return
+    import cutlass.cute as cute
+
+    libs = [lib for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if Path(lib).exists()]
+    tmp = shared.with_name(f".{shared.name}.{os.getpid()}.tmp")
+    rpaths = [f"-Wl,-rpath,{Path(lib).parent}" for lib in libs]
+    try:
+        subprocess.run([compiler, "-shared", "-o", str(tmp), str(obj), *libs, *rpaths], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, shared)
+    except (OSError, subprocess.SubprocessError):
+        tmp.unlink(missing_ok=True)
 
 
 def entry_folder(name: str) -> Path:
@@ -199,9 +258,11 @@ def load_or_compile(name: str, key: tuple, compile: Callable[[], Any]) -> tuple:
                    f"(set {ENV_DIR}, or {ENV_SWITCH}=0)")
         return compile(), False
     if full_key in store:  # loads the entry (shared lock) into the store's memory
+        _link_shared(_entry_file(folder, full_key))
         return store[full_key], True
     compiled = compile()
     store[full_key] = compiled  # exports (exclusive lock, temporary file renamed into place)
+    _link_shared(_entry_file(folder, full_key))
     return compiled, False
 
 

@@ -56,7 +56,8 @@ def test_racing_processes_store_one_entry_that_a_fresh_process_loads(tmp_path):
     objects = _entries(tmp_path, "*.o")
     assert [p.parent.name for p in objects] == ["compile_barrier", "compile_post_a2a"], objects
     assert all((tmp_path / p).stat().st_size > 0 for p in objects)
-    assert not [p for p in _entries(tmp_path) if p.suffix not in (".o", ".lock")], "temporary files left"
+    assert [p.with_suffix(".o") for p in _entries(tmp_path, "*.so")] == objects, "an entry without its library"
+    assert not [p for p in _entries(tmp_path) if p.suffix not in (".o", ".so", ".lock")], "temporary files left"
     compiled = [seconds for _, loads, seconds, _ in raced if loads == 0]
     assert compiled, "neither racer compiled compile_post_a2a"
 
@@ -90,7 +91,7 @@ def test_keys_follow_the_compile_settings(tmp_path, monkeypatch):
     monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(C.ENV_SWITCH, "1")
     settings = C._compile_settings()
-    assert "arch='sm_90a'" in settings
+    assert "('CUTE_DSL_ARCH', 'sm_90a')" in settings
     _fresh_barrier()(2, 1)
     monkeypatch.setattr(C, "_compile_settings", lambda: settings.replace("sm_90a", "sm_100a"))
     other = _fresh_barrier()
@@ -186,14 +187,66 @@ def test_unloadable_entry_is_recompiled_and_replaced(tmp_path, monkeypatch):
     monkeypatch.setenv(C.ENV_SWITCH, "1")
     _fresh_barrier()(2, 1)
     (entry,) = [tmp_path / p for p in _entries(tmp_path, "*.o")]
-    good = entry.read_bytes()
-    entry.write_bytes(good[:100])  # a truncated write
+    shared = entry.with_suffix(".so")
+    good, good_shared = entry.read_bytes(), shared.read_bytes()
+    _replace(entry, good[:100])  # truncated writes
+    _replace(shared, good_shared[:100])
     C._store.cache_clear()  # a fresh process's store
     fn = _fresh_barrier()
     fn(2, 1)
     assert fn.cache_info().loads == 0
-    assert entry.stat().st_size == len(good)
+    assert entry.stat().st_size == len(good) and shared.stat().st_size == len(good_shared)
     C._store.cache_clear()
+    again = _fresh_barrier()
+    again(2, 1)
+    assert again.cache_info().loads == 1
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write a file as a new one (a library this process has loaded stays mapped as it was)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# A fresh process loads the barrier's entry: prints whether it was loaded, the function's type and
+# which of the CuTe DSL, FA4's package and quack it imported.
+_WARM_CHILD = """
+import sys
+from cute_kernels import compile_cache as C
+fn, loaded = C.load_or_compile("compile_barrier", (2, 1, ""), lambda: sys.exit("compiled"))
+print(loaded, type(fn).__name__, ",".join(m for m in ("cutlass", "flash_attn.cute", "quack") if m in sys.modules) or "-")
+"""
+
+
+def _warm_child() -> tuple:
+    out = subprocess.run([sys.executable, "-c", _WARM_CHILD], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return tuple(out.stdout.split("\n")[-2].split(" "))
+
+
+def test_warm_entries_load_without_the_cute_dsl(tmp_path, monkeypatch):
+    """A fresh process finds a compiled entry through its shared library: a TVM-FFI function, and
+    neither the CuTe DSL nor FA4's package imported. A library that does not load: the object file
+    loads through the DSL and the library is linked again. Without a C compiler the entry is
+    object-only and loads through the DSL."""
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    _fresh_barrier()(2, 1)
+    assert _warm_child() == ("True", "Function", "-")
+    (shared,) = [tmp_path / p for p in _entries(tmp_path, "*.so")]
+    good = shared.read_bytes()
+    _replace(shared, good[:100])
+    assert _warm_child() == ("True", "Function", "cutlass")
+    assert shared.read_bytes() == good
+    assert _warm_child() == ("True", "Function", "-")
+
+    no_cc = tmp_path / "no_cc"
+    monkeypatch.setenv(C.ENV_DIR, str(no_cc))
+    monkeypatch.setenv("CC", str(tmp_path / "absent-cc"))
+    _fresh_barrier()(2, 1)
+    assert _entries(no_cc, "*.o") and not _entries(no_cc, "*.so")
     again = _fresh_barrier()
     again(2, 1)
     assert again.cache_info().loads == 1
