@@ -259,7 +259,7 @@ def pre_a2a(q, k, v, in_windows, rank: int, *, seq_len: Optional[int] = None, jo
     q [B, S_loc, H, D], k/v [B, S_loc, H_kv, D]; in_windows: a tensor [P, 3, B, N, H_loc, D]
     (no GQA: H_kv = H) or a tuple (dq [P, B, N, H_loc, D], dk, dv [P, B, N, H_kv_loc, D]) with
     N = S_pad + J and heads as ulysses.layout.UlyssesLayout assigns them. Writes rank `rank`'s
-    rows into every rank's window (see cute_kernels/a2a.py for the row order).
+    rows into every rank's window (see cute_kernels/a2a_device.py for the row order).
     """
     if isinstance(in_windows, torch.Tensor):
         check_tensor(in_windows, "in_windows", 6)

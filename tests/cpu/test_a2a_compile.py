@@ -7,8 +7,10 @@ compile caches are keyed by their arguments (world size included).
 import pytest
 import torch
 
-from cute_kernels.a2a import PreA2A, compile_post_a2a, compile_pre_a2a
-from cute_kernels.signal import BarrierKernel, compile_barrier
+from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
+from cute_kernels.a2a_device import PreA2A
+from cute_kernels.signal import compile_barrier
+from cute_kernels.signal_device import BarrierKernel
 
 
 def _ptx(compiled) -> str:

@@ -243,7 +243,7 @@ def test_uneven_key_rows_are_one_permutation(rows, J):
     for r, n in enumerate(rows):
         valid_base, pad_base = L.key_rows(r)
         for s in range(L.seq_loc):
-            kernel_row = valid_base + s if s < n else pad_base + s - n  # cute_kernels/a2a.py PreA2A
+            kernel_row = valid_base + s if s < n else pad_base + s - n  # cute_kernels/a2a_device.py PreA2A
             assert kernel_row == L.kv_row(r * L.seq_loc + s)
             assert source[kernel_row] == r * L.seq_loc + s
             assert (kernel_row < L.seq_len) == (s < n)
