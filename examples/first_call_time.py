@@ -5,15 +5,17 @@ fa_a2a.ulysses_qkv_attention, each at P = 1 and at P = 2 rank processes on GPU 0
 S = 1024, H = 8, D = 128, C = 512), fresh processes run the case twice: first on an empty cache
 folder (cold: every kernel compiles and is exported), then on the same folder (warm: every kernel
 loads). Each process reports the seconds from its start to the end of its imports and to the
-first output (synchronized), and the second call's milliseconds; P = 2 shows the slower rank.
+first output (synchronized), the first call alone (from its start to its synchronized output),
+the second call's milliseconds, and whether the CuTe DSL got imported (a warm process whose
+kernels all load as shared libraries never imports it); P = 2 shows the slower rank.
 The warm output must equal the cold one bit for bit (a loaded kernel computes what the compiled
 one did), and the warm run must add no entry to the folder.
 
     python examples/first_call_time.py            # one SM90 GPU; prints the table
     python examples/first_call_time.py --profile  # also where a warm P = 1 first call spends its time
 
-Columns: import s, first output s (from process start), second call ms, cache entries after the
-run, and whether the warm output equals the cold one.
+Columns: import s, first output s (from process start), first call s, second call ms, CuTe DSL
+imported, cache entries after the run, and whether the warm output equals the cold one.
 """
 
 import time
@@ -80,9 +82,12 @@ def child(what: str, P: int, rank: int, init_file: str, out_file: str) -> None:
 
         profile = cProfile.Profile()
         profile.enable()
+    t = time.perf_counter()
     out = call()
     torch.cuda.synchronize()
     first = time.perf_counter() - _START
+    first_call = time.perf_counter() - t
+    dsl = int("cutlass" in sys.modules)
     if profile is not None:
         import io
         import pstats
@@ -96,7 +101,7 @@ def child(what: str, P: int, rank: int, init_file: str, out_file: str) -> None:
     torch.cuda.synchronize()
     second_ms = (time.perf_counter() - t) * 1e3
     torch.save(out.cpu(), out_file)
-    print(f"RESULT {imported:.2f} {first:.2f} {second_ms:.2f}", flush=True)
+    print(f"RESULT {imported:.2f} {first:.2f} {second_ms:.2f} {first_call:.2f} {dsl}", flush=True)
     if P > 1:
         from ulysses.transport import close_transports
 
@@ -124,8 +129,9 @@ def run_case(what: str, P: int, cache: Path, work: Path, tag: str, profile: bool
         results.append([float(v) for v in lines[-1].split()[1:]])
         if r == 0:
             profile_text = "\n".join(ln[len("PROFILE "):] for ln in out.splitlines() if ln.startswith("PROFILE "))
-    imported, first, second = (max(col) for col in zip(*results))
-    return dict(imported=imported, first=first, second=second, profile=profile_text,
+    imported, first, second, first_call, dsl = (max(col) for col in zip(*results))
+    return dict(imported=imported, first=first, second=second, first_call=first_call, dsl=bool(dsl),
+                profile=profile_text,
                 entries=len(list(cache.rglob("*.o"))), out=work / f"out-{what}-{P}-{tag}-0.pt")
 
 
@@ -134,8 +140,8 @@ def main(profile: bool) -> None:
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("needs an SM90 GPU (compute capability 9.0)")
-    print(f"{'case':<14}{'cache':<7}{'import s':>9}{'first output s':>16}{'second call ms':>16}"
-          f"{'entries':>9}{'same output':>13}")
+    print(f"{'case':<14}{'cache':<7}{'import s':>9}{'first output s':>16}{'first call s':>14}"
+          f"{'second call ms':>16}{'CuTe DSL':>10}{'entries':>9}{'same output':>13}")
     with tempfile.TemporaryDirectory() as tmp:
         for what, P in CASES:
             cache, work = Path(tmp) / f"cache-{what}-{P}", Path(tmp)
@@ -145,7 +151,8 @@ def main(profile: bool) -> None:
             for tag, res in (("cold", cold), ("warm", warm)):
                 flag = "" if tag == "cold" else ("yes" if same else "NO")
                 print(f"{what + ' P=' + str(P):<14}{tag:<7}{res['imported']:>9.2f}{res['first']:>16.2f}"
-                      f"{res['second']:>16.2f}{res['entries']:>9}{flag:>13}", flush=True)
+                      f"{res['first_call']:>14.2f}{res['second']:>16.2f}{'yes' if res['dsl'] else 'no':>10}"
+                      f"{res['entries']:>9}{flag:>13}", flush=True)
             if warm["profile"]:
                 print(f"first call of {what} P={P}, warm cache, rank 0 (cProfile, cumulative):\n{warm['profile']}")
             if not same or warm["entries"] != cold["entries"]:
