@@ -4,6 +4,7 @@ keyed by arguments and sources, and skipped with the switch off. Whether a loade
 is checked on a GPU by examples/first_call_time.py."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from cute_kernels import compile_cache as C
 from cute_kernels.signal import compile_barrier
 
 ROOT = Path(__file__).resolve().parents[2]
+HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None  # entries linked into shared libraries
 
 # One fresh process: the barrier first (the first compile or load of a process pays one-time
 # costs), then the timed kernel. Prints "<barrier loads> <post_a2a loads> <post_a2a seconds>
@@ -56,7 +58,8 @@ def test_racing_processes_store_one_entry_that_a_fresh_process_loads(tmp_path):
     objects = _entries(tmp_path, "*.o")
     assert [p.parent.name for p in objects] == ["compile_barrier", "compile_post_a2a"], objects
     assert all((tmp_path / p).stat().st_size > 0 for p in objects)
-    assert [p.with_suffix(".o") for p in _entries(tmp_path, "*.so")] == objects, "an entry without its library"
+    if HAS_CC:
+        assert [p.with_suffix(".o") for p in _entries(tmp_path, "*.so")] == objects, "an entry without its library"
     assert not [p for p in _entries(tmp_path) if p.suffix not in (".o", ".so", ".lock")], "temporary files left"
     compiled = [seconds for _, loads, seconds, _ in raced if loads == 0]
     assert compiled, "neither racer compiled compile_post_a2a"
@@ -188,14 +191,15 @@ def test_unloadable_entry_is_recompiled_and_replaced(tmp_path, monkeypatch):
     _fresh_barrier()(2, 1)
     (entry,) = [tmp_path / p for p in _entries(tmp_path, "*.o")]
     shared = entry.with_suffix(".so")
-    good, good_shared = entry.read_bytes(), shared.read_bytes()
+    good, good_shared = entry.read_bytes(), shared.read_bytes() if HAS_CC else b""
     _replace(entry, good[:100])  # truncated writes
-    _replace(shared, good_shared[:100])
+    if HAS_CC:
+        _replace(shared, good_shared[:100])
     C._store.cache_clear()  # a fresh process's store
     fn = _fresh_barrier()
     fn(2, 1)
     assert fn.cache_info().loads == 0
-    assert entry.stat().st_size == len(good) and shared.stat().st_size == len(good_shared)
+    assert entry.stat().st_size == len(good) and (not HAS_CC or shared.stat().st_size == len(good_shared))
     C._store.cache_clear()
     again = _fresh_barrier()
     again(2, 1)
@@ -231,6 +235,8 @@ def test_warm_entries_load_without_the_cute_dsl(tmp_path, monkeypatch):
     neither the CuTe DSL nor FA4's package imported. A library that does not load: the object file
     loads through the DSL and the library is linked again. Without a C compiler the entry is
     object-only and loads through the DSL."""
+    if not HAS_CC:
+        pytest.skip("no C compiler ($CC, cc) links the entries here")
     monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
     monkeypatch.setenv(C.ENV_SWITCH, "1")
     _fresh_barrier()(2, 1)
