@@ -124,6 +124,8 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     what rope_table raises (a pair off `device`: the message of the table it would make there)."""
     if rotary is None:
         return None
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if isinstance(rotary, (tuple, list)):
         if len(rotary) != 2 or not all(isinstance(t, torch.Tensor) for t in rotary):
             raise ValueError(f"{name}: expected a (cos, sin) pair of tensors or a table, got {len(rotary)} items")
@@ -132,14 +134,14 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
             raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         for t in (cos, sin):
-            if t.device != torch.device(device):
+            if t.device != device:
                 raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, "
                                  f"got {torch.float32} {(rows, head_dim)} on {t.device}")
         return cos, sin
     if not isinstance(rotary, torch.Tensor):
         raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
     if (rotary.dtype != torch.float32 or tuple(rotary.shape) != (rows, head_dim)
-            or rotary.device != torch.device(device) or not rotary.is_contiguous()):
+            or rotary.device != device or not rotary.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
                          f"{rotary.dtype} {tuple(rotary.shape)} on {rotary.device}")
     return rotary
@@ -553,8 +555,8 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
     rows, never how its rows split between segments, which is its own: a key that one rank finds
     and another misses would leave the agreement collective to some ranks only)."""
     try:
-        if isinstance(x, torch.Tensor):  # (the usual call, without _as_segments' Segment)
-            rows, seg_facts = x.shape[1], ((_facts(x, False), _proj_facts(proj), _facts(rotary, False)),)
+        if isinstance(x, torch.Tensor):  # the usual call: its facts read once, no Segment objects
+            rows, seg_facts = x.shape[1], (x.shape, x.dtype, x.device, _proj_facts(proj), _facts(rotary))
         else:
             segs, _ = _as_segments(x, proj, rotary, "x")
             rows = sum(s.x.shape[1] for s in segs)
@@ -562,11 +564,20 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
         types = tuple(map(type, args))
         if list in types:
             args = tuple(tuple(a) if type(a) is list else a for a in args)
-        key = (rows, seg_facts, _facts(joint), _proj_facts(joint_proj), _facts(joint_rotary), types, args)
-        hash(key)
-        return key
+        return (rows, seg_facts, _facts(joint), _proj_facts(joint_proj), _facts(joint_rotary), types, args)
     except (TypeError, AttributeError, ValueError):
         return None
+
+
+def _find(table: dict, key):
+    """(key, its entry or None); (None, None) for a key None or one that cannot be hashed (an
+    argument check_call names, e.g. a list as seq_len): such a call is checked every time."""
+    if key is None:
+        return None, None
+    try:
+        return key, table.get(key)
+    except TypeError:
+        return None, None
 
 
 def _facts(t, rows: bool = True):
@@ -602,6 +613,8 @@ def _proj_facts(proj):
 def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
     """(x, proj, rope source: None, the table or the (cos, sin) pair) per segment of a checked call
     (rope_table's checks, every call; the conversion is the prepared call's)."""
+    if isinstance(x, torch.Tensor):  # the usual call, without Segment objects
+        return ((x, proj, _rope_source(rotary, x.shape[1], proj.head_dim, x.device, "rotary")),)
     segs, names = _as_segments(x, proj, rotary, name)
     return tuple((s.x, s.proj, _rope_source(s.rotary, s.x.shape[1], s.proj.head_dim, s.x.device, rn))
                  for s, (_, _, rn) in zip(segs, names))
@@ -725,14 +738,14 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     collective = P > 1 and group is not None
 
     def checks():  # once per signature; grad every call
-        entry = _resolved.get(key) if key is not None else None
+        hashable, entry = _find(_resolved, key)
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank, pace=pace).problem
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
             entry = (problem, fields, fields and signature_word(fields), {})  # {}: its prepared calls (_rank_block)
-            if key is not None:
-                _resolved[key] = entry
+            if hashable is not None:
+                _resolved[hashable] = entry
         problem, fields, word, calls = entry
         segs = _rank_segments(x, proj, rotary)
         _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
@@ -776,11 +789,11 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
     keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
-    entry = None if None in keys else _resolved_emulated.get(keys)
+    keys, entry = _find(_resolved_emulated, None if None in keys else keys)
     if entry is None:
         entry = _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
                                 seq_len, shard_rows, pace)
-        if None not in keys:
+        if keys is not None:
             _resolved_emulated[keys] = entry
     p, prepared = entry
     segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]

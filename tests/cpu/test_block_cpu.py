@@ -483,7 +483,8 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
         assert [type(m).__name__ if m != "plan" else m for m in made] == ["_FakeTransport", "plan"]
         assert len(routed) == 1 and [s[0] for s in seen] == xs and all(s[2] is table for s in seen)
         with pytest.raises(ValueError, match="rotary: expected a contiguous float32 \\[32, 64\\] table"):
-            block.ulysses_qkv_attention(xs[0], proj, rotary=torch.empty(S - 1, D, device="cuda"))
+            # the same signature (strides are not in it): refused by the call's own check
+            block.ulysses_qkv_attention(xs[0], proj, rotary=torch.empty_strided((S, D), (1, S), device="cuda"))
         with pytest.raises(ValueError, match="rotary: expected cos, sin of shape \\[32, 64\\]"):
             block.ulysses_qkv_attention(xs[0], proj, rotary=(table, torch.empty(1, D, device="cuda")))
         made[0].closed = True
@@ -526,7 +527,8 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         assert checked == ["xs[0]", "xs[1]"] and transport.barriers == 6
         with pytest.raises(ValueError, match=r"rotary: expected a contiguous float32 \[32, 64\] table"):
             xs, rots = call_args()
-            block.ulysses_qkv_attention_emulated(xs, proj, rotary=[rots[0], torch.empty(1, D, device="cuda")])
+            strided = torch.empty_strided((S, D), (1, S), device="cuda")  # a known signature, not contiguous
+            block.ulysses_qkv_attention_emulated(xs, proj, rotary=[rots[0], strided])
         xs, rots = call_args(S - 8)  # other rows: checked and prepared again
         assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S - 8), ("out", 1, S - 8)]
         assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
