@@ -357,7 +357,13 @@ def _as_segments(x, proj, rotary, name: str) -> tuple:
         if value is not None:
             raise ValueError(f"{arg}: expected None with segments (each Segment has its own proj and rotary), "
                              f"got {type(value).__name__}")
-    return tuple(x), tuple((f"{name}[{i}].x", f"{name}[{i}].proj", f"{name}[{i}].rotary") for i in range(len(x)))
+    return tuple(x), _segment_names(name, len(x))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_names(name: str, n: int) -> tuple:
+    """The (x, proj, rotary) argument names of n segments of argument `name` (error messages)."""
+    return tuple((f"{name}[{i}].x", f"{name}[{i}].proj", f"{name}[{i}].rotary") for i in range(n))
 
 
 def segment_writes(layout, rank: int, rows: Sequence[int]) -> list:
@@ -559,8 +565,12 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
             rows, seg_facts = x.shape[1], (x.shape, x.dtype, x.device, _proj_facts(proj), _facts(rotary))
         else:
             segs, _ = _as_segments(x, proj, rotary, "x")
-            rows = sum(s.x.shape[1] for s in segs)
-            seg_facts = tuple((_facts(s.x, False), _proj_facts(s.proj), _facts(s.rotary, False)) for s in segs)
+            rows, seg_facts = 0, []
+            for s in segs:  # each segment's facts without its rows (how a rank splits its rows is its own)
+                sh, r = s.x.shape, s.rotary
+                rows += sh[1]
+                seg_facts.append((sh[0], sh[2], s.x.dtype, s.x.device, _proj_facts(s.proj), _facts(r, False)))
+            seg_facts = tuple(seg_facts)
         types = tuple(map(type, args))
         if list in types:
             args = tuple(tuple(a) if type(a) is list else a for a in args)
@@ -586,8 +596,10 @@ def _facts(t, rows: bool = True):
     if t is None:
         return None
     if isinstance(t, torch.Tensor):
-        s = t.shape
-        return (s if rows else s[:-2] + s[-1:], t.dtype, t.device)
+        if rows:
+            return (t.shape, t.dtype, t.device)
+        s = tuple(t.shape)  # (plain tuples slice faster than torch.Size)
+        return (s[:-2] + s[-1:], t.dtype, t.device)
     if isinstance(t, (tuple, list)):
         return tuple(_facts(u, rows) for u in t)
     raise TypeError
