@@ -504,7 +504,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs))))
     monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
-                        _FakePlan(t, lay, B, D, dtype, "cuda"))
+                        _FakePlan(t, lay, B, D, dtype, "cpu"))  # (windows the recorder never reads)
     inner = block._check_rank_call
     monkeypatch.setattr(block, "_check_rank_call", lambda *a, **k: checked.append(a[-2]) or inner(*a, **k))
     with FakeTensorMode():
@@ -532,3 +532,15 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         xs, rots = call_args(S - 8)  # other rows: checked and prepared again
         assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S - 8), ("out", 1, S - 8)]
         assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
+
+        sliced = []  # joint rows: each rank's own slice of the joint weights, sliced once per rank
+        monkeypatch.setattr(block, "_rank_slice", lambda w, r: sliced.append((w, r)) or w)
+        J = 5
+        for _ in range(2):
+            xs, rots = call_args()
+            joint, jrot = torch.empty(1, J, C, dtype=torch.bfloat16, device="cuda"), torch.empty(J, D, device="cuda")
+            seen.clear()
+            outs = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots, joint=joint, joint_rotary=jrot)
+            assert outs == ([("out", 0, S), ("out", 1, S)], [("joint out", 0), ("joint out", 1)])
+            assert [(s[0] is joint, s[2] is jrot) for s in seen] == [(False, False), (True, True)] * 2
+        assert sliced == [(proj, 0), (proj, 1)] and checked == ["xs[0]", "xs[1]"] * 3
