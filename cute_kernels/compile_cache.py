@@ -22,8 +22,9 @@ What is ours is the key and the switch:
 - key: the compile function's qualified name and all its arguments (defaults applied, so a
   call with and without a default argument share an entry), the DSL's compile settings (its
   CUTE_DSL_* variables: the target arch, the compiler options, debug/lineinfo, ...; without
-  CUTE_DSL_ARCH the GPU's compute capability), FA4's FLASH_ATTENTION_* variables, and a fingerprint of everything else that changes the generated code: the Python
-  code that runs while compiling (cute_kernels, fa_a2a/fused.py and fa_a2a/xstage.py, FA4's
+  CUTE_DSL_ARCH the GPU's compute capability), FA4's FLASH_ATTENTION_* variables, and a
+  fingerprint of everything else that changes the generated code: the Python code that runs while
+  compiling (cute_kernels, fa_a2a/fused.py and fa_a2a/xstage.py, FA4's
   CuTe package, quack), the versions of the CuTe DSL, TVM-FFI, FA4, quack and torch, and the
   Python version. A change to any of them is a miss (old entries stay on disk under the old
   fingerprint's folder and can be deleted).

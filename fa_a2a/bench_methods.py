@@ -124,7 +124,9 @@ def _build_fused_auto(pt, s):
             t = get_transport(pt.group)
             link, ranks_per_gpu = (lambda: link_gbps(t)), t.ranks_per_gpu
         else:
-            link = lambda: measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)  # noqa: E731
+            def link():
+                return measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)
+
             ranks_per_gpu = 1
         pt.pacing = plan_pacing("auto", link, pt.dev, pt.M, cfg.heads_local, cfg.batch, cfg.head_dim, pt.dtype,
                                 cfg.causal, tile_m, path, ranks_per_gpu=ranks_per_gpu)

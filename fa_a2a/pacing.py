@@ -233,7 +233,8 @@ def plan_pacing(pace: Pace, link: Callable[[], float], device, seqlen: int, head
     tile_n = fa4_tile_shape(head_dim, causal)[1]
     out_bytes = torch.empty(0, dtype=dtype).element_size()
     tiles = FaTiles(seqlen, heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
-    decision = one_wave(tiles) or decide(link(), tiles, gpu_sms=sms, shared_gpu=ranks_per_gpu > 1)  # no probe for one wave
+    # one wave: decided without probing the link
+    decision = one_wave(tiles) or decide(link(), tiles, gpu_sms=sms, shared_gpu=ranks_per_gpu > 1)
     key = (seqlen, heads_loc, batch, head_dim, dtype, causal, share, decision)
     if key not in _logged:
         _logged.add(key)

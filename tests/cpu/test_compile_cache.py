@@ -219,7 +219,8 @@ _WARM_CHILD = """
 import sys
 from cute_kernels import compile_cache as C
 fn, loaded = C.load_or_compile("compile_barrier", (2, 1, ""), lambda: sys.exit("compiled"))
-print(loaded, type(fn).__name__, ",".join(m for m in ("cutlass", "flash_attn.cute", "quack") if m in sys.modules) or "-")
+imported = ",".join(m for m in ("cutlass", "flash_attn.cute", "quack") if m in sys.modules)
+print(loaded, type(fn).__name__, imported or "-")
 """
 
 
