@@ -56,7 +56,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from .problem import KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, signature_fields, signature_word
+from .problem import (KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, lookup, signature_fields,
+                      signature_word)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
@@ -393,17 +394,10 @@ def segment_writes(layout, rank: int, rows: Sequence[int]) -> list:
     return writes
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    problem: object
-    segments: tuple  # (x, proj, rope table or None) per segment
-    joint_x: Optional[torch.Tensor]
-    joint_rope: Optional[torch.Tensor]
-
-
 def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
-                     shard_rows, P: int, rank: int, name: str = "x", pace=None) -> _Call:
-    """Every local check of rank `rank`'s block call -> _Call (its Problem, segments with rotary tables)."""
+                     shard_rows, P: int, rank: int, name: str = "x", pace=None):
+    """Every local check of rank `rank`'s block call -> its Problem (the rotaries checked as
+    rope_table checks them, not converted)."""
     segs, names = _as_segments(x, proj, rotary, name)
     for s, (xn, pn, _) in zip(segs, names):
         _check_x(s.x, xn, s.proj)
@@ -441,17 +435,16 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
         _check_proj(s.proj, pn, lay, P)
     if joint is not None:
         _check_proj(joint_proj, "joint_proj", lay, P)
-    ropes = tuple(rope_table(s.rotary, s.x.shape[1], D, x0.device, rn) for s, (_, _, rn) in zip(segs, names))
+    ropes = tuple(_rope_source(s.rotary, s.x.shape[1], D, x0.device, rn) for s, (_, _, rn) in zip(segs, names))
     if len({r is None for r in ropes}) > 1:
         raise ValueError(f"{names[0][2]}: expected a rotary on every segment or on none (one epilogue for the "
                          f"rank's rows), got {['set' if r is not None else None for r in ropes]}")
-    jrope = rope_table(joint_rotary, joint.shape[1], D, x0.device, "joint_rotary") if joint is not None else None
+    jrope = _rope_source(joint_rotary, joint.shape[1], D, x0.device, "joint_rotary") if joint is not None else None
     if joint is not None and (ropes[0] is None) != (jrope is None):
         raise ValueError("joint_rotary: expected a table exactly when rotary is given (one epilogue for the "
                          f"sequence and joint rows), got rotary={'set' if ropes[0] is not None else None}, "
                          f"joint_rotary={'set' if jrope is not None else None}")
-    return _Call(problem, tuple((s.x, s.proj, r) for s, r in zip(segs, ropes)),
-                 joint if joint is not None and joint.shape[1] else None, jrope)
+    return problem
 
 
 # ---- one rank's projection into the in-windows -----------------------------------------------------
@@ -579,17 +572,6 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
         return None
 
 
-def _find(table: dict, key):
-    """(key, its entry or None); (None, None) for a key None or one that cannot be hashed (an
-    argument check_call names, e.g. a list as seq_len): such a call is checked every time."""
-    if key is None:
-        return None, None
-    try:
-        return key, table.get(key)
-    except TypeError:
-        return None, None
-
-
 def _facts(t, rows: bool = True):
     """A signature's facts of a tensor (shape, without its rows unless `rows`; dtype; device), of a
     tuple or list of them, or None."""
@@ -649,8 +631,9 @@ class _RankBlock:
     old table. The conversion is one stack kernel into a buffer (_RopeTable; it was a stack into a
     new tensor and, for non-fp32 inputs, a cast)."""
 
-    def __init__(self, transport, problem, rank: int, segs, joint_x, joint_proj, joint_rope, config,
+    def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
+        """segs: _rank_segments of the call; joint, joint_proj, joint_rotary: as the call has them."""
         from fa_a2a.forward import window_plan
 
         p, lay = problem, problem.layout
@@ -658,8 +641,10 @@ class _RankBlock:
         self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
         self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
         self.rows = sum(s[0].shape[1] for s in segs)
-        self.joint_rows = joint_x.shape[1] if joint_x is not None else 0
+        self.joint_rows = joint.shape[1] if joint is not None else 0
         device = segs[0][0].device
+        joint_rope = (_rope_source(joint_rotary, self.joint_rows, p.head_dim, device, "joint_rotary")
+                      if self.joint_rows else None)
 
         def buffer(rows, src):  # where a (cos, sin) pair is converted
             return _RopeTable(rows, p.head_dim, device) if isinstance(src, tuple) else None
@@ -668,7 +653,7 @@ class _RankBlock:
         self.joint_table = buffer(self.joint_rows, joint_rope) if self.joint_rows else None
         self.joint_src = self.joint_slice = None
         rope = lambda src, t: src if t is None else t.table  # noqa: E731 (the routing reads its presence and width)
-        joint = ((joint_x, self._joint_proj(joint_proj or segs[0][1]), rope(joint_rope, self.joint_table))
+        joint = ((joint, self._joint_proj(joint_proj or segs[0][1]), rope(joint_rope, self.joint_table))
                  if self.joint_rows else None)
         self.project = _Projection((plan.dq, plan.dk, plan.dv), lay, rank,
                                    [(x, w, rope(r, t)) for (x, w, r), t in zip(segs, self.tables)], joint,
@@ -710,12 +695,8 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
         for prepared in [e[3] for e in _resolved.values()] + [calls]:
             for stale in [k for k, c in prepared.items() if c.transport.closed]:
                 del prepared[stale]
-        x0, p0 = segs[0][:2]
-        transport = emulated_transport(1, x0.device) if P == 1 else get_transport(group)
-        joint_x = joint if joint is not None and joint.shape[1] else None
-        jrope = (_rope_source(joint_rotary, joint_x.shape[1], p0.head_dim, x0.device, "joint_rotary")
-                 if joint_x is not None else None)
-        call = calls[local] = _RankBlock(transport, problem, rank, segs, joint_x, joint_proj, jrope, config,
+        transport = emulated_transport(1, segs[0][0].device) if P == 1 else get_transport(group)
+        call = calls[local] = _RankBlock(transport, problem, rank, segs, joint, joint_proj, joint_rotary, config,
                                          one_launch)
     return call
 
@@ -750,10 +731,10 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     collective = P > 1 and group is not None
 
     def checks():  # once per signature; grad every call
-        hashable, entry = _find(_resolved, key)
+        hashable, entry = lookup(_resolved, key)
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
-                                       softmax_scale, seq_len, shard_rows, P, rank, pace=pace).problem
+                                       softmax_scale, seq_len, shard_rows, P, rank, pace=pace)
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
             entry = (problem, fields, fields and signature_word(fields), {})  # {}: its prepared calls (_rank_block)
             if hashable is not None:
@@ -801,7 +782,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
     keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
-    keys, entry = _find(_resolved_emulated, None if None in keys else keys)
+    keys, entry = lookup(_resolved_emulated, None if None in keys else keys)
     if entry is None:
         entry = _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
                                 seq_len, shard_rows, pace)
@@ -818,10 +799,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
         from fa_a2a.forward import emulated_transport
 
         transport = emulated_transport(P, device)
-        joint_x = joint if joint is not None and joint.shape[1] else None
-        jrope = (_rope_source(joint_rotary, joint_x.shape[1], p.head_dim, device, "joint_rotary")
-                 if joint_x is not None else None)
-        blocks = prepared[local] = [_RankBlock(transport, p, r, segs[r], joint_x, joint_proj, jrope, config,
+        blocks = prepared[local] = [_RankBlock(transport, p, r, segs[r], joint, joint_proj, joint_rotary, config,
                                                one_launch) for r in range(P)]
     for b, rank_segs in zip(blocks, segs):
         b.launch_projection(rank_segs, joint, joint_rotary, joint_proj)
@@ -840,12 +818,13 @@ def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
     """Every rank's local checks (names xs[r]) and rank 0's batch, dtype and device on every rank ->
     (Problem, {} for the prepared calls)."""
     P = len(xs)
-    calls = [_check_rank_call(x, proj, rotary[r], joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
-                              seq_len, shard_rows, P, r, f"xs[{r}]", pace) for r, x in enumerate(xs)]
-    p = calls[0].problem
+    problems = [_check_rank_call(x, proj, rotary[r], joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
+                                 seq_len, shard_rows, P, r, f"xs[{r}]", pace) for r, x in enumerate(xs)]
+    p = problems[0]
+    first = [x if isinstance(x, torch.Tensor) else x[0].x for x in xs]  # each rank's first rows
     for r in range(1, P):
-        if calls[r].problem != p:
-            (a, *_), (b, *_) = calls[0].segments[0], calls[r].segments[0]
+        if problems[r] != p:
+            a, b = first[0], first[r]
             raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(a.shape)} "
                              f"{a.dtype} on {a.device}), got {tuple(b.shape)} {b.dtype} on {b.device}")
     return p, {}

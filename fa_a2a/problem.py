@@ -288,13 +288,14 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
         return None
 
 
-def _lookup(key):
-    """(key, cached entry) for a cached signature, (key, None) for a new one, and (None, None) for
-    an unhashable argument (e.g. a list as seq_len: check_call names it)."""
+def lookup(table: dict, key):
+    """(key, cached entry) of a per-signature cache (the op's here, the block's in fa_a2a.block):
+    (key, None) for a new signature, (None, None) for a key None or one that cannot be hashed (an
+    unhashable argument, e.g. a list as seq_len, which check_call names): checked every time."""
     if key is None:
         return None, None
     try:
-        hit = _resolved.get(key)
+        hit = table.get(key)
     except TypeError:
         return None, None
     return key, hit
@@ -313,7 +314,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
     refusal: a ValueError message the caller already found (raised like this rank's own).
 
     Returns (Problem, joint tuple or None)."""
-    key, hit = _lookup(_signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank,
+    key, hit = lookup(_resolved, _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank,
                                   group_name, pace))
     collective = world_size > 1 and group is not None
 
@@ -364,7 +365,7 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
         raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
                        "emulated", pace) for r in range(P)]
-    key, hit = _lookup(None if None in keys else tuple(keys))
+    key, hit = lookup(_resolved, None if None in keys else tuple(keys))
     if hit is not None:
         return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
