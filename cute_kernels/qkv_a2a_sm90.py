@@ -558,8 +558,7 @@ def _check_inputs(x, proj, rope_cs, config, one_launch):
         raise ValueError(f"x: {proj.weight.dtype} on {proj.weight.device} (the weight's) expected, "
                          f"got {x.dtype} on {x.device}")
     C = proj.weight.shape[1]
-    if (x.shape[2] != C or x.stride(2) != 1 or (x.stride(1) != C and x.shape[1] > 1)
-            or (x.stride(0) * x.element_size()) % 16 or _address(x) % 16):
+    if x.shape[2] != C or not _tma_rows(x, C, _address(x)):
         raise ValueError(f"x: contiguous rows of C = {C}, 16-byte aligned base and batch stride "
                          f"expected, got shape {tuple(x.shape)} strides {x.stride()}")
     M = x.shape[1]
@@ -691,8 +690,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
                    _scheduler_args(kern.cluster_size, device_index)) for run, kern in runs)
 
     def launch(x, proj, rope_cs=None) -> None:
-        if (x.stride(2) != 1 or (x.stride(1) != C and M > 1) or (x.stride(0) * es) % 16
-                or x.data_ptr() % 16):
+        if not _tma_rows(x, C, x.data_ptr()):
             x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
             weight, epi, cs = _launch_args(proj, run, kern)
@@ -706,6 +704,13 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
                     kern.compiled(x[b:b + 1], weight, views[b], None, epi, sched, None, None, None)
 
     return launch
+
+
+def _tma_rows(x: torch.Tensor, C: int, address: int) -> bool:
+    """Whether x [B, M, C] at `address` is what the GEMM's TMA loads: contiguous rows of C, a
+    16-byte aligned base and batch stride."""
+    return (x.stride(2) == 1 and (x.stride(1) == C or x.shape[1] <= 1)
+            and (x.stride(0) * x.element_size()) % 16 == 0 and address % 16 == 0)
 
 
 def _no_launch(x, proj, rope_cs=None) -> None:

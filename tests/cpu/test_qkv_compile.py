@@ -370,3 +370,17 @@ def test_one_launch_vectors():
     assert torch.equal(wv[:n_qk], proj.norm_weight) and not wv[n_qk:].any()
     assert torch.equal(rot, (torch.arange(3 * 2 * D) < n_qk).float()) and torch.equal(sel, 1 - rot)
     assert proj.one_launch_vectors[0] is wv  # built once
+
+
+def test_tma_rows_is_what_the_checks_and_the_bound_launch_require():
+    """One predicate for the projection's x (its checks refuse, a bound launch copies where false):
+    contiguous rows of C, a 16-byte aligned base and batch stride."""
+    C = 64
+    x = torch.empty(2, 5, C, dtype=torch.bfloat16)
+    assert K._tma_rows(x, C, x.data_ptr())
+    assert K._tma_rows(x[:, 1:3], C, x[:, 1:3].data_ptr())  # a row slice: rows stay contiguous
+    assert not K._tma_rows(x[:, :, :C - 8], C - 8, x.data_ptr())  # rows of C - 8 inside rows of C
+    assert not K._tma_rows(x.transpose(1, 2).contiguous().transpose(1, 2), C, x.data_ptr())
+    assert not K._tma_rows(x, C, x.data_ptr() + 2)  # a base off 16 bytes
+    odd = torch.empty(2 * (5 * C + 1), dtype=torch.bfloat16).as_strided((2, 5, C), (5 * C + 1, C, 1))
+    assert not K._tma_rows(odd, C, 0)  # a batch stride of 5 * C + 1 elements
