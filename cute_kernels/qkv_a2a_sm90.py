@@ -38,10 +38,11 @@ launch separately.
 Batches (B > 1) launch one GEMM each: a stride-0 batch mode cannot be a TMA dimension, and
 materialising B copies of the weight costs more than the launches.
 
-Epilogues are quack's (quack.epilogue.library.qk_rope_epi, qknorm_epi;
-quack.epilogue.rotary.rope_table_epi) or compositions of quack's epilogue ops (HeadRstd,
-RowVecLoad, rotary_cos_sin_load) where quack has no ready one (bias before the norm, RoPE
-without bias). RMSNorm eps is 1e-6 (quack's HeadRstd in its library epilogues).
+Epilogues are quack's (quack.epilogue.library.qknorm_epi) or compositions of quack's epilogue ops
+(HeadRstd, RowVecLoad, rotary_cos_sin_load): quack's RoPE epilogues read one interleaved
+(cos, sin) table; these read two tables, so that diffusers' (cos, sin) pair goes in as it is (no
+table built per call) and quack's table goes in twice. RMSNorm eps is 1e-6 (quack's HeadRstd in
+its library epilogues).
 
 Ordering: the stores are TMA bulk stores issued by quack's epilogue exactly as for a plain
 output; nothing waits for remote completion. Visibility to the consumer comes from the barrier
@@ -95,9 +96,9 @@ from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import get_max_active_clusters, torch2cute_dtype_map
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.epilogue.head_rmsnorm import HeadRstd
-from quack.epilogue.library import qk_rope_epi, qknorm_epi
+from quack.epilogue.library import qknorm_epi
 from quack.epilogue.ops import EpiOp, RowVecLoad
-from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
+from quack.epilogue.rotary import rotary_cos_sin_load
 from quack.gemm_default_epi import GemmDefaultEpiMixin, GemmDefaultSm90
 from quack.gemm_runtime.host import FakeArgCtx
 from quack.gemm_tvm_ffi_utils import (
@@ -145,21 +146,36 @@ def _rank_window_class(base):
 
 
 # ---- epilogues: quack's where they exist, compositions of quack's ops otherwise ------------------
+# RoPE reads two (rows, D) tables through quack's rotary table op, "cos" and "sin": c from the even
+# column of cos, s from the odd column of sin. Given quack's interleaved table (cos_j, sin_j) twice,
+# that is its (c, s); given diffusers' (cos, sin) pair (each frequency repeated for the adjacent
+# pair), the same values without building the table (interleaved_cos_sin) on every call.
+def _cos_sin(cos, sin):
+    c, _ = unpack(cos)
+    _, s = unpack(sin)
+    return c, s
+
+
+def _sq_prepass(acc):
+    return {"qk": acc * acc}
+
+
 def _sq_bias_prepass(acc, b):
     x = acc + b
     return {"qk": x * x}
 
 
-@gemm_epilogue(
-    ops={"cs": rotary_cos_sin_load("cs"), "qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"),
-         "b": RowVecLoad("b")},
-    prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair",
-)
-def qk_bias_norm_rope_epi(acc, cs, qk, w, b):
+def _rope_ops(**more):
+    return {"cos": rotary_cos_sin_load("cos"), "sin": rotary_cos_sin_load("sin"), **more}
+
+
+@gemm_epilogue(ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"), b=RowVecLoad("b")),
+               prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair")
+def qk_bias_norm_rope_epi(acc, cos, sin, qk, w, b):
     """quack's qk_rope_epi with the projection bias added before the norm (a DiT's q/k path):
     rmsnorm_head(acc + b) * w, then interleaved RoPE."""
     x1, x2 = unpack((acc + b) * qk * w)
-    c, s = unpack(cs)
+    c, s = _cos_sin(cos, sin)
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
@@ -172,26 +188,43 @@ def qk_bias_norm_epi(acc, qk, w, b):
     return {"D": (acc + b) * qk * w}
 
 
-@gemm_epilogue(ops={"cs": rotary_cos_sin_load("cs")}, mode="acc_pair")
-def qk_rope_epi_nobias(acc, cs):
-    """quack's rope_table_epi without the bias."""
+@gemm_epilogue(ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w")), prepass=_sq_prepass,
+               prepass_outs=("qk",), mode="acc_pair")
+def qk_norm_rope_epi(acc, cos, sin, qk, w):
+    """quack's qk_rope_epi (per-head RMSNorm with weight, then RoPE) with the two-table RoPE."""
+    x1, x2 = unpack(acc * qk * w)
+    c, s = _cos_sin(cos, sin)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+@gemm_epilogue(ops=_rope_ops(b=RowVecLoad("b")), mode="acc_pair")
+def qk_bias_rope_epi(acc, cos, sin, b):
+    """quack's rope_table_epi (bias, then RoPE) with the two-table RoPE."""
+    x1, x2 = unpack(acc + b)
+    c, s = _cos_sin(cos, sin)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+@gemm_epilogue(ops=_rope_ops(), mode="acc_pair")
+def qk_rope_epi_nobias(acc, cos, sin):
+    """RoPE alone."""
     x1, x2 = unpack(acc)
-    c, s = unpack(cs)
+    c, s = _cos_sin(cos, sin)
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
 @gemm_epilogue(
-    ops={"cs": rotary_cos_sin_load("cs"), "qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"),
-         "b": RowVecLoad("b"), "rot": RowVecLoad("rot"), "sel": RowVecLoad("sel")},
+    ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"), b=RowVecLoad("b"), rot=RowVecLoad("rot"),
+                  sel=RowVecLoad("sel")),
     prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair",
 )
-def qkv_bias_norm_rope_epi(acc, cs, qk, w, b, rot, sel):
+def qkv_bias_norm_rope_epi(acc, cos, sin, qk, w, b, rot, sel):
     """qk_bias_norm_rope_epi over q|k|v in one launch. Row vectors: on q and k columns w = the
     head's norm weight, rot = 1, sel = 0; on v columns w = 0, rot = 0, sel = 1, where the result
     is acc + b exactly (x * rstd * 0 = +-0, RoPE with cos 1 and sin +-0)."""
     x = acc + b
     x1, x2 = unpack(x * qk * w + x * sel)
-    c, s = unpack(cs)
+    c, s = _cos_sin(cos, sin)
     r1, _ = unpack(rot)
     v1, _ = unpack(sel)
     c = c * r1 + v1
@@ -201,14 +234,13 @@ def qkv_bias_norm_rope_epi(acc, cs, qk, w, b, rot, sel):
 
 # (bias, norm, rope) -> epilogue of the q|k columns; (.., False, False) is the default class
 _QK_EPILOGUES = {
-    (False, True, True): qk_rope_epi,
+    (False, True, True): qk_norm_rope_epi,
     (True, True, True): qk_bias_norm_rope_epi,
     (False, True, False): qknorm_epi,
     (True, True, False): qk_bias_norm_epi,
     (False, False, True): qk_rope_epi_nobias,
-    (True, False, True): rope_table_epi,
+    (True, False, True): qk_bias_rope_epi,
 }
-_UNPINNED_KINDS = {"bias": "row"}
 
 
 def _epilogue_mod(bias: bool, norm: bool, rope: bool, one_launch: bool):
@@ -218,16 +250,13 @@ def _epilogue_mod(bias: bool, norm: bool, rope: bool, one_launch: bool):
                              f"epilogue is bias + RMSNorm + RoPE), got bias={bias}, norm={norm}, "
                              f"rope={rope}")
         return qkv_bias_norm_rope_epi
-    return _QK_EPILOGUES[(bias, norm, rope)]  # rope_table_epi's bias operand is inferred by quack as a row vector
+    return _QK_EPILOGUES[(bias, norm, rope)]
 
 
 def _mint(mod, values):
     """The quack class of `mod` for these epilogue values: the mint key quack's EpiMod.gemm
     derives for a dense, batched, SM90 call without C (pinned by tests/cpu/test_qkv_compile.py)."""
-    visit_sig = tuple(
-        (name, mod.ops[name].fn_port if name in mod.ops else _UNPINNED_KINDS[name])
-        for name in mod.operand_names
-    )
+    visit_sig = tuple((name, mod.ops[name].fn_port) for name in mod.operand_names)  # every operand pinned
     prepass_sig = tuple((n, k) for n, k in visit_sig if n in mod.prepass_operand_names)
     arg_forms = tuple(
         (name, mod.ops[name].host_arg_form(values[name]))
@@ -239,12 +268,15 @@ def _mint(mod, values):
 
 
 def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel=None):
-    """epi_args of `mod`; an inferred (unpinned) row vector must be (l, n) for quack."""
-    if bias is not None and bias.dim() == 1 and any(n not in mod.ops for n in mod.operand_names):
-        bias = bias.unsqueeze(0)
-    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs,
-               "rot": rot, "sel": sel}
+    """epi_args of `mod`; rope_cs: None, the table or the (cos, sin) pair (rope_tables)."""
+    cos, sin = rope_tables(rope_cs) if rope_cs is not None else (None, None)
+    by_name = {"b": bias, "w": norm_weight, "qk": head_dim, "cos": cos, "sin": sin, "rot": rot, "sel": sel}
     return {name: by_name[name] for name in mod.operand_names}
+
+
+def rope_tables(rope_cs) -> tuple:
+    """The epilogue's (cos, sin) tables of rope_cs: quack's interleaved table twice, or the pair."""
+    return tuple(rope_cs) if isinstance(rope_cs, (tuple, list)) else (rope_cs, rope_cs)
 
 
 # ---- configuration and compile -------------------------------------------------------------------
@@ -561,13 +593,28 @@ def _check_inputs(x, proj, rope_cs, config, one_launch):
     if x.shape[2] != C or not _tma_rows(x, C, _address(x)):
         raise ValueError(f"x: contiguous rows of C = {C}, 16-byte aligned base and batch stride "
                          f"expected, got shape {tuple(x.shape)} strides {x.stride()}")
-    M = x.shape[1]
-    if rope_cs is not None and (rope_cs.dtype != torch.float32 or rope_cs.shape != (M, proj.head_dim)
-                                or not rope_cs.is_contiguous() or rope_cs.device != x.device):
-        raise ValueError(f"rope_cs: contiguous float32 [{M}, {proj.head_dim}] on {x.device} expected, "
-                         f"got {rope_cs.dtype} {tuple(rope_cs.shape)} on {rope_cs.device}")
+    if rope_cs is not None:
+        _check_rope(rope_cs, x.shape[1], proj.head_dim, x.device)
     if config is not None and not isinstance(config, GemmConfig):
         raise ValueError(f"config: a GemmConfig expected, got {type(config).__name__}")
+
+
+def _check_rope(rope_cs, M: int, D: int, device) -> None:
+    pair = isinstance(rope_cs, (tuple, list))
+    if pair and (len(rope_cs) != 2 or not all(isinstance(t, torch.Tensor) for t in rope_cs)):
+        raise ValueError("rope_cs: a float32 table or a (cos, sin) pair of tensors expected")
+    for name, t in zip(("rope_cs[0] (cos)", "rope_cs[1] (sin)") if pair else ("rope_cs",), rope_tables(rope_cs)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (M, D) or t.device != device:
+            raise ValueError(f"{name}: float32 [{M}, {D}] on {device} expected, got "
+                             f"{f'{t.dtype} {tuple(t.shape)} on {t.device}' if isinstance(t, torch.Tensor) else t}")
+        if not tma_table(t, _address(t)):
+            raise ValueError(f"{name}: contiguous rows, a 16-byte aligned base and row stride expected (the "
+                             f"epilogue's TMA loads), got strides {t.stride()}")
+
+
+def tma_table(t: torch.Tensor, address: int) -> bool:
+    """Whether a float32 [M, D] RoPE table at `address` is what the epilogue's TMA loads."""
+    return t.stride(1) == 1 and (t.stride(0) * 4) % 16 == 0 and address % 16 == 0
 
 
 def _group_config(config, g, proj):
@@ -606,8 +653,11 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     x [B, M, C] with contiguous rows (a row slice of a larger x is fine). windows = (dq, dk, dv): [P, B, N, H_loc, D] / [P, B, N, H_kv_loc, D]
     (window d = destination rank d, each window contiguous, a uniform dim-0 stride W that is a
     multiple of 16 bytes); an entry None skips that tensor (e.g. joint rows, whose q and k/v rows
-    differ: launch q and k|v separately with their row0). rope_cs: fp32 [M, D] interleaved
-    (cos, sin) pairs of these rows' positions (see interleaved_cos_sin), or None for no RoPE.
+    differ: launch q and k|v separately with their row0). rope_cs: these rows' RoPE, None for none:
+    the fp32 [M, D] table of interleaved (cos_j, sin_j) (interleaved_cos_sin), or diffusers' pair
+    (cos, sin) of fp32 [M, D] (each frequency repeated for the adjacent pair; c is read from cos's
+    even columns, s from sin's odd ones), each with contiguous rows, 16-byte aligned base and row
+    stride (tma_table).
     The norm applies when proj has norm weights. one_launch: q, k and v in one launch of
     qkv_bias_norm_rope_epi (bias + norm + RoPE on q and k, v passed through exactly) instead of
     q|k and v apart: one grid instead of two partial waves. Graph-capturable; no host sync. On
@@ -625,7 +675,8 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
 
     A launch takes an x of this x's shape, dtype and device, a proj of this proj's kind (shapes,
     bias and norm present, world size, heads: e.g. another layer's weights) and rope_cs exactly when
-    one is given here (fp32 [M, D]); the caller keeps to that (fa_a2a.block: its call signature). Per
+    one is given here, of the same kind (a table or a pair) and checked as here (tma_table); the
+    caller keeps to that (fa_a2a.block: its call signature). Per
     launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
     and kept on proj; the epilogue arguments with this call's rope_cs; x itself, or a contiguous
     copy (fresh storage) where its rows are not 16-byte aligned (the TMA's requirement; the checks
@@ -693,10 +744,11 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
         if not _tma_rows(x, C, x.data_ptr()):
             x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
-            weight, epi, cs = _launch_args(proj, run, kern)
-            if cs is not None:  # the epilogue's arguments with this call's RoPE table
-                op, key = cs
-                epi = kern.epi_type(**epi, cs=_call_arg(op, rope_cs, key))
+            weight, epi, rope = _launch_args(proj, run, kern)
+            if rope is not None:  # the epilogue's arguments with this call's RoPE tables
+                (c_op, c_key), (s_op, s_key) = rope
+                cos, sin = rope_tables(rope_cs)
+                epi = kern.epi_type(**epi, cos=_call_arg(c_op, cos, c_key), sin=_call_arg(s_op, sin, s_key))
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
             else:
@@ -722,14 +774,14 @@ def _call_arg(op, value, key):
 
 
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
-    """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with a
-    RoPE table in the epilogue (weight, the other fields as a dict, (op, key) of the table's field
-    "cs"): sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
+    """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with
+    RoPE in the epilogue (weight, the other fields as a dict, ((op, key) of "cos", of "sin")): the
+    tables are the call's. Sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
     key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
     args = cache.get(key)
     if args is None:
-        rope = any(name == "cs" for name, _, _ in kern.call_ops)
+        rope = any(name == "cos" for name, _, _ in kern.call_ops)
         lo, hi, values = _group_values(proj, run, True if rope else None)
         weight = proj.weight[lo:hi].unsqueeze(0)
         bias = values["bias"]
@@ -739,14 +791,15 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
                 mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None), None)
         else:
             values = _epilogue_values(_group_mod(run, values), head_dim=proj.head_dim, **values)
-            fields, cs = dict.fromkeys(kern.epi_type._fields), None
+            fields, tables = dict.fromkeys(kern.epi_type._fields), {}
             for name, op, op_key in kern.call_ops:
-                if name == "cs":
-                    cs = (op, op_key)
+                if name in ("cos", "sin"):
+                    tables[name] = (op, op_key)
                     del fields[name]
                 else:
                     fields[name] = _call_arg(op, values[name], op_key)
-            args = (weight, fields if cs is not None else kern.epi_type(**fields), cs)
+            args = ((weight, fields, (tables["cos"], tables["sin"])) if tables
+                    else (weight, kern.epi_type(**fields), None))
         cache[key] = args
     return args
 

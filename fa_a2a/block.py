@@ -148,24 +148,30 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     return rotary
 
 
-class _RopeTable:
-    """Where a diffusers (cos, sin) pair [rows, D] becomes the kernel's fp32 table, every call: one
-    stack into this buffer (interleaved_cos_sin's values, each element cast to fp32 once). The two
-    strided views the stack reads are kept for the pair last seen and rebuilt only when a tensor's
-    address, strides or dtype change (a view costs ~7 us of host time on the H200 machine, the
-    check ~1 us; a kept view holds its storage, so an unchanged address is the same memory)."""
+def _rope_operand(src):
+    """A checked rope source (None, the fp32 table or the (cos, sin) pair) as the projection's
+    epilogue reads it: each tensor as it is where it is float32 with rows the TMA loads (a 16-byte
+    aligned base and row stride: diffusers' tables and their row views), else a float32 copy."""
+    if src is None:
+        return None
+    if isinstance(src, tuple):
+        return _tma_table(src[0]), _tma_table(src[1])
+    return _tma_table(src)
 
-    def __init__(self, rows: int, head_dim: int, device):
-        self.table = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
-        self._out = self.table.view(rows, head_dim // 2, 2)
-        self._key = self._views = None
 
-    def __call__(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        key = (cos.data_ptr(), cos.stride(), cos.dtype, sin.data_ptr(), sin.stride(), sin.dtype)
-        if key != self._key:
-            self._key, self._views = key, [cos[:, 0::2], sin[:, 0::2]]
-        torch.stack(self._views, dim=-1, out=self._out)
-        return self.table
+def _tma_table(t: torch.Tensor) -> torch.Tensor:
+    from cute_kernels.qkv_a2a_sm90 import tma_table
+
+    if t.dtype == torch.float32 and tma_table(t, t.data_ptr()):
+        return t
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
+
+
+def _rope_rows(rope, n: int):
+    """The first n rows of a rope operand (None, a table or a (cos, sin) pair)."""
+    if rope is None:
+        return None
+    return (rope[0][:n], rope[1][:n]) if isinstance(rope, tuple) else rope[:n]
 
 
 # ---- weights -------------------------------------------------------------------------------------
@@ -452,8 +458,9 @@ def project(windows, layout, rank: int, x, proj=None, rope=None, joint_x=None, j
             config="auto", one_launch: bool = False) -> None:
     """Rank `rank`'s fused projection + pre-A2A into windows = (dq, dk, dv) [P, B, N, h, D]
     (rows as in the module docstring). x [B, rows, C]: the rank's rows, projected with proj and
-    rope (fp32 [rows, D] or None); or segments: a list of (x_i, proj_i, rope_i), the rank's rows in
-    order, each with its own weights (proj and rope None). Rows past the rank's valid rows are not
+    rope (None, the fp32 [rows, D] table or a (cos, sin) pair, as qkv_a2a_launcher's rope_cs); or
+    segments: a list of (x_i, proj_i, rope_i), the rank's rows in order, each with its own weights
+    (proj and rope None). Rows past the rank's valid rows are not
     read; its padding rows are projected from zero rows with the last segment's weights (segment_writes).
     joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles by each
     launch's rows; else config and one_launch for every launch."""
@@ -490,12 +497,13 @@ class _Projection:
             if i == len(segs) and self.zeros is None:
                 # the padding rows: their k/v are masked keys, but 0 * NaN = NaN would reach P @ V
                 self.zeros = (sx.new_zeros(sx.shape[0], n, sx.shape[2]),
-                              None if sr is None else sr.new_zeros(n, sr.shape[1]))
+                              None if sr is None else sx.new_zeros(n, (sr[0] if isinstance(sr, tuple) else sr).shape[1],
+                                                                   dtype=torch.float32))
             cut = n if i < len(segs) and n < sx.shape[1] else None  # (the rows past the valid ones: never read)
             if i == len(segs):
                 sx, sr = self.zeros
             elif cut is not None:
-                sx, sr = sx[:, :cut], None if sr is None else sr[:cut]
+                sx, sr = sx[:, :cut], _rope_rows(sr, cut)
             cfg, one = tiles(n, sp, sr)
             self.launches.append((i, cut, bind(sx, sp, pick[which], row0, rope_cs=sr, config=cfg, one_launch=one)))
         if joint is None:
@@ -520,7 +528,7 @@ class _Projection:
             else:
                 sx, sp, sr = segs[i]
                 if cut is not None:
-                    sx, sr = sx[:, :cut], None if sr is None else sr[:cut]
+                    sx, sr = sx[:, :cut], _rope_rows(sr, cut)
             launch(sx, sp, sr)
 
 
@@ -617,19 +625,13 @@ def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
 class _RankBlock:
     """One rank's block calls of one checked signature, prepared once (fa_a2a.forward._rank_call's
     counterpart): the transport, the window plan, the bound attention launch, the routed projection
-    (_Projection), the fp32 rope tables the (cos, sin) pairs are converted into, and the rank's
-    joint weight slice. A steady-state call neither re-reads the transport's settings nor hashes the
-    layout, re-routes the projection or allocates (its output aside): nothing is allocated under
-    CUDA-graph capture after a first eager call.
+    (_Projection) and the rank's joint weight slice. A steady-state call neither re-reads the
+    transport's settings nor hashes the layout, re-routes the projection or allocates (its output
+    aside; and a float32 copy of a rotary the epilogue cannot read as it is, _rope_operand).
 
-    The rotary tables are converted every call, into buffers of this object. Caching the converted
-    table keyed by the inputs' (data_ptr, _version, shape, dtype) is not safe: writes that bypass
-    the version counter (through .data, a CUDA-graph replay or a custom kernel) leave the key as it
-    was; a freed input's address comes back with a fresh version 0; inference tensors have no
-    version counter; and a cache hit during capture would leave the conversion out of the graph,
-    so a replay after the caller copies new positions into its static rotary inputs would read the
-    old table. The conversion is one stack kernel into a buffer (_RopeTable; it was a stack into a
-    new tensor and, for non-fp32 inputs, a cast)."""
+    The projection's epilogue reads each call's rotary itself: diffusers' (cos, sin) pair as it is,
+    nothing converted or cached per call (the pair was stacked into a table every call before:
+    one kernel and ~14 us of host time on the H200 machine per segment)."""
 
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
@@ -642,21 +644,12 @@ class _RankBlock:
         self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint.shape[1] if joint is not None else 0
-        device = segs[0][0].device
-        joint_rope = (_rope_source(joint_rotary, self.joint_rows, p.head_dim, device, "joint_rotary")
-                      if self.joint_rows else None)
-
-        def buffer(rows, src):  # where a (cos, sin) pair is converted
-            return _RopeTable(rows, p.head_dim, device) if isinstance(src, tuple) else None
-
-        self.tables = [buffer(s[0].shape[1], s[2]) for s in segs]
-        self.joint_table = buffer(self.joint_rows, joint_rope) if self.joint_rows else None
         self.joint_src = self.joint_slice = None
-        rope = lambda src, t: src if t is None else t.table  # noqa: E731 (the routing reads its presence and width)
-        joint = ((joint, self._joint_proj(joint_proj or segs[0][1]), rope(joint_rope, self.joint_table))
-                 if self.joint_rows else None)
+        if self.joint_rows:
+            joint_rope = _rope_source(joint_rotary, self.joint_rows, p.head_dim, segs[0][0].device, "joint_rotary")
+            joint = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(joint_rope))
         self.project = _Projection((plan.dq, plan.dk, plan.dv), lay, rank,
-                                   [(x, w, rope(r, t)) for (x, w, r), t in zip(segs, self.tables)], joint,
+                                   [(x, w, _rope_operand(r)) for x, w, r in segs], joint if self.joint_rows else None,
                                    config=config, one_launch=one_launch)
 
     def _joint_proj(self, src):
@@ -665,14 +658,13 @@ class _RankBlock:
         return self.joint_slice
 
     def launch_projection(self, segs, joint, joint_rotary, joint_proj) -> None:
-        """This call's projection into the in-windows: its (cos, sin) pairs converted into the
-        prepared tables, then the bound launches (the first step of a call)."""
-        segs = [(x, w, t(*r) if isinstance(r, tuple) else r) for (x, w, r), t in zip(segs, self.tables)]
+        """This call's projection into the in-windows: the bound launches with this call's x, weights
+        and rotaries (the first step of a call)."""
+        segs = [(x, w, _rope_operand(r)) for x, w, r in segs]
         jt = None
         if self.joint_rows:
             r = _rope_source(joint_rotary, self.joint_rows, self.head_dim, segs[0][0].device, "joint_rotary")
-            jt = (joint, self._joint_proj(joint_proj or segs[0][1]),
-                  self.joint_table(*r) if isinstance(r, tuple) else r)
+            jt = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(r))
         self.project(segs, jt)
 
     def __call__(self, segs, joint, joint_rotary, joint_proj):

@@ -366,37 +366,30 @@ class _FakePlan:
     complete = forward.WindowPlan.complete
 
 
-def test_rope_table_follows_every_change_of_its_pair():
-    """_RopeTable (the prepared call's (cos, sin) conversion): bit-equal to interleaved_cos_sin call
-    after call, also after the pair's values change in place, after a new pair, after `.data` points
-    a tensor elsewhere (its kept views are then rebuilt), for bf16 pairs and strided ones."""
+def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
+    """_rope_operand (the prepared call's rotary, every call): a float32 pair or table with rows the
+    TMA loads is passed as it is (the same tensors: nothing converted per call); a bf16 one, or rows
+    at a base that is not 16-byte aligned, become a float32 copy of equal values."""
     rows, D = 6, 8
     g = torch.Generator().manual_seed(0)
-    rt = block._RopeTable(rows, D, "cpu")
-    pair = lambda dtype=torch.float32: (torch.randn(rows, D, generator=g, dtype=dtype),  # noqa: E731
-                                        torch.randn(rows, D, generator=g, dtype=dtype))
-    cos, sin = pair()
-    cases = []
-    cases.append((cos, sin))
-    cases.append((cos.mul_(3), sin))  # same tensors, new values
-    cases.append(pair())
-    cases.append(pair(torch.bfloat16))
+    cos, sin = torch.randn(rows, D, generator=g), torch.randn(rows, D, generator=g)
+    assert block._rope_operand(None) is None
+    got = block._rope_operand((cos, sin))
+    assert got[0] is cos and got[1] is sin
+    assert block._rope_operand(cos) is cos
     wide = torch.randn(rows, 2 * D, generator=g)
-    cases.append((wide[:, :D], wide[:, D:]))  # strided rows
-    cos, sin = pair()
-    rt(cos, sin)
-    cos.data = torch.randn(rows, D, generator=g)  # the same object, other memory
-    cases.append((cos, sin))
-    for c, s_ in cases:
-        out = rt(c, s_)
-        assert out is rt.table and torch.equal(out, K.interleaved_cos_sin(c, s_))
+    got = block._rope_operand((wide[:, :D], wide[:, D:]))  # row views of a wider table: loadable
+    assert got[0].data_ptr() == wide.data_ptr() and got[1].data_ptr() == wide[:, D:].data_ptr()
+    for odd in (cos.bfloat16(), torch.randn(rows * D + 1, generator=g)[1:].view(rows, D)):
+        got = block._rope_operand((odd, sin))
+        assert got[0].dtype == torch.float32 and got[0].data_ptr() % 16 == 0 and torch.equal(got[0], odd.float())
+        assert got[1] is sin
 
 
 def test_rank_block_launches_what_project_launches(monkeypatch):
     """The prepared call (uneven rows: padding rows from zeros, joint rows with S < S_pad, Flux's two
-    segments, (cos, sin) pairs) launches exactly what project() launches with freshly converted
-    tables, call after call: the same routing, its rope tables converted into its own buffers
-    (bit-equal to interleaved_cos_sin of this call's pair), the same zero rows, and the joint
+    segments, (cos, sin) pairs) launches exactly what project() launches, call after call: the same
+    routing, this call's (cos, sin) pairs themselves (their rows), the same zero rows, and the joint
     weights sliced once."""
     import types
 
@@ -427,7 +420,6 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     segs, jx, jpair = call_args(0)
     rb = block._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
     windows = (rb.plan.dq, rb.plan.dk, rb.plan.dv)
-    bufs = [t.table.data_ptr() for t in rb.tables + [rb.joint_table]]
     prepared = []
     for seed in (1, 2):
         segs, jx, jpair = call_args(seed)
@@ -436,22 +428,23 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
         got = list(seen)
         prepared.append(got)
         seen.clear()
-        tables = [K.interleaved_cos_sin(*r) for _, _, r in segs]
-        block.project(windows, lay, rank, [(x, w, t) for (x, w, _), t in zip(segs, tables)], joint_x=jx,
-                      joint_proj="joint@1", joint_rope=K.interleaved_cos_sin(*jpair), config=None)
+        block.project(windows, lay, rank, list(segs), joint_x=jx, joint_proj="joint@1", joint_rope=jpair,
+                      config=None)
         assert [a[1] for a in got] == ["text", "image", "image", "image", "joint@1", "joint@1"]
         assert len(got) == len(seen)
         for a, b in zip(got, seen):  # the same launch with the same values; x and windows the same tensors
             assert a[1] == b[1] and a[3:4] + a[5:] == b[3:4] + b[5:]
             assert all(same(u, v) for u, v in zip(a[2], b[2]))
-            assert torch.equal(a[0], b[0]) and (a[4] is None) == (b[4] is None)
-            assert a[4] is None or torch.equal(a[4], b[4])
+            assert torch.equal(a[0], b[0]) and type(a[4]) is type(b[4])
+            assert all(torch.equal(u, v) for u, v in zip(K.rope_tables(a[4]), K.rope_tables(b[4])))
         assert got[0][0] is segs[0][0] and got[4][0] is got[5][0] is jx
         assert got[1][0].data_ptr() == segs[1][0].data_ptr() and got[1][0].shape[1] == 29  # its valid rows
-        for a in got:  # rope tables: views of the prepared buffers (the padding rows': its zeros)
-            assert a[4].data_ptr() in bufs or a[4] is rb.project.zeros[1]
-    for a, b in zip(*prepared):  # the zero rows and the rope buffers of one call are the next call's
-        assert a[2] == b[2] and (a[0] is b[0]) == (a[0] is rb.project.zeros[0]) and a[4].data_ptr() == b[4].data_ptr()
+        pairs = [r for _, _, r in segs] + [jpair]
+        for a in got:  # rope: this call's pairs (rows of them), the padding rows' zero table
+            assert a[4] is rb.project.zeros[1] or any(a[4][0].data_ptr() == c.data_ptr()
+                                                      and a[4][1].data_ptr() == s_.data_ptr() for c, s_ in pairs)
+    for a, b in zip(*prepared):  # the zero rows of one call are the next call's
+        assert a[2] == b[2] and (a[0] is b[0]) == (a[0] is rb.project.zeros[0])
     assert sliced == [("joint", rank)]
     assert transport.barriers == 4 and rb.plan.attends == 2
 

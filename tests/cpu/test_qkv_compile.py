@@ -49,10 +49,10 @@ def record_compiles(monkeypatch):
 # (dtype, D, bias, norm, rope): every q|k epilogue, both head dims and dtypes, plain bias-only
 VARIANTS = [
     (torch.bfloat16, 128, True, True, True),  # composition: bias + norm + rope
-    (torch.float16, 64, False, True, True),  # quack's qk_rope_epi
+    (torch.float16, 64, False, True, True),  # composition: norm + rope
     (torch.bfloat16, 128, True, True, False),  # composition: bias + norm
     (torch.bfloat16, 64, False, True, False),  # quack's qknorm_epi
-    (torch.float16, 128, True, False, True),  # quack's rope_table_epi
+    (torch.float16, 128, True, False, True),  # composition: bias + rope
     (torch.bfloat16, 128, False, False, True),  # composition: rope only
     (torch.float16, 64, True, False, False),  # default class, bias: one launch for q|k|v
     (torch.bfloat16, 128, False, False, False),  # default class, no bias
@@ -111,11 +111,11 @@ def test_one_launch_compiles(record_compiles):
             K.qkv_a2a_projection(x, proj, windows, 200, one_launch=True)
 
 
-@pytest.mark.parametrize("bias,norm,rope,one", [(True, True, True, False), (True, False, False, False),
-                                                 (True, True, True, True), (False, True, False, False)])
-def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope, one):
+@pytest.mark.parametrize("bias,norm,rope_on,one", [(True, True, True, False), (True, False, False, False),
+                                                    (True, True, True, True), (False, True, False, False)])
+def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_on, one):
     """qkv_a2a_launcher's per-launch arguments of a weights object (_launch_args): its weight rows and
-    epilogue vectors of each launch group as views (no copy), the RoPE table left to the call,
+    epilogue vectors of each launch group as views (no copy), the RoPE tables left to the call,
     built once per weights object and kept on it; another layer's weights get their own."""
     P, H_loc, D, C = 2, 2, 64, 32
     n = P * 3 * H_loc * D
@@ -127,17 +127,18 @@ def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope,
                             torch.randn(P * 2 * H_loc * D, generator=g) if norm else None, P, H_loc, H_loc, D)
 
     proj, other = weights(), weights()
-    epilogue = norm or rope
+    epilogue = norm or rope_on
     for group in K._groups(proj, [True, True, True], epilogue, one):
         kern = K.compile_projection(torch.bfloat16, group["width"], D, torch.bfloat16 if bias else None,
-                                    group["epi"] is not None and norm, group["epi"] is not None and rope,
+                                    group["epi"] is not None and norm, group["epi"] is not None and rope_on,
                                     K._group_config(None, group, proj), group["epi"] == "qkv")
-        weight, epi, cs = K._launch_args(proj, group, kern)
+        weight, epi, rope = K._launch_args(proj, group, kern)
         lo, hi = proj.column_range(group["ts"][0])[0], proj.column_range(group["ts"][-1])[1]
         assert weight.shape == (1, hi - lo, C) and weight.data_ptr() == proj.weight[lo].data_ptr()
-        assert (cs is not None) == (rope and group["epi"] is not None)
-        if cs is not None:
-            assert isinstance(epi, dict) and "cs" not in epi and set(epi) | {"cs"} == set(kern.epi_type._fields)
+        assert (rope is not None) == (rope_on and group["epi"] is not None)
+        if rope is not None:
+            assert isinstance(epi, dict) and set(epi) | {"cos", "sin"} == set(kern.epi_type._fields)
+            assert "cos" not in epi and "sin" not in epi and len(rope) == 2
             vectors = [v for v in epi.values() if isinstance(v, torch.Tensor)]
         elif group["epi"] is None:
             vectors = [epi.mRowVecBroadcast] if bias else []
@@ -177,10 +178,7 @@ def test_mint_matches_quack(key, monkeypatch):
     D, M, n, C = 128, 200, 512, 256
     with FakeTensorMode():
         dev = "cuda"
-        bias = None
-        if key[0]:  # quack infers an unpinned bias (rope_table_epi) from an (l, n) tensor
-            pinned = "b" in mod.ops
-            bias = torch.empty((n,) if pinned else (1, n), dtype=torch.bfloat16, device=dev)
+        bias = torch.empty(n, dtype=torch.bfloat16, device=dev) if key[0] else None
         vec = lambda: torch.empty(n, dtype=torch.float32, device=dev)  # noqa: E731
         values = K._epilogue_values(
             mod, bias=bias, norm_weight=vec(), head_dim=D,
@@ -292,8 +290,14 @@ def test_bad_inputs_name_the_argument():
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
         with pytest.raises(ValueError, match="x: torch.bfloat16"):
             K.qkv_a2a_projection(x.half(), proj, windows, 0)
-        with pytest.raises(ValueError, match="rope_cs: contiguous float32"):
+        with pytest.raises(ValueError, match=r"rope_cs: float32 \[200, 128\]"):
             K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs.half())
+        with pytest.raises(ValueError, match=r"rope_cs\[1\] \(sin\): float32"):
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(cs, cs[:100]))
+        with pytest.raises(ValueError, match=r"rope_cs\[0\] \(cos\): contiguous rows, a 16-byte aligned base"):
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(torch.empty(200 * 128 + 1, device="cuda")[1:].view(200, 128), cs))
+        with pytest.raises(ValueError, match="rope_cs: a float32 table or a"):
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(cs,))
         with pytest.raises(ValueError, match="row0: rows"):
             K.qkv_a2a_projection(x, proj, windows, 700)
         with pytest.raises(ValueError, match="row0: an int"):
@@ -328,6 +332,18 @@ def test_interleaved_cos_sin():
     assert torch.equal(cs[:, 0::2], ang.cos()) and torch.equal(cs[:, 1::2], ang.sin())
     with pytest.raises(ValueError, match="cos, sin"):
         K.interleaved_cos_sin(cos, sin[:, :6])
+
+
+def test_diffusers_pairs_compile_as_tables_do(record_compiles):
+    """rope_cs as diffusers' (cos, sin) pair, row views of larger tensors among them: the kernels
+    compiled for the table serve it (the epilogue reads two tables either way)."""
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs)
+        table_keys = list(record_compiles)
+        cos, sin = (torch.empty(600, 128, device="cuda")[100:300] for _ in range(2))
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=(cos, sin))
+        assert record_compiles[len(table_keys):] == table_keys
 
 
 def test_row_slices_of_x_are_accepted():

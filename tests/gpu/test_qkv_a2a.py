@@ -235,3 +235,30 @@ def test_graph_capture_replays_the_same_windows():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(w.mem.view(torch.int16), expect.view(torch.int16))
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_diffusers_pair_equals_the_table(one_launch):
+    """rope_cs as diffusers' (cos, sin) pair (row views of larger tensors, as a rank's rows of the
+    model's rotary are) gives bit for bit what its interleaved table gives, fused and plain: the
+    epilogue reads c from cos's even columns and s from sin's odd ones."""
+    P, S_loc, C, D, dtype = 4, 200, 512, 128, torch.bfloat16
+    proj = make_proj(4 * P, 4 * P, D, C, P, dtype)
+    pos = torch.arange(3 * S_loc, device=DEV, dtype=torch.float32)
+    ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device=DEV, dtype=torch.float32) / (D // 2))
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    rows = slice(S_loc, 2 * S_loc)
+    pair, table = (cos[rows], sin[rows]), K.interleaved_cos_sin(cos[rows], sin[rows])
+    x = torch.randn(1, S_loc, C, device=DEV).to(dtype)
+    heads = [w // D for w in proj.widths]
+    outs = []
+    for rope in (pair, table):
+        w = Windows(P, 1, P * S_loc, heads, D, dtype)
+        K.qkv_a2a_projection(x, proj, w.tensors, S_loc, rope_cs=rope, one_launch=one_launch)
+        y = torch.full((1, S_loc, proj.weight.shape[0]), float("nan"), dtype=dtype, device=DEV)
+        K.qkv_projection_plain(x, proj, y, rope_cs=rope, one_launch=one_launch)
+        outs.append((w, y))
+    torch.cuda.synchronize()
+    (wp, yp), (wt, yt) = outs
+    assert torch.equal(wp.mem.view(torch.int16), wt.mem.view(torch.int16))
+    assert torch.equal(yp.view(torch.int16), yt.view(torch.int16)) and not yt.isnan().any()
