@@ -96,9 +96,9 @@ from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import get_max_active_clusters, torch2cute_dtype_map
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.epilogue.head_rmsnorm import HeadRstd
-from quack.epilogue.library import qknorm_epi
+from quack.epilogue.library import qk_rope_epi, qknorm_epi
 from quack.epilogue.ops import EpiOp, RowVecLoad
-from quack.epilogue.rotary import rotary_cos_sin_load
+from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
 from quack.gemm_default_epi import GemmDefaultEpiMixin, GemmDefaultSm90
 from quack.gemm_runtime.host import FakeArgCtx
 from quack.gemm_tvm_ffi_utils import (
@@ -146,11 +146,16 @@ def _rank_window_class(base):
 
 
 # ---- epilogues: quack's where they exist, compositions of quack's ops otherwise ------------------
-# RoPE reads two (rows, D) tables through quack's rotary table op, "cos" and "sin": c from the even
-# column of cos, s from the odd column of sin. Given quack's interleaved table (cos_j, sin_j) twice,
-# that is its (c, s); given diffusers' (cos, sin) pair (each frequency repeated for the adjacent
-# pair), the same values without building the table (interleaved_cos_sin) on every call.
-def _cos_sin(cos, sin):
+# RoPE reads quack's interleaved (cos_j, sin_j) table (rope "table": one table load, quack's own
+# layout) or diffusers' (cos, sin) pair as it is (rope "pair": two loads, c from cos's even
+# columns, s from sin's odd ones; no table built per call). Measured (H200, 2026-12-04, Flux
+# shapes, examples/qkv_speed.py fused-nr, the q|k epilogue with both): equal at S_loc 576 (91.9
+# vs 92.5 us), the pair 5.7% slower at 4096 (377.4 vs 357.0 us); fa_a2a.block picks by rows.
+def _rotate(x1, x2, c, s):
+    return pack(x1 * c - x2 * s, x1 * s + x2 * c)
+
+
+def _pair_cos_sin(cos, sin):
     c, _ = unpack(cos)
     _, s = unpack(sin)
     return c, s
@@ -165,18 +170,37 @@ def _sq_bias_prepass(acc, b):
     return {"qk": x * x}
 
 
-def _rope_ops(**more):
-    return {"cos": rotary_cos_sin_load("cos"), "sin": rotary_cos_sin_load("sin"), **more}
+def _bias_norm_rope(acc, c, s, qk, w, b):
+    x1, x2 = unpack((acc + b) * qk * w)
+    return {"D": _rotate(x1, x2, c, s)}
 
 
-@gemm_epilogue(ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"), b=RowVecLoad("b")),
-               prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair")
-def qk_bias_norm_rope_epi(acc, cos, sin, qk, w, b):
+def _qkv_bias_norm_rope(acc, c, s, qk, w, b, rot, sel):
+    x = acc + b
+    x1, x2 = unpack(x * qk * w + x * sel)
+    r1, _ = unpack(rot)
+    v1, _ = unpack(sel)
+    return {"D": _rotate(x1, x2, c * r1 + v1, s * r1)}
+
+
+_NORM = dict(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"))
+_BIAS_NORM = dict(prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair")
+_ONE = dict(rot=RowVecLoad("rot"), sel=RowVecLoad("sel"))
+_TABLE = dict(cs=rotary_cos_sin_load("cs"))
+_PAIR = dict(cos=rotary_cos_sin_load("cos"), sin=rotary_cos_sin_load("sin"))
+
+
+@gemm_epilogue(ops={**_TABLE, **_NORM, "b": RowVecLoad("b")}, **_BIAS_NORM)
+def qk_bias_norm_rope_epi(acc, cs, qk, w, b):
     """quack's qk_rope_epi with the projection bias added before the norm (a DiT's q/k path):
     rmsnorm_head(acc + b) * w, then interleaved RoPE."""
-    x1, x2 = unpack((acc + b) * qk * w)
-    c, s = _cos_sin(cos, sin)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return _bias_norm_rope(acc, *unpack(cs), qk, w, b)
+
+
+@gemm_epilogue(ops={**_PAIR, **_NORM, "b": RowVecLoad("b")}, **_BIAS_NORM)
+def qk_bias_norm_rope_pair_epi(acc, cos, sin, qk, w, b):
+    """qk_bias_norm_rope_epi with the (cos, sin) pair."""
+    return _bias_norm_rope(acc, *_pair_cos_sin(cos, sin), qk, w, b)
 
 
 @gemm_epilogue(
@@ -188,75 +212,83 @@ def qk_bias_norm_epi(acc, qk, w, b):
     return {"D": (acc + b) * qk * w}
 
 
-@gemm_epilogue(ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w")), prepass=_sq_prepass,
-               prepass_outs=("qk",), mode="acc_pair")
-def qk_norm_rope_epi(acc, cos, sin, qk, w):
-    """quack's qk_rope_epi (per-head RMSNorm with weight, then RoPE) with the two-table RoPE."""
+@gemm_epilogue(ops={**_PAIR, **_NORM}, prepass=_sq_prepass, prepass_outs=("qk",), mode="acc_pair")
+def qk_norm_rope_pair_epi(acc, cos, sin, qk, w):
+    """quack's qk_rope_epi (per-head RMSNorm with weight, then RoPE) with the (cos, sin) pair."""
     x1, x2 = unpack(acc * qk * w)
-    c, s = _cos_sin(cos, sin)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
 
 
-@gemm_epilogue(ops=_rope_ops(b=RowVecLoad("b")), mode="acc_pair")
-def qk_bias_rope_epi(acc, cos, sin, b):
-    """quack's rope_table_epi (bias, then RoPE) with the two-table RoPE."""
+@gemm_epilogue(ops={**_PAIR, "b": RowVecLoad("b")}, mode="acc_pair")
+def qk_bias_rope_pair_epi(acc, cos, sin, b):
+    """quack's rope_table_epi (bias, then RoPE) with the (cos, sin) pair."""
     x1, x2 = unpack(acc + b)
-    c, s = _cos_sin(cos, sin)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
 
 
-@gemm_epilogue(ops=_rope_ops(), mode="acc_pair")
-def qk_rope_epi_nobias(acc, cos, sin):
-    """RoPE alone."""
+@gemm_epilogue(ops=_TABLE, mode="acc_pair")
+def qk_rope_epi_nobias(acc, cs):
+    """quack's rope_table_epi without the bias."""
     x1, x2 = unpack(acc)
-    c, s = _cos_sin(cos, sin)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": _rotate(x1, x2, *unpack(cs))}
 
 
-@gemm_epilogue(
-    ops=_rope_ops(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"), b=RowVecLoad("b"), rot=RowVecLoad("rot"),
-                  sel=RowVecLoad("sel")),
-    prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair",
-)
-def qkv_bias_norm_rope_epi(acc, cos, sin, qk, w, b, rot, sel):
+@gemm_epilogue(ops=_PAIR, mode="acc_pair")
+def qk_rope_pair_epi_nobias(acc, cos, sin):
+    """qk_rope_epi_nobias with the (cos, sin) pair."""
+    x1, x2 = unpack(acc)
+    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
+
+
+@gemm_epilogue(ops={**_TABLE, **_NORM, "b": RowVecLoad("b"), **_ONE}, **_BIAS_NORM)
+def qkv_bias_norm_rope_epi(acc, cs, qk, w, b, rot, sel):
     """qk_bias_norm_rope_epi over q|k|v in one launch. Row vectors: on q and k columns w = the
     head's norm weight, rot = 1, sel = 0; on v columns w = 0, rot = 0, sel = 1, where the result
     is acc + b exactly (x * rstd * 0 = +-0, RoPE with cos 1 and sin +-0)."""
-    x = acc + b
-    x1, x2 = unpack(x * qk * w + x * sel)
-    c, s = _cos_sin(cos, sin)
-    r1, _ = unpack(rot)
-    v1, _ = unpack(sel)
-    c = c * r1 + v1
-    s = s * r1
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return _qkv_bias_norm_rope(acc, *unpack(cs), qk, w, b, rot, sel)
 
 
-# (bias, norm, rope) -> epilogue of the q|k columns; (.., False, False) is the default class
+@gemm_epilogue(ops={**_PAIR, **_NORM, "b": RowVecLoad("b"), **_ONE}, **_BIAS_NORM)
+def qkv_bias_norm_rope_pair_epi(acc, cos, sin, qk, w, b, rot, sel):
+    """qkv_bias_norm_rope_epi with the (cos, sin) pair."""
+    return _qkv_bias_norm_rope(acc, *_pair_cos_sin(cos, sin), qk, w, b, rot, sel)
+
+
+# (bias, norm, rope: None, "table" or "pair") -> epilogue of the q|k columns; (.., False, None) is
+# the default class
 _QK_EPILOGUES = {
-    (False, True, True): qk_norm_rope_epi,
-    (True, True, True): qk_bias_norm_rope_epi,
-    (False, True, False): qknorm_epi,
-    (True, True, False): qk_bias_norm_epi,
-    (False, False, True): qk_rope_epi_nobias,
-    (True, False, True): qk_bias_rope_epi,
+    (False, True, "table"): qk_rope_epi,
+    (True, True, "table"): qk_bias_norm_rope_epi,
+    (False, False, "table"): qk_rope_epi_nobias,
+    (True, False, "table"): rope_table_epi,
+    (False, True, "pair"): qk_norm_rope_pair_epi,
+    (True, True, "pair"): qk_bias_norm_rope_pair_epi,
+    (False, False, "pair"): qk_rope_pair_epi_nobias,
+    (True, False, "pair"): qk_bias_rope_pair_epi,
+    (False, True, None): qknorm_epi,
+    (True, True, None): qk_bias_norm_epi,
 }
+_ONE_LAUNCH = {"table": qkv_bias_norm_rope_epi, "pair": qkv_bias_norm_rope_pair_epi}
+_UNPINNED_KINDS = {"bias": "row"}
 
 
-def _epilogue_mod(bias: bool, norm: bool, rope: bool, one_launch: bool):
+def _epilogue_mod(bias: bool, norm: bool, rope: Optional[str], one_launch: bool):
     if one_launch:
         if not (bias and norm and rope):
             raise ValueError("one_launch: bias, norm weights and rope_cs expected (the one-launch "
                              f"epilogue is bias + RMSNorm + RoPE), got bias={bias}, norm={norm}, "
                              f"rope={rope}")
-        return qkv_bias_norm_rope_epi
-    return _QK_EPILOGUES[(bias, norm, rope)]
+        return _ONE_LAUNCH[rope]
+    return _QK_EPILOGUES[(bias, norm, rope)]  # rope_table_epi's bias operand is inferred by quack as a row vector
 
 
 def _mint(mod, values):
     """The quack class of `mod` for these epilogue values: the mint key quack's EpiMod.gemm
     derives for a dense, batched, SM90 call without C (pinned by tests/cpu/test_qkv_compile.py)."""
-    visit_sig = tuple((name, mod.ops[name].fn_port) for name in mod.operand_names)  # every operand pinned
+    visit_sig = tuple(
+        (name, mod.ops[name].fn_port if name in mod.ops else _UNPINNED_KINDS[name])
+        for name in mod.operand_names
+    )
     prepass_sig = tuple((n, k) for n, k in visit_sig if n in mod.prepass_operand_names)
     arg_forms = tuple(
         (name, mod.ops[name].host_arg_form(values[name]))
@@ -268,15 +300,21 @@ def _mint(mod, values):
 
 
 def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel=None):
-    """epi_args of `mod`; rope_cs: None, the table or the (cos, sin) pair (rope_tables)."""
-    cos, sin = rope_tables(rope_cs) if rope_cs is not None else (None, None)
-    by_name = {"b": bias, "w": norm_weight, "qk": head_dim, "cos": cos, "sin": sin, "rot": rot, "sel": sel}
+    """epi_args of `mod`; rope_cs: None, the table or the (cos, sin) pair. An inferred (unpinned)
+    row vector must be (l, n) for quack."""
+    if bias is not None and bias.dim() == 1 and any(n not in mod.ops for n in mod.operand_names):
+        bias = bias.unsqueeze(0)
+    pair = rope_cs if rope_kind(rope_cs) == "pair" else (None, None)
+    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs, "cos": pair[0],
+               "sin": pair[1], "rot": rot, "sel": sel}
     return {name: by_name[name] for name in mod.operand_names}
 
 
-def rope_tables(rope_cs) -> tuple:
-    """The epilogue's (cos, sin) tables of rope_cs: quack's interleaved table twice, or the pair."""
-    return tuple(rope_cs) if isinstance(rope_cs, (tuple, list)) else (rope_cs, rope_cs)
+def rope_kind(rope_cs) -> Optional[str]:
+    """None, "table" (quack's interleaved table) or "pair" (diffusers' (cos, sin))."""
+    if rope_cs is None:
+        return None
+    return "pair" if isinstance(rope_cs, (tuple, list)) else "table"
 
 
 # ---- configuration and compile -------------------------------------------------------------------
@@ -321,10 +359,11 @@ class _Kernel(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
-                       bias_dtype: Optional[torch.dtype], norm: bool, rope: bool,
+                       bias_dtype: Optional[torch.dtype], norm: bool, rope: Optional[str],
                        config: GemmConfig, one_launch: bool = False) -> _Kernel:
     """Compile (once per key: every argument) the rank-window GEMM for one launch group
-    (one_launch: q|k|v with qkv_bias_norm_rope_epi, which needs bias, norm and rope).
+    (rope: None, "table" or "pair", rope_kind; one_launch: q|k|v with qkv_bias_norm_rope_epi, which
+    needs bias, norm and rope).
 
     width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
     ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
@@ -342,11 +381,12 @@ def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
         mod = _epilogue_mod(bias_dtype is not None, norm, rope, one_launch)
         # CPU stand-ins: host_arg_key reads only dtype, rank and the last extent
         vec = torch.empty(1, dtype=torch.float32)
+        table = torch.empty(1, head_dim, dtype=torch.float32)
         dummies = _epilogue_values(
             mod,
             bias=torch.empty(1, dtype=bias_dtype) if bias_dtype is not None else None,
             norm_weight=vec, head_dim=head_dim,
-            rope_cs=torch.empty(1, head_dim, dtype=torch.float32), rot=vec, sel=vec,
+            rope_cs=(table, table) if rope == "pair" else table, rot=vec, sel=vec,
         )
         cls = _rank_window_class(_mint(mod, dummies))
         fctx = FakeArgCtx(m, n, k, l, True, False)
@@ -600,10 +640,11 @@ def _check_inputs(x, proj, rope_cs, config, one_launch):
 
 
 def _check_rope(rope_cs, M: int, D: int, device) -> None:
-    pair = isinstance(rope_cs, (tuple, list))
+    pair = rope_kind(rope_cs) == "pair"
     if pair and (len(rope_cs) != 2 or not all(isinstance(t, torch.Tensor) for t in rope_cs)):
         raise ValueError("rope_cs: a float32 table or a (cos, sin) pair of tensors expected")
-    for name, t in zip(("rope_cs[0] (cos)", "rope_cs[1] (sin)") if pair else ("rope_cs",), rope_tables(rope_cs)):
+    for name, t in zip(("rope_cs[0] (cos)", "rope_cs[1] (sin)") if pair else ("rope_cs",),
+                       rope_cs if pair else (rope_cs,)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (M, D) or t.device != device:
             raise ValueError(f"{name}: float32 [{M}, {D}] on {device} expected, got "
                              f"{f'{t.dtype} {tuple(t.shape)} on {t.device}' if isinstance(t, torch.Tensor) else t}")
@@ -641,7 +682,7 @@ def _group_values(proj, g, rope_cs):
 
 def _group_mod(g, values):
     return _epilogue_mod(values["bias"] is not None, values["norm_weight"] is not None,
-                         values["rope_cs"] is not None, g["epi"] == "qkv")
+                         rope_kind(values["rope_cs"]), g["epi"] == "qkv")
 
 
 def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
@@ -733,7 +774,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             runs.append((run, compile_projection(
                 x.dtype, run["width"], D, proj.bias.dtype if proj.bias is not None else None,
                 run["epi"] is not None and proj.norm_weight is not None,
-                run["epi"] is not None and rope_cs is not None, cfg, run["epi"] == "qkv")))
+                rope_kind(rope_cs) if run["epi"] is not None else None, cfg, run["epi"] == "qkv")))
     if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
         return _no_launch
     device_index = x.device.index or 0
@@ -745,10 +786,9 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
             weight, epi, rope = _launch_args(proj, run, kern)
-            if rope is not None:  # the epilogue's arguments with this call's RoPE tables
-                (c_op, c_key), (s_op, s_key) = rope
-                cos, sin = rope_tables(rope_cs)
-                epi = kern.epi_type(**epi, cos=_call_arg(c_op, cos, c_key), sin=_call_arg(s_op, sin, s_key))
+            if rope is not None:  # the epilogue's arguments with this call's RoPE table(s)
+                tables = rope_cs if len(rope) == 2 else (rope_cs,)
+                epi = kern.epi_type(**epi, **{name: _call_arg(op, t, key) for (name, op, key), t in zip(rope, tables)})
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
             else:
@@ -775,14 +815,15 @@ def _call_arg(op, value, key):
 
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
     """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with
-    RoPE in the epilogue (weight, the other fields as a dict, ((op, key) of "cos", of "sin")): the
-    tables are the call's. Sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
+    RoPE in the epilogue (weight, the other fields as a dict, ((name, op, key) of its table field "cs",
+    or of "cos" and "sin")): the tables are the call's. Sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
     key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
     args = cache.get(key)
     if args is None:
-        rope = any(name == "cos" for name, _, _ in kern.call_ops)
-        lo, hi, values = _group_values(proj, run, True if rope else None)
+        names = {name for name, _, _ in kern.call_ops}
+        marker = (True, True) if "cos" in names else (True if "cs" in names else None)  # the rope kind
+        lo, hi, values = _group_values(proj, run, marker)
         weight = proj.weight[lo:hi].unsqueeze(0)
         bias = values["bias"]
         if not kern.call_ops:
@@ -791,15 +832,14 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
                 mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None), None)
         else:
             values = _epilogue_values(_group_mod(run, values), head_dim=proj.head_dim, **values)
-            fields, tables = dict.fromkeys(kern.epi_type._fields), {}
+            fields, tables = dict.fromkeys(kern.epi_type._fields), []
             for name, op, op_key in kern.call_ops:
-                if name in ("cos", "sin"):
-                    tables[name] = (op, op_key)
+                if name in ("cs", "cos", "sin"):
+                    tables.append((name, op, op_key))
                     del fields[name]
                 else:
                     fields[name] = _call_arg(op, values[name], op_key)
-            args = ((weight, fields, (tables["cos"], tables["sin"])) if tables
-                    else (weight, kern.epi_type(**fields), None))
+            args = ((weight, fields, tuple(tables)) if tables else (weight, kern.epi_type(**fields), None))
         cache[key] = args
     return args
 

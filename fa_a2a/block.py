@@ -148,15 +148,28 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     return rotary
 
 
+PAIR_ROWS_MAX = 576
+
+
 def _rope_operand(src):
     """A checked rope source (None, the fp32 table or the (cos, sin) pair) as the projection's
-    epilogue reads it: each tensor as it is where it is float32 with rows the TMA loads (a 16-byte
-    aligned base and row stride: diffusers' tables and their row views), else a float32 copy."""
+    epilogue reads it. A pair of up to PAIR_ROWS_MAX rows goes in as it is (the pair epilogue, no
+    per-call conversion: ~14 us of host time per segment on the H200 machine); a longer one becomes
+    quack's table (interleaved_cos_sin), which the epilogue reads in one load: measured (H200,
+    2026-12-04, Flux shapes, examples/qkv_speed.py fused-nr) the pair epilogue equal at 576 rows
+    (91.9 vs 92.5 us) and 5.7% slower at 4096 (377.4 vs 357.0 us), where the call is GPU-bound and
+    the conversion's host time hidden. Each tensor as it is where it is float32 with rows the TMA
+    loads (a 16-byte aligned base and row stride: diffusers' tables and their row views), else a
+    float32 copy."""
     if src is None:
         return None
-    if isinstance(src, tuple):
-        return _tma_table(src[0]), _tma_table(src[1])
-    return _tma_table(src)
+    if not isinstance(src, tuple):
+        return _tma_table(src)
+    if src[0].shape[0] > PAIR_ROWS_MAX:
+        from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
+
+        return interleaved_cos_sin(*src)
+    return _tma_table(src[0]), _tma_table(src[1])
 
 
 def _tma_table(t: torch.Tensor) -> torch.Tensor:
@@ -629,9 +642,9 @@ class _RankBlock:
     transport's settings nor hashes the layout, re-routes the projection or allocates (its output
     aside; and a float32 copy of a rotary the epilogue cannot read as it is, _rope_operand).
 
-    The projection's epilogue reads each call's rotary itself: diffusers' (cos, sin) pair as it is,
-    nothing converted or cached per call (the pair was stacked into a table every call before:
-    one kernel and ~14 us of host time on the H200 machine per segment)."""
+    The projection's epilogue reads each call's rotary itself: diffusers' (cos, sin) pair of up to
+    PAIR_ROWS_MAX rows as it is, nothing converted or cached per call; a longer pair becomes a table
+    per call (_rope_operand says why)."""
 
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):

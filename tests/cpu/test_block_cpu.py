@@ -175,7 +175,7 @@ def test_project_compiles_for_sm90(monkeypatch):
         wins = _windows(P, 1, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D, "cuda")
         x, cs = torch.empty(1, S_loc, C, dtype=torch.bfloat16, device="cuda"), torch.empty(S_loc, D, device="cuda")
         block.project(wins, lay, 1, x, proj, cs, config=None)
-    assert [(a[1], a[4], a[5]) for a in seen] == [(256, True, True), (128, True, True), (128, False, False)]
+    assert [(a[1], a[4], a[5]) for a in seen] == [(256, True, "table"), (128, True, "table"), (128, False, None)]
 
 
 def test_auto_tiles():
@@ -369,7 +369,8 @@ class _FakePlan:
 def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
     """_rope_operand (the prepared call's rotary, every call): a float32 pair or table with rows the
     TMA loads is passed as it is (the same tensors: nothing converted per call); a bf16 one, or rows
-    at a base that is not 16-byte aligned, become a float32 copy of equal values."""
+    at a base that is not 16-byte aligned, become a float32 copy of equal values; a pair of more than
+    PAIR_ROWS_MAX rows becomes quack's interleaved table."""
     rows, D = 6, 8
     g = torch.Generator().manual_seed(0)
     cos, sin = torch.randn(rows, D, generator=g), torch.randn(rows, D, generator=g)
@@ -384,6 +385,8 @@ def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
         got = block._rope_operand((odd, sin))
         assert got[0].dtype == torch.float32 and got[0].data_ptr() % 16 == 0 and torch.equal(got[0], odd.float())
         assert got[1] is sin
+    long = [torch.randn(block.PAIR_ROWS_MAX + 1, D, generator=g) for _ in range(2)]
+    assert torch.equal(block._rope_operand(tuple(long)), K.interleaved_cos_sin(*long))  # quack's table
 
 
 def test_rank_block_launches_what_project_launches(monkeypatch):
@@ -436,7 +439,8 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
             assert a[1] == b[1] and a[3:4] + a[5:] == b[3:4] + b[5:]
             assert all(same(u, v) for u, v in zip(a[2], b[2]))
             assert torch.equal(a[0], b[0]) and type(a[4]) is type(b[4])
-            assert all(torch.equal(u, v) for u, v in zip(K.rope_tables(a[4]), K.rope_tables(b[4])))
+            tables = lambda r: r if isinstance(r, tuple) else (r,)  # noqa: E731
+            assert all(torch.equal(u, v) for u, v in zip(tables(a[4]), tables(b[4])))
         assert got[0][0] is segs[0][0] and got[4][0] is got[5][0] is jx
         assert got[1][0].data_ptr() == segs[1][0].data_ptr() and got[1][0].shape[1] == 29  # its valid rows
         pairs = [r for _, _, r in segs] + [jpair]

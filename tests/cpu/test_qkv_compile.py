@@ -48,14 +48,18 @@ def record_compiles(monkeypatch):
 
 # (dtype, D, bias, norm, rope): every q|k epilogue, both head dims and dtypes, plain bias-only
 VARIANTS = [
-    (torch.bfloat16, 128, True, True, True),  # composition: bias + norm + rope
-    (torch.float16, 64, False, True, True),  # composition: norm + rope
-    (torch.bfloat16, 128, True, True, False),  # composition: bias + norm
-    (torch.bfloat16, 64, False, True, False),  # quack's qknorm_epi
-    (torch.float16, 128, True, False, True),  # composition: bias + rope
-    (torch.bfloat16, 128, False, False, True),  # composition: rope only
-    (torch.float16, 64, True, False, False),  # default class, bias: one launch for q|k|v
-    (torch.bfloat16, 128, False, False, False),  # default class, no bias
+    (torch.bfloat16, 128, True, True, "table"),  # composition: bias + norm + rope
+    (torch.float16, 64, False, True, "table"),  # quack's qk_rope_epi
+    (torch.bfloat16, 128, True, True, None),  # composition: bias + norm
+    (torch.bfloat16, 64, False, True, None),  # quack's qknorm_epi
+    (torch.float16, 128, True, False, "table"),  # quack's rope_table_epi
+    (torch.bfloat16, 128, False, False, "table"),  # composition: rope only
+    (torch.float16, 64, True, False, None),  # default class, bias: one launch for q|k|v
+    (torch.bfloat16, 128, False, False, None),  # default class, no bias
+    (torch.bfloat16, 128, True, True, "pair"),  # the (cos, sin) pair: bias + norm + rope
+    (torch.float16, 64, False, True, "pair"),  # norm + rope
+    (torch.bfloat16, 128, True, False, "pair"),  # bias + rope
+    (torch.float16, 128, False, False, "pair"),  # rope only
 ]
 
 
@@ -63,11 +67,11 @@ VARIANTS = [
 def test_variants_compile_for_sm90(dtype, D, bias, norm, rope, record_compiles):
     with FakeTensorMode():
         proj, x, windows, cs = _fake_problem(dtype, D, bias=bias, norm=norm)
-        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs if rope else None)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs={"table": cs, "pair": (cs, cs), None: None}[rope])
     epi = norm or rope
     bdt = dtype if bias else None
     qk = _key(dtype, 256, D, bdt, norm, rope)
-    v = _key(dtype, 256, D, bdt, False, False)
+    v = _key(dtype, 256, D, bdt, False, None)
     assert record_compiles[0] == qk
     assert record_compiles[-1] == v
     # separate allocations per tensor: q, k launch apart (no common window stride); one kernel
@@ -102,7 +106,10 @@ def test_one_launch_compiles(record_compiles):
     with FakeTensorMode():
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs, one_launch=True)
-        assert set(record_compiles) == {_key(torch.bfloat16, 256, 128, torch.bfloat16, True, True, True)}
+        assert set(record_compiles) == {_key(torch.bfloat16, 256, 128, torch.bfloat16, True, "table", True)}
+        record_compiles.clear()
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=(cs, cs), one_launch=True)
+        assert set(record_compiles) == {_key(torch.bfloat16, 256, 128, torch.bfloat16, True, "pair", True)}
         record_compiles.clear()
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128, H_loc=2, H_kv_loc=1)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs, one_launch=True)
@@ -111,8 +118,9 @@ def test_one_launch_compiles(record_compiles):
             K.qkv_a2a_projection(x, proj, windows, 200, one_launch=True)
 
 
-@pytest.mark.parametrize("bias,norm,rope_on,one", [(True, True, True, False), (True, False, False, False),
-                                                    (True, True, True, True), (False, True, False, False)])
+@pytest.mark.parametrize("bias,norm,rope_on,one", [(True, True, "table", False), (True, False, None, False),
+                                                    (True, True, "table", True), (False, True, None, False),
+                                                    (True, True, "pair", False), (True, True, "pair", True)])
 def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_on, one):
     """qkv_a2a_launcher's per-launch arguments of a weights object (_launch_args): its weight rows and
     epilogue vectors of each launch group as views (no copy), the RoPE tables left to the call,
@@ -127,18 +135,20 @@ def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_
                             torch.randn(P * 2 * H_loc * D, generator=g) if norm else None, P, H_loc, H_loc, D)
 
     proj, other = weights(), weights()
-    epilogue = norm or rope_on
+    epilogue = norm or rope_on is not None
     for group in K._groups(proj, [True, True, True], epilogue, one):
         kern = K.compile_projection(torch.bfloat16, group["width"], D, torch.bfloat16 if bias else None,
-                                    group["epi"] is not None and norm, group["epi"] is not None and rope_on,
+                                    group["epi"] is not None and norm, rope_on if group["epi"] is not None else None,
                                     K._group_config(None, group, proj), group["epi"] == "qkv")
         weight, epi, rope = K._launch_args(proj, group, kern)
         lo, hi = proj.column_range(group["ts"][0])[0], proj.column_range(group["ts"][-1])[1]
         assert weight.shape == (1, hi - lo, C) and weight.data_ptr() == proj.weight[lo].data_ptr()
-        assert (rope is not None) == (rope_on and group["epi"] is not None)
+        assert (rope is not None) == (rope_on is not None and group["epi"] is not None)
         if rope is not None:
-            assert isinstance(epi, dict) and set(epi) | {"cos", "sin"} == set(kern.epi_type._fields)
-            assert "cos" not in epi and "sin" not in epi and len(rope) == 2
+            names = {"table": ["cs"], "pair": ["cos", "sin"]}[rope_on]
+            assert [name for name, _, _ in rope] == names
+            assert isinstance(epi, dict) and set(epi) | set(names) == set(kern.epi_type._fields)
+            assert not set(names) & set(epi)
             vectors = [v for v in epi.values() if isinstance(v, torch.Tensor)]
         elif group["epi"] is None:
             vectors = [epi.mRowVecBroadcast] if bias else []
@@ -154,7 +164,7 @@ def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_
 
 
 _ALL_EPILOGUES = {**{key: mod for key, mod in K._QK_EPILOGUES.items()},
-                  (True, True, True, "one launch"): K.qkv_bias_norm_rope_epi}
+                  **{(True, True, rope, "one launch"): mod for rope, mod in K._ONE_LAUNCH.items()}}
 
 
 @pytest.mark.parametrize("key", sorted(_ALL_EPILOGUES, key=str))
@@ -178,11 +188,15 @@ def test_mint_matches_quack(key, monkeypatch):
     D, M, n, C = 128, 200, 512, 256
     with FakeTensorMode():
         dev = "cuda"
-        bias = torch.empty(n, dtype=torch.bfloat16, device=dev) if key[0] else None
+        bias = None
+        if key[0]:  # quack infers an unpinned bias (rope_table_epi) from an (l, n) tensor
+            pinned = "b" in mod.ops
+            bias = torch.empty((n,) if pinned else (1, n), dtype=torch.bfloat16, device=dev)
         vec = lambda: torch.empty(n, dtype=torch.float32, device=dev)  # noqa: E731
+        table = lambda: torch.empty(M, D, dtype=torch.float32, device=dev)  # noqa: E731
         values = K._epilogue_values(
             mod, bias=bias, norm_weight=vec(), head_dim=D,
-            rope_cs=torch.empty(M, D, dtype=torch.float32, device=dev), rot=vec(), sel=vec())
+            rope_cs=(table(), table()) if key[2] == "pair" else table(), rot=vec(), sel=vec())
         A = torch.empty(1, M, C, dtype=torch.bfloat16, device=dev)
         Bw = torch.empty(1, n, C, dtype=torch.bfloat16, device=dev)
         Dt = torch.empty(1, M, n, dtype=torch.bfloat16, device=dev)
@@ -334,16 +348,18 @@ def test_interleaved_cos_sin():
         K.interleaved_cos_sin(cos, sin[:, :6])
 
 
-def test_diffusers_pairs_compile_as_tables_do(record_compiles):
-    """rope_cs as diffusers' (cos, sin) pair, row views of larger tensors among them: the kernels
-    compiled for the table serve it (the epilogue reads two tables either way)."""
+def test_diffusers_pairs_of_row_views_compile_the_pair_epilogue(record_compiles):
+    """rope_cs as diffusers' (cos, sin) pair of row views of larger tensors (a rank's rows of the
+    model's rotary): accepted as they are; the q|k launches compile the pair epilogue, v the same
+    kernel as with the table."""
     with FakeTensorMode():
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs)
         table_keys = list(record_compiles)
         cos, sin = (torch.empty(600, 128, device="cuda")[100:300] for _ in range(2))
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=(cos, sin))
-        assert record_compiles[len(table_keys):] == table_keys
+        pair_keys = [k[:5] + (("pair",) if k[5] == "table" else k[5:6]) + k[6:] for k in table_keys]
+        assert record_compiles[len(table_keys):] == pair_keys and any(k[5] == "pair" for k in pair_keys)
 
 
 def test_row_slices_of_x_are_accepted():
