@@ -22,8 +22,9 @@ EAGER_TRIALS = 3
 # no-GPU predictions when --platform is not given. Not a measurement of this machine.
 PAPER_PLATFORM = PlatformModel(t_iss0=0.76 * US, drain_rate=717 * GB, capacity=4.25 * 2**20)
 PAPER_SOURCE = "the paper's 8xB200 calibration (T_iss0 0.76 us, R 717 GB/s, Q 4.25 MiB), not this machine"
-# FA4 SM90 forward throughput measured on an H200 (bf16, D=128, non-causal, 16K-64K; DESIGN.md,
-# 2026-12-02): the no-GPU predictions turn it into the Q-loop time per KV tile.
+# FA4 SM90 forward throughput measured on an H200 (bf16, D=128, non-causal, 16K-64K, 2026-12-02):
+# the no-GPU predictions turn it into the Q-loop time per KV tile (notes/measurements.md checks it
+# against the measured time per KV tile).
 H200_FA4_TFLOPS = 690.0
 H200_NUM_SMS = 132
 

@@ -1,6 +1,6 @@
 """Ulysses attention as torch ops: the public functions and the torch.library custom ops behind them.
 
-Layers (DESIGN.md "Style to follow"): kernel classes with their cached compiles and launches
+Layers: kernel classes with their cached compiles and launches
 (cute_kernels/, fa_a2a.fused) -> the forwards of one rank or of P emulated ranks
 (fa_a2a.forward) -> torch.library custom ops that write preallocated outputs
 (`fa_a2a::ulysses_attention`, `fa_a2a::ulysses_attention_emulated`, `fa_a2a::post_a2a`; each has
