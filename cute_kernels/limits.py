@@ -11,6 +11,12 @@ from __future__ import annotations
 HEAD_DIMS = (64, 128)
 
 
+def tma_table(t, address: int) -> bool:
+    """Whether a float32 [M, D] RoPE table at `address` (t.data_ptr()) is what the QKV projection's
+    epilogue loads by TMA: contiguous rows, a 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and (t.stride(0) * 4) % 16 == 0 and address % 16 == 0
+
+
 def __getattr__(name: str):
     if name == "DTYPES":
         import torch

@@ -110,7 +110,7 @@ from quack.gemm_tvm_ffi_utils import (
 from quack.rounding import RoundingMode
 
 from cute_kernels.compile_cache import load_or_compile
-from cute_kernels.limits import DTYPES, HEAD_DIMS
+from cute_kernels.limits import DTYPES, HEAD_DIMS, tma_table
 
 EPS = 1e-6  # HeadRstd's eps in quack's qk epilogues
 
@@ -651,11 +651,6 @@ def _check_rope(rope_cs, M: int, D: int, device) -> None:
         if not tma_table(t, _address(t)):
             raise ValueError(f"{name}: contiguous rows, a 16-byte aligned base and row stride expected (the "
                              f"epilogue's TMA loads), got strides {t.stride()}")
-
-
-def tma_table(t: torch.Tensor, address: int) -> bool:
-    """Whether a float32 [M, D] RoPE table at `address` is what the epilogue's TMA loads."""
-    return t.stride(1) == 1 and (t.stride(0) * 4) % 16 == 0 and address % 16 == 0
 
 
 def _group_config(config, g, proj):

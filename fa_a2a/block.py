@@ -56,6 +56,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from cute_kernels.limits import tma_table
+
 from .problem import (KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, lookup, signature_fields,
                       signature_word)
 
@@ -173,8 +175,6 @@ def _rope_operand(src):
 
 
 def _tma_table(t: torch.Tensor) -> torch.Tensor:
-    from cute_kernels.qkv_a2a_sm90 import tma_table
-
     if t.dtype == torch.float32 and tma_table(t, t.data_ptr()):
         return t
     return torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t)
