@@ -638,7 +638,10 @@ def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
 class _RankBlock:
     """One rank's block calls of one checked signature, prepared once (fa_a2a.forward._rank_call's
     counterpart): the transport, the window plan, the bound attention launch, the routed projection
-    (_Projection) and the rank's joint weight slice. A steady-state call neither re-reads the
+    (_Projection) and the rank's joint weight slice. With no transport (P = 1, no group) the
+    projection writes into buffers of the in-windows' layout and FA4 runs on them as the op's P = 1
+    path does: no barrier, post-A2A or copy (before, P = 1 ran an emulated one-rank transport: two
+    barrier launches, the fused kernel into its own window and a copy out of it). A steady-state call neither re-reads the
     transport's settings nor hashes the layout, re-routes the projection or allocates (its output
     aside; and a float32 copy of a rotary the epilogue cannot read as it is, _rope_operand).
 
@@ -649,19 +652,26 @@ class _RankBlock:
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
         """segs: _rank_segments of the call; joint, joint_proj, joint_rotary: as the call has them."""
-        from fa_a2a.forward import window_plan
+        from fa_a2a.forward import in_windows, window_plan
 
         p, lay = problem, problem.layout
-        self.transport, self.rank, self.head_dim = transport, rank, p.head_dim
-        self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-        self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
+        self.transport, self.rank, self.head_dim, self.problem = transport, rank, p.head_dim, p
+        if transport is None:  # P = 1: q, k, v stay on this GPU
+            self.plan = None
+            device = segs[0][0].device
+            windows = in_windows(lambda n: torch.empty(1, n, dtype=p.dtype, device=device), lay, p.batch, p.head_dim)
+        else:
+            self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
+            self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
+            windows = (plan.dq, plan.dk, plan.dv)
+        self.windows = windows
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint.shape[1] if joint is not None else 0
         self.joint_src = self.joint_slice = None
         if self.joint_rows:
             joint_rope = _rope_source(joint_rotary, self.joint_rows, p.head_dim, segs[0][0].device, "joint_rotary")
             joint = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(joint_rope))
-        self.project = _Projection((plan.dq, plan.dk, plan.dv), lay, rank,
+        self.project = _Projection(windows, lay, rank,
                                    [(x, w, _rope_operand(r)) for x, w, r in segs], joint if self.joint_rows else None,
                                    config=config, one_launch=one_launch)
 
@@ -682,8 +692,21 @@ class _RankBlock:
 
     def __call__(self, segs, joint, joint_rotary, joint_proj):
         self.launch_projection(segs, joint, joint_rotary, joint_proj)
-        out, joint_out = self.plan.complete(self.rank, self.rows, self.attend)
+        if self.plan is None:
+            out, joint_out = self._local_attention()
+        else:
+            out, joint_out = self.plan.complete(self.rank, self.rows, self.attend)
         return out if joint is None else (out, _joint_result(out, joint_out))
+
+    def _local_attention(self):
+        """P = 1: FA4 on the projected rows into a fresh output, as the op's P = 1 path runs it
+        (forward._single_rank: the same kernel and values; no barrier, post-A2A or copy)."""
+        from fa_a2a.forward import _deliver, local_attention
+
+        p, lay = self.problem, self.problem.layout
+        q, k, v = (w[0] for w in self.windows)  # [B, N, h, D]: the sequence rows, then the joint rows
+        o = local_attention(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=lay.seqused_k(p.causal))
+        return _deliver(lay, 0, lay.split_out(o) if lay.joint_len else (o, None), self.rows)
 
 
 def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joint_proj, joint_rotary, config,
@@ -693,14 +716,13 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
     a miss; those of closed transports are dropped, as fa_a2a.forward._rank_call does."""
     local = (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs))
     call = calls.get(local)
-    if call is None or call.transport.closed:
-        from fa_a2a.forward import emulated_transport
+    if call is None or (call.transport is not None and call.transport.closed):
         from ulysses.transport import get_transport
 
         for prepared in [e[3] for e in _resolved.values()] + [calls]:
-            for stale in [k for k, c in prepared.items() if c.transport.closed]:
+            for stale in [k for k, c in prepared.items() if c.transport is not None and c.transport.closed]:
                 del prepared[stale]
-        transport = emulated_transport(1, segs[0][0].device) if P == 1 else get_transport(group)
+        transport = None if P == 1 else get_transport(group)
         call = calls[local] = _RankBlock(transport, problem, rank, segs, joint, joint_proj, joint_rotary, config,
                                          one_launch)
     return call

@@ -84,6 +84,16 @@ def _deliver(layout, rank: int, res, rows: int, out=None, joint_out=None):
 
 
 # ---- rank windows: plan of one problem on one transport ------------------------------------------
+def in_windows(allocate, layout, B: int, D: int) -> tuple:
+    """(dq, dk, dv) [P, B, N, h, D] (N = S_pad + J) over allocate(n) -> [P, n]: each rank's q | k | v
+    in one allocation, the layout the pre-A2A kernel and the QKV projection write."""
+    N, h, hk = layout.num_rows, layout.heads_loc, layout.kv_heads_loc
+    nq, nk = B * N * h * D, B * N * hk * D
+    flat = allocate(nq + 2 * nk)
+    return (flat[:, :nq].unflatten(1, (B, N, h, D)), flat[:, nq:nq + nk].unflatten(1, (B, N, hk, D)),
+            flat[:, nq + nk:].unflatten(1, (B, N, hk, D)))
+
+
 class WindowPlan:
     """Windows, head maps and scratch of one (layout, B, D, dtype) on one transport, built once.
 
@@ -92,14 +102,8 @@ class WindowPlan:
     """
 
     def __init__(self, transport, layout, B: int, D: int, dtype: torch.dtype):
-        N = layout.num_rows
-        h, hk = layout.heads_loc, layout.kv_heads_loc
         self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
-        nq, nk = B * N * h * D, B * N * hk * D
-        flat = transport.windows("ulysses.in", (nq + 2 * nk,), dtype)
-        self.dq = flat[:, :nq].unflatten(1, (B, N, h, D))
-        self.dk = flat[:, nq:nq + nk].unflatten(1, (B, N, hk, D))
-        self.dv = flat[:, nq + nk:].unflatten(1, (B, N, hk, D))
+        self.dq, self.dk, self.dv = in_windows(lambda n: transport.windows("ulysses.in", (n,), dtype), layout, B, D)
         self.out_w = transport.windows("ulysses.out", (B, layout.seq_loc, layout.heads_pad, D), dtype)
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)

@@ -454,19 +454,23 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
 
 
 def test_rank_block_steady_state_and_refusals(monkeypatch):
-    """ulysses_qkv_attention (P = 1, fake CUDA tensors): the transport, the window plan and the
-    projection's routing are looked up once per signature (not per call); a bad rotary of the same
-    signature is still refused by name; a closed transport's call is rebuilt."""
+    """ulysses_qkv_attention (P = 1, fake CUDA tensors): no transport or window plan (the projection
+    writes buffers of the in-windows' layout, FA4 runs on them as the op's P = 1 path); the
+    projection's routing is built once per signature (not per call); a bad rotary of the same
+    signature is still refused by name. With a group (P = 2), a closed transport's call is rebuilt."""
+    import ulysses.transport as transport_mod
 
-    seen, made = [], []
+    seen, attended, made = [], [], []
     monkeypatch.setattr(block, "_resolved", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
         lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
-        seen.append((x, row0, rope_cs, config, one_launch))))
-    monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])
+        seen.append((x, row0, rope_cs, config, one_launch, windows))))
+    monkeypatch.setattr(transport_mod, "get_transport", lambda group: made.append(_FakeTransport()) or made[-1])
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
                         _FakePlan(t, lay, B, D, dtype, "cuda"))
+    monkeypatch.setattr(forward, "local_attention", lambda q, k, v, **kw: attended.append((q, k, v, kw)) or
+                        torch.empty(q.shape, dtype=q.dtype, device=q.device))
     routed = []
     inner = block.segment_writes
     monkeypatch.setattr(block, "segment_writes", lambda *a: routed.append(a) or inner(*a))
@@ -476,17 +480,28 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
         xs = [torch.empty(1, S, C, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
         table = torch.empty(S, D, device="cuda")
         for x in xs:
-            assert block.ulysses_qkv_attention(x, proj, rotary=table) == ("out", 0, S)
-        assert [type(m).__name__ if m != "plan" else m for m in made] == ["_FakeTransport", "plan"]
-        assert len(routed) == 1 and [s[0] for s in seen] == xs and all(s[2] is table for s in seen)
+            out = block.ulysses_qkv_attention(x, proj, rotary=table)
+            assert out.shape == (1, S, 4, D)
+        assert made == [] and len(routed) == 1 and [s[0] for s in seen] == xs and all(s[2] is table for s in seen)
+        windows = seen[0][5]
+        assert len(attended) == 3 and all(a[0].data_ptr() == windows[0].data_ptr() for a in attended)
+        assert attended[0][3] == dict(causal=False, softmax_scale=D ** -0.5, seqused_k=None)
         with pytest.raises(ValueError, match="rotary: expected a contiguous float32 \\[32, 64\\] table"):
             # the same signature (strides are not in it): refused by the call's own check
             block.ulysses_qkv_attention(xs[0], proj, rotary=torch.empty_strided((S, D), (1, S), device="cuda"))
         with pytest.raises(ValueError, match="rotary: expected cos, sin of shape \\[32, 64\\]"):
             block.ulysses_qkv_attention(xs[0], proj, rotary=(table, torch.empty(1, D, device="cuda")))
+
+        proj2 = _fake_proj(2, 4, 4, D, C)
+        problem = block._check_rank_call(xs[0], proj2, table, None, None, None, "fused", False, None, None, None,
+                                         2, 0)
+        segs = block._rank_segments(xs[0], proj2, table)
+        calls = {}
+        first = block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
+        assert block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False) is first
         made[0].closed = True
-        assert block.ulysses_qkv_attention(xs[0], proj, rotary=table) == ("out", 0, S)
-        assert len(made) == 4 and not made[2].closed and len(routed) == 2
+        again = block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
+        assert again is not first and not again.transport.closed and made[1:] == ["plan", again.transport, "plan"]
 
 
 def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):

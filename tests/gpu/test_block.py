@@ -242,3 +242,24 @@ def test_graph_replay_matches_eager():
     torch.cuda.synchronize()
     for r in range(P):
         assert_same(outs[r], eager[r], f"replay rank {r}")
+
+
+@pytest.mark.parametrize("impl", ["fused", "serial"])
+def test_one_rank_runs_without_a_transport(impl):
+    """P = 1 (no group): the projection into local buffers, then FA4 as the op's P = 1 path, with
+    joint rows, GQA, a batch of 2 and diffusers' (cos, sin) pairs: bit for bit what the one-rank
+    emulated block (its transport, barriers and windows) returns, call after call."""
+    S, H, H_kv, D, C, Cj, J, B = 300, 4, 2, 128, 256, 128, 40, 2
+    chain, jchain = make_chain(H, H_kv, D, C, seed=7), make_chain(H, H_kv, D, Cj, seed=8)
+    proj, jproj = block.block_weights(chain, 1), block.block_weights(jchain, 1)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    rot, jrot = rope_tab(S, D, J), rope_tab(J, D, 0)
+    for _ in range(2):
+        x = torch.randn(B, S, C, generator=g, device=DEV).to(DTYPE)
+        jx = torch.randn(B, J, Cj, generator=g, device=DEV).to(DTYPE)
+        got, jgot = block.ulysses_qkv_attention(x, proj, rotary=rot, joint=jx, joint_proj=jproj, joint_rotary=jrot,
+                                                impl=impl)
+        ref, jref = block.ulysses_qkv_attention_emulated([x], proj, rotary=[rot], joint=jx, joint_proj=jproj,
+                                                         joint_rotary=jrot, impl=impl)
+        assert_same(got, ref[0], "sequence rows")
+        assert_same(jgot, jref[0], "joint rows")
