@@ -38,10 +38,11 @@ launch separately.
 Batches (B > 1) launch one GEMM each: a stride-0 batch mode cannot be a TMA dimension, and
 materialising B copies of the weight costs more than the launches.
 
-Epilogues are quack's (quack.epilogue.library.qknorm_epi) or compositions of quack's epilogue ops
-(HeadRstd, RowVecLoad, rotary_cos_sin_load): quack's RoPE epilogues read one interleaved
-(cos, sin) table; these read two tables, so that diffusers' (cos, sin) pair goes in as it is (no
-table built per call) and quack's table goes in twice. RMSNorm eps is 1e-6 (quack's HeadRstd in
+Epilogues are quack's (quack.epilogue.library.qk_rope_epi, qknorm_epi;
+quack.epilogue.rotary.rope_table_epi) or compositions of quack's epilogue ops (HeadRstd,
+RowVecLoad, rotary_cos_sin_load) where quack has no ready one (bias before the norm, RoPE
+without bias, and every RoPE epilogue again for diffusers' (cos, sin) pair read as it is: two
+table loads instead of quack's one interleaved table). RMSNorm eps is 1e-6 (quack's HeadRstd in
 its library epilogues).
 
 Ordering: the stores are TMA bulk stores issued by quack's epilogue exactly as for a plain
@@ -783,7 +784,8 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             weight, epi, rope = _launch_args(proj, run, kern)
             if rope is not None:  # the epilogue's arguments with this call's RoPE table(s)
                 tables = rope_cs if len(rope) == 2 else (rope_cs,)
-                epi = kern.epi_type(**epi, **{name: _call_arg(op, t, key) for (name, op, key), t in zip(rope, tables)})
+                epi = kern.epi_type(**epi, **{name: _call_arg(op, t, key)
+                                              for (name, op, key), t in zip(rope, tables)})
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
             else:
@@ -810,8 +812,9 @@ def _call_arg(op, value, key):
 
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
     """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with
-    RoPE in the epilogue (weight, the other fields as a dict, ((name, op, key) of its table field "cs",
-    or of "cos" and "sin")): the tables are the call's. Sliced at proj's first launch with `kern` and kept on proj (views: no copy)."""
+    RoPE in the epilogue (weight, the other fields as a dict, ((name, op, key) of its table field
+    "cs", or of "cos" and "sin")): the tables are the call's. Sliced at proj's first launch with
+    `kern` and kept on proj (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
     key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
     args = cache.get(key)
