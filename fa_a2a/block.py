@@ -153,25 +153,53 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
 PAIR_ROWS_MAX = 576
 
 
-def _rope_operand(src):
+def _rope_operand(src, table: Optional["_RopeTable"] = None):
     """A checked rope source (None, the fp32 table or the (cos, sin) pair) as the projection's
     epilogue reads it. A pair of up to PAIR_ROWS_MAX rows goes in as it is (the pair epilogue, no
-    per-call conversion: ~14 us of host time per segment on the H200 machine); a longer one becomes
-    quack's table (interleaved_cos_sin), which the epilogue reads in one load: measured (H200,
-    2026-12-04, Flux shapes, examples/qkv_speed.py fused-nr) the pair epilogue equal at 576 rows
-    (91.9 vs 92.5 us) and 5.7% slower at 4096 (377.4 vs 357.0 us), where the call is GPU-bound and
-    the conversion's host time hidden. Each tensor as it is where it is float32 with rows the TMA
-    loads (a 16-byte aligned base and row stride: diffusers' tables and their row views), else a
-    float32 copy."""
+    per-call conversion: ~14 us of host time per segment on the H200 machine); a longer one is
+    stacked into `table` (_rope_table_for), quack's table, which the epilogue reads in one load:
+    measured (H200, 2026-12-04, Flux shapes, examples/qkv_speed.py fused-nr) the pair epilogue equal
+    at 576 rows (91.9 vs 92.5 us) and 5.7% slower at 4096 (377.4 vs 357.0 us), where the call is
+    GPU-bound and the conversion's host time hidden. Each tensor as it is where it is float32 with
+    rows the TMA loads (a 16-byte aligned base and row stride: diffusers' tables and their row
+    views), else a float32 copy."""
     if src is None:
         return None
     if not isinstance(src, tuple):
         return _tma_table(src)
-    if src[0].shape[0] > PAIR_ROWS_MAX:
-        from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin
-
-        return interleaved_cos_sin(*src)
+    if table is not None:
+        return table(*src)
     return _tma_table(src[0]), _tma_table(src[1])
+
+
+def _rope_table_for(src, head_dim: int) -> Optional["_RopeTable"]:
+    """The buffer a (cos, sin) pair of more than PAIR_ROWS_MAX rows is stacked into every call, or
+    None (no rotary, a table, or a pair the epilogue reads as it is)."""
+    if not isinstance(src, tuple) or src[0].shape[0] <= PAIR_ROWS_MAX:
+        return None
+    return _RopeTable(src[0].shape[0], head_dim, src[0].device)
+
+
+class _RopeTable:
+    """Where a diffusers (cos, sin) pair [rows, D] becomes the kernel's fp32 table, every call: one
+    stack into this buffer (interleaved_cos_sin's values, each element cast to fp32 once). The two
+    strided views the stack reads are kept for the pair last seen and rebuilt only when a tensor's
+    address, strides or dtype change (a view costs ~7 us of host time on the H200 machine, the
+    check ~1 us; a kept view holds its storage, so an unchanged address is the same memory)."""
+
+    def __init__(self, rows: int, head_dim: int, device):
+        self.table = torch.empty(rows, head_dim, dtype=torch.float32, device=device)
+        self._out = self.table.view(rows, head_dim // 2, 2)
+        self._key = self._views = None
+
+    def __call__(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        key = (cos.data_ptr(), cos.stride(), cos.dtype, sin.data_ptr(), sin.stride(), sin.dtype)
+        if key != self._key:
+            self._key, self._views = key, [cos[:, 0::2], sin[:, 0::2]]
+        torch.stack(self._views, dim=-1, out=self._out)
+        return self.table
+
+
 
 
 def _tma_table(t: torch.Tensor) -> torch.Tensor:
@@ -641,13 +669,18 @@ class _RankBlock:
     (_Projection) and the rank's joint weight slice. With no transport (P = 1, no group) the
     projection writes into buffers of the in-windows' layout and FA4 runs on them as the op's P = 1
     path does: no barrier, post-A2A or copy (before, P = 1 ran an emulated one-rank transport: two
-    barrier launches, the fused kernel into its own window and a copy out of it). A steady-state call neither re-reads the
-    transport's settings nor hashes the layout, re-routes the projection or allocates (its output
-    aside; and a float32 copy of a rotary the epilogue cannot read as it is, _rope_operand).
+    barrier launches, the fused kernel into its own window and a copy out of it). A steady-state
+    call neither re-reads the transport's settings nor hashes the layout, re-routes the projection
+    or allocates (its output aside; and a float32 copy of a rotary the epilogue cannot read as it
+    is, _rope_operand).
 
     The projection's epilogue reads each call's rotary itself: diffusers' (cos, sin) pair of up to
-    PAIR_ROWS_MAX rows as it is, nothing converted or cached per call; a longer pair becomes a table
-    per call (_rope_operand says why)."""
+    PAIR_ROWS_MAX rows as it is, nothing converted or cached per call; a longer pair is stacked
+    every call into a table buffer of this object (_RopeTable; _rope_operand says why). Caching the
+    converted table keyed by the inputs' (data_ptr, _version, shape, dtype) is not safe: writes that
+    bypass the version counter (.data, a CUDA-graph replay, a custom kernel) leave the key as it
+    was, a freed input's address comes back with a fresh version 0, inference tensors have no
+    version counter, and a hit during capture would leave the conversion out of the graph."""
 
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
@@ -668,12 +701,15 @@ class _RankBlock:
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint.shape[1] if joint is not None else 0
         self.joint_src = self.joint_slice = None
+        self.tables = [_rope_table_for(r, p.head_dim) for _, _, r in segs]
+        self.joint_table = None
         if self.joint_rows:
             joint_rope = _rope_source(joint_rotary, self.joint_rows, p.head_dim, segs[0][0].device, "joint_rotary")
-            joint = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(joint_rope))
+            self.joint_table = _rope_table_for(joint_rope, p.head_dim)
+            joint = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(joint_rope, self.joint_table))
         self.project = _Projection(windows, lay, rank,
-                                   [(x, w, _rope_operand(r)) for x, w, r in segs], joint if self.joint_rows else None,
-                                   config=config, one_launch=one_launch)
+                                   [(x, w, _rope_operand(r, t)) for (x, w, r), t in zip(segs, self.tables)],
+                                   joint if self.joint_rows else None, config=config, one_launch=one_launch)
 
     def _joint_proj(self, src):
         if src is not self.joint_src:  # the rank's slice of the joint weights, kept for the next call
@@ -683,11 +719,11 @@ class _RankBlock:
     def launch_projection(self, segs, joint, joint_rotary, joint_proj) -> None:
         """This call's projection into the in-windows: the bound launches with this call's x, weights
         and rotaries (the first step of a call)."""
-        segs = [(x, w, _rope_operand(r)) for x, w, r in segs]
+        segs = [(x, w, _rope_operand(r, t)) for (x, w, r), t in zip(segs, self.tables)]
         jt = None
         if self.joint_rows:
             r = _rope_source(joint_rotary, self.joint_rows, self.head_dim, segs[0][0].device, "joint_rotary")
-            jt = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(r))
+            jt = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(r, self.joint_table))
         self.project(segs, jt)
 
     def __call__(self, segs, joint, joint_rotary, joint_proj):

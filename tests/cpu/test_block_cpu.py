@@ -370,7 +370,7 @@ def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
     """_rope_operand (the prepared call's rotary, every call): a float32 pair or table with rows the
     TMA loads is passed as it is (the same tensors: nothing converted per call); a bf16 one, or rows
     at a base that is not 16-byte aligned, become a float32 copy of equal values; a pair of more than
-    PAIR_ROWS_MAX rows becomes quack's interleaved table."""
+    PAIR_ROWS_MAX rows is stacked into its _RopeTable, quack's interleaved table."""
     rows, D = 6, 8
     g = torch.Generator().manual_seed(0)
     cos, sin = torch.randn(rows, D, generator=g), torch.randn(rows, D, generator=g)
@@ -385,8 +385,37 @@ def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
         got = block._rope_operand((odd, sin))
         assert got[0].dtype == torch.float32 and got[0].data_ptr() % 16 == 0 and torch.equal(got[0], odd.float())
         assert got[1] is sin
-    long = [torch.randn(block.PAIR_ROWS_MAX + 1, D, generator=g) for _ in range(2)]
-    assert torch.equal(block._rope_operand(tuple(long)), K.interleaved_cos_sin(*long))  # quack's table
+    long = tuple(torch.randn(block.PAIR_ROWS_MAX + 1, D, generator=g) for _ in range(2))
+    assert block._rope_table_for((cos, sin), D) is None and block._rope_table_for(cos, D) is None
+    table = block._rope_table_for(long, D)
+    assert torch.equal(block._rope_operand(long, table), K.interleaved_cos_sin(*long))  # quack's table
+    assert block._rope_operand(long, table) is table.table  # stacked into the kept buffer, call after call
+
+
+def test_rope_table_follows_every_change_of_its_pair():
+    """_RopeTable (the prepared call's (cos, sin) conversion): bit-equal to interleaved_cos_sin call
+    after call, also after the pair's values change in place, after a new pair, after `.data` points
+    a tensor elsewhere (its kept views are then rebuilt), for bf16 pairs and strided ones."""
+    rows, D = 6, 8
+    g = torch.Generator().manual_seed(0)
+    rt = block._RopeTable(rows, D, "cpu")
+    pair = lambda dtype=torch.float32: (torch.randn(rows, D, generator=g, dtype=dtype),  # noqa: E731
+                                        torch.randn(rows, D, generator=g, dtype=dtype))
+    cos, sin = pair()
+    cases = []
+    cases.append((cos, sin))
+    cases.append((cos.mul_(3), sin))  # same tensors, new values
+    cases.append(pair())
+    cases.append(pair(torch.bfloat16))
+    wide = torch.randn(rows, 2 * D, generator=g)
+    cases.append((wide[:, :D], wide[:, D:]))  # strided rows
+    cos, sin = pair()
+    rt(cos, sin)
+    cos.data = torch.randn(rows, D, generator=g)  # the same object, other memory
+    cases.append((cos, sin))
+    for c, s_ in cases:
+        out = rt(c, s_)
+        assert out is rt.table and torch.equal(out, K.interleaved_cos_sin(c, s_))
 
 
 def test_rank_block_launches_what_project_launches(monkeypatch):
