@@ -711,6 +711,11 @@ class _RankBlock:
                                    [(x, w, _rope_operand(r, t)) for (x, w, r), t in zip(segs, self.tables)],
                                    joint if self.joint_rows else None, config=config, one_launch=one_launch)
 
+    @property
+    def closed(self) -> bool:
+        """Whether its transport was closed (a call with no transport, P = 1, never is)."""
+        return self.transport is not None and self.transport.closed
+
     def _joint_proj(self, src):
         if src is not self.joint_src:  # the rank's slice of the joint weights, kept for the next call
             self.joint_src, self.joint_slice = src, _rank_slice(src, self.rank)
@@ -752,11 +757,11 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
     a miss; those of closed transports are dropped, as fa_a2a.forward._rank_call does."""
     local = (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs))
     call = calls.get(local)
-    if call is None or (call.transport is not None and call.transport.closed):
+    if call is None or call.closed:
         from ulysses.transport import get_transport
 
         for prepared in [e[3] for e in _resolved.values()] + [calls]:
-            for stale in [k for k, c in prepared.items() if c.transport is not None and c.transport.closed]:
+            for stale in [k for k, c in prepared.items() if c.closed]:
                 del prepared[stale]
         transport = None if P == 1 else get_transport(group)
         call = calls[local] = _RankBlock(transport, problem, rank, segs, joint, joint_proj, joint_rotary, config,
@@ -858,7 +863,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     device = segs[0][0][0].device
     local = (device, tuple(tuple(seg[0].shape[1] for seg in rank_segs) for rank_segs in segs))
     blocks = prepared.get(local)
-    if blocks is None or blocks[0].transport.closed:
+    if blocks is None or blocks[0].closed:
         from fa_a2a.forward import emulated_transport
 
         transport = emulated_transport(P, device)
