@@ -1,4 +1,4 @@
-"""What the kernels take: the one home of their dtype and head-dim limits.
+"""What the kernels take: the one home of their dtype and head-dim limits (and the projection's norm eps).
 
 The SM90 / SM100 attention kernels (fa_a2a.fused) and the QKV projection GEMM (qkv_a2a_sm90) take
 these; fa_a2a.problem, the diffusers backend and the Flux processor check or route calls on them,
@@ -9,6 +9,7 @@ and the command lines offer HEAD_DIMS. Importing this module loads neither torch
 from __future__ import annotations
 
 HEAD_DIMS = (64, 128)
+EPS = 1e-6  # the QKV projection's RMSNorm eps (quack's HeadRstd in its qk epilogues): Flux's and Wan's
 
 
 def tma_table(t, address: int) -> bool:

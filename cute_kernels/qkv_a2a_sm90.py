@@ -38,12 +38,13 @@ launch separately.
 Batches (B > 1) launch one GEMM each: a stride-0 batch mode cannot be a TMA dimension, and
 materialising B copies of the weight costs more than the launches.
 
-Epilogues are quack's (quack.epilogue.library.qk_rope_epi, qknorm_epi;
-quack.epilogue.rotary.rope_table_epi) or compositions of quack's epilogue ops (HeadRstd,
-RowVecLoad, rotary_cos_sin_load) where quack has no ready one (bias before the norm, RoPE
-without bias, and every RoPE epilogue again for diffusers' (cos, sin) pair read as it is: two
-table loads instead of quack's one interleaved table). RMSNorm eps is 1e-6 (quack's HeadRstd in
-its library epilogues).
+Epilogues (cute_kernels.qkv_a2a_sm90_device) are quack's or compositions of quack's epilogue ops:
+bias, per-head RMSNorm (eps 1e-6, quack's HeadRstd) and RoPE from quack's interleaved table or
+diffusers' (cos, sin) pair. This module is the host side and imports neither quack nor the CuTe
+DSL: the GEMM of a launch group is compiled through the disk cache (compile_projection), and a
+launch passes its epilogue and scheduler arguments as plain tuples (launch_form, kept on disk
+beside the kernel), so a process whose projection kernels are all on disk launches them without
+importing either (quack's import alone took ~9 s on the H200 machine: torch._dynamo/inductor).
 
 Ordering: the stores are TMA bulk stores issued by quack's epilogue exactly as for a plain
 output; nothing waits for remote completion. Visibility to the consumer comes from the barrier
@@ -76,12 +77,6 @@ fused-nr 89.4 / 94.3 / 358.2 at S_loc = 576 / 1024 / 4096 (fused-nr1 / plain-nr1
 default launches proj-fused) 61.9 vs 95.4 at 576 (192x128: one wave and a half instead of two
 partial waves), 89.6 vs 84.0 at 1024 and 324.3 vs 323.3 at 4096 (128x128 over all 9216
 columns; the two launches give v 128x192 tiles). So one_launch with config_for pays at 576 only.
-
-Host requirement seen on the H200 machine: quack fingerprints epilogue functions by walking their
-globals and treats functions as library code (keyed by name) only when their file lies under a
-"site-packages" / "dist-packages" directory (quack/gemm_runtime/identity.py,
-_is_extern_function). CuTe DSL installed elsewhere makes `import quack.epilogue.library` raise
-TypeError (it reaches a ContextVar of the DSL); install it as a normal package.
 """
 
 from __future__ import annotations
@@ -92,223 +87,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-import cutlass.cute as cute
-from quack.compile_utils import make_fake_tensor
-from quack.cute_dsl_utils import get_max_active_clusters, torch2cute_dtype_map
-from quack.epilogue.frontend import gemm_epilogue, pack, unpack
-from quack.epilogue.head_rmsnorm import HeadRstd
-from quack.epilogue.library import qk_rope_epi, qknorm_epi
-from quack.epilogue.ops import EpiOp, RowVecLoad
-from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
-from quack.gemm_default_epi import GemmDefaultEpiMixin, GemmDefaultSm90
-from quack.gemm_runtime.host import FakeArgCtx
-from quack.gemm_tvm_ffi_utils import (
-    compile_gemm_kernel,
-    make_fake_gemm_tensors,
-    make_fake_scheduler_args,
-    make_scheduler_args,
-)
-from quack.rounding import RoundingMode
-
-from cute_kernels.compile_cache import load_or_compile
+from cute_kernels.compile_cache import disk_value, load_or_compile
 from cute_kernels.limits import DTYPES, HEAD_DIMS, tma_table
-
-EPS = 1e-6  # HeadRstd's eps in quack's qk epilogues
-
-
-# ---- kernel classes ------------------------------------------------------------------------------
-class _RankWindowD:
-    """Mixin for a quack SM90 GEMM class: D arrives as (l, m, t, p, i) (t: q/k/v tensor of the
-    launch, p: destination rank, i < h_t*D static) and is regrouped into quack's batch-first
-    (l, m, n) with a nested n = (i, p, t); everything after that is quack's own __call__."""
-
-    @cute.jit
-    def __call__(self, mA, mB, mD, mC, epilogue_args, scheduler_args, varlen_args, stream,
-                 mSFA=None, mSFB=None):
-        s, d = mD.layout.shape, mD.layout.stride
-        mD = cute.make_tensor(
-            mD.iterator,
-            cute.make_layout((s[0], s[1], (s[4], s[3], s[2])),
-                             stride=(d[0], d[1], (d[4], d[3], d[2]))),
-        )
-        # explicit class: the epilogue classes below are made by type(), where a bare super()
-        # inside a traced method recursed into this method (CuTe DSL 4.8.1)
-        super(_RankWindowD, self).__call__(mA, mB, mD, mC, epilogue_args, scheduler_args,
-                                           varlen_args, stream, mSFA, mSFB)
-
-
-class GemmRankWindowSm90(_RankWindowD, GemmDefaultSm90):
-    """quack's default SM90 GEMM (optional row-vector bias) storing into rank windows."""
-
-
-@functools.lru_cache(maxsize=None)
-def _rank_window_class(base):
-    return type(f"RankWindow_{base.__name__}", (_RankWindowD, base), {"__module__": __name__})
-
-
-# ---- epilogues: quack's where they exist, compositions of quack's ops otherwise ------------------
-# RoPE reads quack's interleaved (cos_j, sin_j) table (rope "table": one table load, quack's own
-# layout) or diffusers' (cos, sin) pair as it is (rope "pair": two loads, c from cos's even
-# columns, s from sin's odd ones; no table built per call). Measured (H200, 2026-12-04, Flux
-# shapes, examples/qkv_speed.py fused-nr, the q|k epilogue with both): equal at S_loc 576 (91.9
-# vs 92.5 us), the pair 5.7% slower at 4096 (377.4 vs 357.0 us); fa_a2a.block picks by rows.
-def _rotate(x1, x2, c, s):
-    return pack(x1 * c - x2 * s, x1 * s + x2 * c)
-
-
-def _pair_cos_sin(cos, sin):
-    c, _ = unpack(cos)
-    _, s = unpack(sin)
-    return c, s
-
-
-def _sq_prepass(acc):
-    return {"qk": acc * acc}
-
-
-def _sq_bias_prepass(acc, b):
-    x = acc + b
-    return {"qk": x * x}
-
-
-def _bias_norm_rope(acc, c, s, qk, w, b):
-    x1, x2 = unpack((acc + b) * qk * w)
-    return {"D": _rotate(x1, x2, c, s)}
-
-
-def _qkv_bias_norm_rope(acc, c, s, qk, w, b, rot, sel):
-    x = acc + b
-    x1, x2 = unpack(x * qk * w + x * sel)
-    r1, _ = unpack(rot)
-    v1, _ = unpack(sel)
-    return {"D": _rotate(x1, x2, c * r1 + v1, s * r1)}
-
-
-_NORM = dict(qk=HeadRstd("qk", eps=EPS), w=RowVecLoad("w"))
-_BIAS_NORM = dict(prepass=_sq_bias_prepass, prepass_outs=("qk",), mode="acc_pair")
-_ONE = dict(rot=RowVecLoad("rot"), sel=RowVecLoad("sel"))
-_TABLE = dict(cs=rotary_cos_sin_load("cs"))
-_PAIR = dict(cos=rotary_cos_sin_load("cos"), sin=rotary_cos_sin_load("sin"))
-
-
-@gemm_epilogue(ops={**_TABLE, **_NORM, "b": RowVecLoad("b")}, **_BIAS_NORM)
-def qk_bias_norm_rope_epi(acc, cs, qk, w, b):
-    """quack's qk_rope_epi with the projection bias added before the norm (a DiT's q/k path):
-    rmsnorm_head(acc + b) * w, then interleaved RoPE."""
-    return _bias_norm_rope(acc, *unpack(cs), qk, w, b)
-
-
-@gemm_epilogue(ops={**_PAIR, **_NORM, "b": RowVecLoad("b")}, **_BIAS_NORM)
-def qk_bias_norm_rope_pair_epi(acc, cos, sin, qk, w, b):
-    """qk_bias_norm_rope_epi with the (cos, sin) pair."""
-    return _bias_norm_rope(acc, *_pair_cos_sin(cos, sin), qk, w, b)
-
-
-@gemm_epilogue(
-    ops={"qk": HeadRstd("qk", eps=EPS), "w": RowVecLoad("w"), "b": RowVecLoad("b")},
-    prepass=_sq_bias_prepass, prepass_outs=("qk",),
-)
-def qk_bias_norm_epi(acc, qk, w, b):
-    """quack's qknorm_epi with the projection bias added before the norm."""
-    return {"D": (acc + b) * qk * w}
-
-
-@gemm_epilogue(ops={**_PAIR, **_NORM}, prepass=_sq_prepass, prepass_outs=("qk",), mode="acc_pair")
-def qk_norm_rope_pair_epi(acc, cos, sin, qk, w):
-    """quack's qk_rope_epi (per-head RMSNorm with weight, then RoPE) with the (cos, sin) pair."""
-    x1, x2 = unpack(acc * qk * w)
-    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
-
-
-@gemm_epilogue(ops={**_PAIR, "b": RowVecLoad("b")}, mode="acc_pair")
-def qk_bias_rope_pair_epi(acc, cos, sin, b):
-    """quack's rope_table_epi (bias, then RoPE) with the (cos, sin) pair."""
-    x1, x2 = unpack(acc + b)
-    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
-
-
-@gemm_epilogue(ops=_TABLE, mode="acc_pair")
-def qk_rope_epi_nobias(acc, cs):
-    """quack's rope_table_epi without the bias."""
-    x1, x2 = unpack(acc)
-    return {"D": _rotate(x1, x2, *unpack(cs))}
-
-
-@gemm_epilogue(ops=_PAIR, mode="acc_pair")
-def qk_rope_pair_epi_nobias(acc, cos, sin):
-    """qk_rope_epi_nobias with the (cos, sin) pair."""
-    x1, x2 = unpack(acc)
-    return {"D": _rotate(x1, x2, *_pair_cos_sin(cos, sin))}
-
-
-@gemm_epilogue(ops={**_TABLE, **_NORM, "b": RowVecLoad("b"), **_ONE}, **_BIAS_NORM)
-def qkv_bias_norm_rope_epi(acc, cs, qk, w, b, rot, sel):
-    """qk_bias_norm_rope_epi over q|k|v in one launch. Row vectors: on q and k columns w = the
-    head's norm weight, rot = 1, sel = 0; on v columns w = 0, rot = 0, sel = 1, where the result
-    is acc + b exactly (x * rstd * 0 = +-0, RoPE with cos 1 and sin +-0)."""
-    return _qkv_bias_norm_rope(acc, *unpack(cs), qk, w, b, rot, sel)
-
-
-@gemm_epilogue(ops={**_PAIR, **_NORM, "b": RowVecLoad("b"), **_ONE}, **_BIAS_NORM)
-def qkv_bias_norm_rope_pair_epi(acc, cos, sin, qk, w, b, rot, sel):
-    """qkv_bias_norm_rope_epi with the (cos, sin) pair."""
-    return _qkv_bias_norm_rope(acc, *_pair_cos_sin(cos, sin), qk, w, b, rot, sel)
-
-
-# (bias, norm, rope: None, "table" or "pair") -> epilogue of the q|k columns; (.., False, None) is
-# the default class
-_QK_EPILOGUES = {
-    (False, True, "table"): qk_rope_epi,
-    (True, True, "table"): qk_bias_norm_rope_epi,
-    (False, False, "table"): qk_rope_epi_nobias,
-    (True, False, "table"): rope_table_epi,
-    (False, True, "pair"): qk_norm_rope_pair_epi,
-    (True, True, "pair"): qk_bias_norm_rope_pair_epi,
-    (False, False, "pair"): qk_rope_pair_epi_nobias,
-    (True, False, "pair"): qk_bias_rope_pair_epi,
-    (False, True, None): qknorm_epi,
-    (True, True, None): qk_bias_norm_epi,
-}
-_ONE_LAUNCH = {"table": qkv_bias_norm_rope_epi, "pair": qkv_bias_norm_rope_pair_epi}
-_UNPINNED_KINDS = {"bias": "row"}
-
-
-def _epilogue_mod(bias: bool, norm: bool, rope: Optional[str], one_launch: bool):
-    if one_launch:
-        if not (bias and norm and rope):
-            raise ValueError("one_launch: bias, norm weights and rope_cs expected (the one-launch "
-                             f"epilogue is bias + RMSNorm + RoPE), got bias={bias}, norm={norm}, "
-                             f"rope={rope}")
-        return _ONE_LAUNCH[rope]
-    return _QK_EPILOGUES[(bias, norm, rope)]  # rope_table_epi's bias operand is inferred by quack as a row vector
-
-
-def _mint(mod, values):
-    """The quack class of `mod` for these epilogue values: the mint key quack's EpiMod.gemm
-    derives for a dense, batched, SM90 call without C (pinned by tests/cpu/test_qkv_compile.py)."""
-    visit_sig = tuple(
-        (name, mod.ops[name].fn_port if name in mod.ops else _UNPINNED_KINDS[name])
-        for name in mod.operand_names
-    )
-    prepass_sig = tuple((n, k) for n, k in visit_sig if n in mod.prepass_operand_names)
-    arg_forms = tuple(
-        (name, mod.ops[name].host_arg_form(values[name]))
-        for name in mod.operand_names
-        if name in mod.ops and mod.ops[name].host_arg_form(values[name])
-    )
-    paired = mod.mode == "acc_pair"
-    return mod._mint(visit_sig, 9, paired, False, prepass_sig, RoundingMode.RN, arg_forms, False)
-
-
-def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel=None):
-    """epi_args of `mod`; rope_cs: None, the table or the (cos, sin) pair. An inferred (unpinned)
-    row vector must be (l, n) for quack."""
-    if bias is not None and bias.dim() == 1 and any(n not in mod.ops for n in mod.operand_names):
-        bias = bias.unsqueeze(0)
-    pair = rope_cs if rope_kind(rope_cs) == "pair" else (None, None)
-    by_name = {"b": bias, "bias": bias, "w": norm_weight, "qk": head_dim, "cs": rope_cs, "cos": pair[0],
-               "sin": pair[1], "rot": rot, "sel": sel}
-    return {name: by_name[name] for name in mod.operand_names}
 
 
 def rope_kind(rope_cs) -> Optional[str]:
@@ -353,8 +133,9 @@ def config_for(rows: int, width: int, head_dim: int, epilogue: bool) -> GemmConf
 
 class _Kernel(NamedTuple):
     compiled: object
-    epi_type: type  # EpilogueArguments of the compiled class
-    call_ops: tuple  # ((name, op, key), ...) of the active epilogue ops (mod path)
+    fields: tuple  # launch_form's epilogue fields: None or (operand, unsqueeze), in the kernel's order
+    scheduler: tuple  # launch_form's scheduler tuple
+    clusters_at: int  # where max_active_clusters goes in it
     cluster_size: int
 
 
@@ -364,69 +145,52 @@ def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
                        config: GemmConfig, one_launch: bool = False) -> _Kernel:
     """Compile (once per key: every argument) the rank-window GEMM for one launch group
     (rope: None, "table" or "pair", rope_kind; one_launch: q|k|v with qkv_bias_norm_rope_epi, which
-    needs bias, norm and rope).
+    needs bias, norm and rope), or load it and its launch form from the disk cache.
 
     width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
     ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
     (CUTE_DSL_ARCH=sm_90a): everything is built from fake tensors.
     """
-    cdt = torch2cute_dtype_map[dtype]
-    mA, mB, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", "k", "n", None)
-    div = 128 // cdt.width
-    mD = cute.runtime.make_fake_tensor(
-        cdt, (l, m, cute.sym_int(), cute.sym_int(), width),
-        stride=tuple(cute.sym_int64(divisibility=div) for _ in range(4)) + (1,),
-        assumed_align=16,
-    )
-    if norm or rope:
-        mod = _epilogue_mod(bias_dtype is not None, norm, rope, one_launch)
-        # CPU stand-ins: host_arg_key reads only dtype, rank and the last extent
-        vec = torch.empty(1, dtype=torch.float32)
-        table = torch.empty(1, head_dim, dtype=torch.float32)
-        dummies = _epilogue_values(
-            mod,
-            bias=torch.empty(1, dtype=bias_dtype) if bias_dtype is not None else None,
-            norm_weight=vec, head_dim=head_dim,
-            rope_cs=(table, table) if rope == "pair" else table, rot=vec, sel=vec,
-        )
-        cls = _rank_window_class(_mint(mod, dummies))
-        fctx = FakeArgCtx(m, n, k, l, True, False)
-        call_ops, fields = [], {}
-        for op in cls._epi_ops:
-            key = op.host_arg_key(dummies.get(op.name))
-            if key is None:
-                continue
-            fake = op.host_fake_arg(key, fctx)
-            if fake is not None:
-                fields[op.name] = fake
-            call_ops.append((op.name, op, key))
-        epi = cls.EpilogueArguments(**fields)
-    else:
-        cls, call_ops = GemmRankWindowSm90, []
-        row = None
-        if bias_dtype is not None:
-            row = make_fake_tensor(torch2cute_dtype_map[bias_dtype], (l, n), leading_dim=1,
-                                   divisibility=4)
-        epi = cls.EpilogueArguments(
-            alpha=None, beta=None, mRowVecBroadcast=row, mColVecBroadcast=None,
-            add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None,
-        )
-    # the GEMM itself goes through the disk cache (the arguments are its key); the epilogue
-    # classes and ops above are rebuilt per process (cheap)
-    compiled, _ = load_or_compile(
-        "compile_projection", (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch),
-        lambda: compile_gemm_kernel(
-            cls, cdt, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
-            config.pingpong, True, False, False, (9, 0), mA, mB, mD, None, epi,
-            make_fake_scheduler_args(False, False, l), None,
-        ))
-    return _Kernel(compiled, cls.EpilogueArguments, tuple(call_ops),
-                   config.cluster_m * config.cluster_n)
+    key = (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch)
+    fields, scheduler, clusters_at = launch_form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch)
+
+    def compile():
+        from cute_kernels.qkv_a2a_sm90_device import compile_kernel
+
+        return compile_kernel(*key)
+
+    compiled, _ = load_or_compile("compile_projection", key, compile)
+    return _Kernel(compiled, fields, scheduler, clusters_at, config.cluster_m * config.cluster_n)
+
+
+@disk_value
+def launch_form(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: Optional[str], one_launch: bool):
+    """qkv_a2a_sm90_device.launch_form, kept on disk beside the kernels (a warm process does not
+    import quack for it)."""
+    from cute_kernels.qkv_a2a_sm90_device import launch_form as form
+
+    return form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch)
+
+
+@disk_value
+def _max_active_clusters(cluster_size: int, device_name: str, sm_count: int, capability: tuple) -> int:
+    """The occupancy query the persistent scheduler takes (the DSL's), per kind of GPU (the current
+    device is of that kind), kept on disk."""
+    from cute_kernels.qkv_a2a_sm90_device import max_active_clusters
+
+    return max_active_clusters(cluster_size)
 
 
 @functools.lru_cache(maxsize=None)
-def _scheduler_args(cluster_size: int, device_index: int):
-    return make_scheduler_args(get_max_active_clusters(cluster_size, device_id=device_index), 8, None)
+def _scheduler_args(kern: _Kernel, device_index: int) -> tuple:
+    """The kernel's scheduler tuple with max_active_clusters of device `device_index`."""
+    props = torch.cuda.get_device_properties(device_index)
+    with torch.cuda.device(device_index):
+        clusters = _max_active_clusters(kern.cluster_size, props.name, props.multi_processor_count,
+                                        (props.major, props.minor))
+    sched = list(kern.scheduler)
+    sched[kern.clusters_at] = clusters
+    return tuple(sched)
 
 
 # ---- weights in destination order ----------------------------------------------------------------
@@ -676,11 +440,6 @@ def _group_values(proj, g, rope_cs):
     return lo, hi, values
 
 
-def _group_mod(g, values):
-    return _epilogue_mod(values["bias"] is not None, values["norm_weight"] is not None,
-                         rope_kind(values["rope_cs"]), g["epi"] == "qkv")
-
-
 def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
                        row0: int, *, rope_cs: Optional[torch.Tensor] = None,
                        config: Optional[GemmConfig] = None, one_launch: bool = False) -> None:
@@ -775,17 +534,19 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
         return _no_launch
     device_index = x.device.index or 0
     bound = tuple((kern, run, tuple(rank_window_view([windows[t] for t in run["ts"]], row0, b, M) for b in range(B)),
-                   _scheduler_args(kern.cluster_size, device_index)) for run, kern in runs)
+                   _scheduler_args(kern, device_index)) for run, kern in runs)
 
     def launch(x, proj, rope_cs=None) -> None:
         if not _tma_rows(x, C, x.data_ptr()):
             x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
-            weight, epi, rope = _launch_args(proj, run, kern)
-            if rope is not None:  # the epilogue's arguments with this call's RoPE table(s)
-                tables = rope_cs if len(rope) == 2 else (rope_cs,)
-                epi = kern.epi_type(**epi, **{name: _call_arg(op, t, key)
-                                              for (name, op, key), t in zip(rope, tables)})
+            weight, epi, tables = _launch_args(proj, run, kern)
+            if tables:  # the epilogue's arguments with this call's RoPE table(s)
+                rope = rope_cs if isinstance(rope_cs, (tuple, list)) else (rope_cs,)
+                epi = list(epi)
+                for at, which in tables:
+                    epi[at] = rope[which]
+                epi = tuple(epi)
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
             else:
@@ -806,40 +567,30 @@ def _no_launch(x, proj, rope_cs=None) -> None:
     return None
 
 
-def _call_arg(op, value, key):
-    return value if type(op).host_call_arg is EpiOp.host_call_arg else op.host_call_arg(value, key)
-
-
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
-    """(weight rows [1, n, C], epilogue arguments, None) of launch group `run` for proj, or with
-    RoPE in the epilogue (weight, the other fields as a dict, ((name, op, key) of its table field
-    "cs", or of "cos" and "sin")): the tables are the call's. Sliced at proj's first launch with
-    `kern` and kept on proj (views: no copy)."""
+    """(weight rows [1, n, C], the epilogue tuple (launch_form's fields), ((position, which), ...)
+    of its RoPE fields: the call's table (which 0) or its (cos, sin) pair (0, 1) goes there) of
+    launch group `run` for proj. Sliced at proj's first launch with `kern` and kept on proj
+    (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
-    key = (run["ts"][0], run["ts"][-1], run["epi"], kern.epi_type)
+    key = (run["ts"][0], run["ts"][-1], run["epi"], kern.fields)
     args = cache.get(key)
     if args is None:
-        names = {name for name, _, _ in kern.call_ops}
-        marker = (True, True) if "cos" in names else (True if "cs" in names else None)  # the rope kind
-        lo, hi, values = _group_values(proj, run, marker)
-        weight = proj.weight[lo:hi].unsqueeze(0)
-        bias = values["bias"]
-        if not kern.call_ops:
-            args = (weight, GemmDefaultEpiMixin.EpilogueArguments(
-                alpha=None, beta=None, mRowVecBroadcast=bias.unsqueeze(0) if bias is not None else None,
-                mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None), None)
-        else:
-            values = _epilogue_values(_group_mod(run, values), head_dim=proj.head_dim, **values)
-            fields, tables = dict.fromkeys(kern.epi_type._fields), []
-            for name, op, op_key in kern.call_ops:
-                if name in ("cs", "cos", "sin"):
-                    tables.append((name, op, op_key))
-                    del fields[name]
-                else:
-                    fields[name] = _call_arg(op, values[name], op_key)
-            args = ((weight, fields, tuple(tables)) if tables else (weight, kern.epi_type(**fields), None))
-        cache[key] = args
+        lo, hi, values = _group_values(proj, run, None)
+        operands = {"b": values["bias"], "bias": values["bias"], "w": values["norm_weight"], "rot": values["rot"],
+                    "sel": values["sel"]}
+        epi, tables = [], []
+        for at, field in enumerate(kern.fields):
+            if field is not None and field[0] in _ROPE_FIELDS:
+                tables.append((at, _ROPE_FIELDS[field[0]]))
+                field = None
+            value = None if field is None else operands[field[0]]
+            epi.append(value.unsqueeze(0) if field is not None and field[1] else value)
+        args = cache[key] = (proj.weight[lo:hi].unsqueeze(0), tuple(epi), tuple(tables))
     return args
+
+
+_ROPE_FIELDS = {"cs": 0, "cos": 0, "sin": 1}  # which tensor of the call's (table,) or (cos, sin)
 
 
 def rank_window_view(tensors: Sequence[torch.Tensor], row0: int, batch: int, rows: int) -> torch.Tensor:
@@ -873,6 +624,8 @@ def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *
         return
     import quack.gemm as quack_gemm
 
+    from cute_kernels.qkv_a2a_sm90_device import _epilogue_mod, _epilogue_values
+
     epilogue = proj.norm_weight is not None or rope_cs is not None
     for g in _groups(proj, [True, True, True], epilogue, one_launch):
         cfg = _group_config(config, g, proj)
@@ -881,7 +634,8 @@ def qkv_projection_plain(x: torch.Tensor, proj: QKVWeights, out: torch.Tensor, *
         for b in range(B):
             A, Bw, Dv = x[b:b + 1], proj.weight[lo:hi].unsqueeze(0), out[b:b + 1, :, lo:hi]
             if g["epi"]:
-                mod = _group_mod(g, gv)
+                mod = _epilogue_mod(bias is not None, gv["norm_weight"] is not None, rope_kind(gv["rope_cs"]),
+                                    g["epi"] == "qkv")
                 values = _epilogue_values(mod, head_dim=proj.head_dim, **gv)
                 mod.gemm(A, Bw, Dv, epi_args=values, tile_M=cfg.tile_m, tile_N=cfg.tile_n,
                          cluster_M=cfg.cluster_m, cluster_N=cfg.cluster_n, pingpong=cfg.pingpong)

@@ -56,7 +56,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from cute_kernels.limits import tma_table
+from cute_kernels.limits import EPS, tma_table
 
 from .problem import (KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, lookup, signature_fields,
                       signature_word)
@@ -64,7 +64,6 @@ from .problem import (KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
 
-EPS = 1e-6  # RMSNorm eps of the fused epilogue (quack's HeadRstd), Flux's and Wan's
 
 
 # ---- the torch chain: the unfused projection (fallback, baseline, reference) ----------------------

@@ -314,15 +314,16 @@ def test_projection_gemm_goes_through_the_disk(tmp_path, monkeypatch):
     t = time.perf_counter()
     again = K.compile_projection.__wrapped__(*args)
     assert time.perf_counter() - t < 1.0
-    assert again.epi_type is first.epi_type and again.cluster_size == first.cluster_size
+    assert again.fields == first.fields and again.cluster_size == first.cluster_size
 
 
-def test_the_ops_launch_path_imports_no_cute_dsl():
-    """What a warm process imports to launch the op's kernels (the op, its forwards and pacing, the
-    A2A and barrier launchers, FA4's launcher, the transports) imports neither the CuTe DSL nor
-    FA4's package nor quack: with every kernel in the disk cache it never needs them."""
+def test_the_launch_paths_import_no_cute_dsl():
+    """What a warm process imports to launch the op's and the block's kernels (the op, its forwards
+    and pacing, the A2A and barrier launchers, FA4's launcher, the transports; the block and the
+    QKV projection's launcher) imports neither the CuTe DSL nor FA4's package nor quack: with every
+    kernel in the disk cache it never needs them."""
     code = ("import sys, fa_a2a, fa_a2a.op, fa_a2a.forward, fa_a2a.pacing, fa_a2a.fused, cute_kernels.a2a, "
-            "cute_kernels.signal, ulysses.transport, ulysses.vmm\n"
+            "cute_kernels.signal, ulysses.transport, ulysses.vmm, fa_a2a.block, cute_kernels.qkv_a2a_sm90\n"
             "print(','.join(m for m in ('cutlass', 'flash_attn.cute', 'quack') if m in sys.modules) or '-')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                          capture_output=True, text=True, timeout=120)

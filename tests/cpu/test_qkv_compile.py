@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import qkv_a2a_sm90 as K
+from cute_kernels import qkv_a2a_sm90_device as Dv
 
 
 def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True, B=1, S_loc=200, C=256,
@@ -120,12 +121,20 @@ def test_one_launch_compiles(record_compiles):
 
 @pytest.mark.parametrize("bias,norm,rope_on,one", [(True, True, "table", False), (True, False, None, False),
                                                     (True, True, "table", True), (False, True, None, False),
-                                                    (True, True, "pair", False), (True, True, "pair", True)])
-def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_on, one):
-    """qkv_a2a_launcher's per-launch arguments of a weights object (_launch_args): its weight rows and
-    epilogue vectors of each launch group as views (no copy), the RoPE tables left to the call,
-    built once per weights object and kept on it; another layer's weights get their own."""
-    P, H_loc, D, C = 2, 2, 64, 32
+                                                    (True, True, "pair", False), (True, True, "pair", True),
+                                                    (True, False, "table", False), (False, False, None, False)])
+def test_launch_args_are_quacks_arguments_as_tuples_of_views_kept_per_weights(bias, norm, rope_on, one):
+    """qkv_a2a_launcher's per-launch arguments of a weights object (_launch_args, from launch_form):
+    with this call's RoPE tables put in, the epilogue tuple is field for field what quack's own
+    EpilogueArguments holds for these values (TVM-FFI takes a NamedTuple as the tuple of its
+    fields), the scheduler tuple is quack's TileSchedulerOptions; the weight rows and epilogue
+    vectors are views of the weights (no copy), built once per weights object and kept on it;
+    another layer's weights get their own."""
+    from quack.epilogue.ops import EpiOp
+    from quack.gemm_default_epi import GemmDefaultEpiMixin
+    from quack.gemm_tvm_ffi_utils import make_scheduler_args
+
+    P, H_loc, D, C, M = 2, 2, 64, 32, 8
     n = P * 3 * H_loc * D
     g = torch.Generator().manual_seed(0)
 
@@ -135,36 +144,55 @@ def test_launch_args_are_views_of_the_weights_kept_per_weights(bias, norm, rope_
                             torch.randn(P * 2 * H_loc * D, generator=g) if norm else None, P, H_loc, H_loc, D)
 
     proj, other = weights(), weights()
+    table = torch.randn(M, D, generator=g)
+    rope_cs = {"table": table, "pair": (table, table.clone()), None: None}[rope_on]
     epilogue = norm or rope_on is not None
     for group in K._groups(proj, [True, True, True], epilogue, one):
-        kern = K.compile_projection(torch.bfloat16, group["width"], D, torch.bfloat16 if bias else None,
-                                    group["epi"] is not None and norm, rope_on if group["epi"] is not None else None,
-                                    K._group_config(None, group, proj), group["epi"] == "qkv")
-        weight, epi, rope = K._launch_args(proj, group, kern)
+        rope = rope_on if group["epi"] is not None else None
+        key = (torch.bfloat16, group["width"], D, torch.bfloat16 if bias else None,
+               group["epi"] is not None and norm, rope, K._group_config(None, group, proj), group["epi"] == "qkv")
+        kern = K.compile_projection(*key)
+        weight, epi, tables = K._launch_args(proj, group, kern)
         lo, hi = proj.column_range(group["ts"][0])[0], proj.column_range(group["ts"][-1])[1]
         assert weight.shape == (1, hi - lo, C) and weight.data_ptr() == proj.weight[lo].data_ptr()
-        assert (rope is not None) == (rope_on is not None and group["epi"] is not None)
-        if rope is not None:
-            names = {"table": ["cs"], "pair": ["cos", "sin"]}[rope_on]
-            assert [name for name, _, _ in rope] == names
-            assert isinstance(epi, dict) and set(epi) | set(names) == set(kern.epi_type._fields)
-            assert not set(names) & set(epi)
-            vectors = [v for v in epi.values() if isinstance(v, torch.Tensor)]
-        elif group["epi"] is None:
-            vectors = [epi.mRowVecBroadcast] if bias else []
-            assert bias or epi.mRowVecBroadcast is None
+        assert len(tables) == {"table": 1, "pair": 2, None: 0}[rope]
+        epi = list(epi)
+        for at, which in tables:
+            epi[at] = (rope_cs if rope == "pair" else (rope_cs,))[which]
+        # quack's own arguments for the same values
+        _, _, gv = K._group_values(proj, group, rope_cs)
+        if group["epi"] is None:
+            theirs = GemmDefaultEpiMixin.EpilogueArguments(
+                alpha=None, beta=None, mRowVecBroadcast=gv["bias"].unsqueeze(0) if bias else None,
+                mColVecBroadcast=None, add_to_output=None, rounding_mode=None, sr_seed=None)
         else:
-            vectors = [v for v in epi if isinstance(v, torch.Tensor)]
-        sources = ([proj.bias] if bias else []) + ([proj.norm_weight] if norm and group["epi"] else [])
-        sources += list(proj.one_launch_vectors) if group["epi"] == "qkv" else []
-        for v in vectors:  # every tensor argument is a view of the weights' own vectors
-            assert v.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in sources}
+            mod = Dv._epilogue_mod(bias, gv["norm_weight"] is not None, rope, group["epi"] == "qkv")
+            values = Dv._epilogue_values(mod, head_dim=D, **gv)
+            cls = Dv._mint(mod, values)
+            fields = dict.fromkeys(cls.EpilogueArguments._fields)
+            for op in cls._epi_ops:
+                op_key = op.host_arg_key(values.get(op.name))
+                if op_key is not None:
+                    v = values[op.name]
+                    fields[op.name] = v if type(op).host_call_arg is EpiOp.host_call_arg else op.host_call_arg(v, op_key)
+            theirs = cls.EpilogueArguments(**fields)
+        assert len(epi) == len(theirs)
+        for ours, quacks in zip(epi, theirs):
+            assert (ours is None) == (quacks is None)
+            if ours is not None:
+                assert ours.shape == quacks.shape and ours.data_ptr() == quacks.data_ptr()
+                sources = [proj.bias, proj.norm_weight, *(proj.one_launch_vectors if group["epi"] == "qkv" else ()),
+                           *{"table": (rope_cs,), "pair": rope_cs, None: ()}[rope]]
+                assert ours.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in sources
+                                                              if t is not None}
+        assert kern.scheduler[:kern.clusters_at] + (7,) + kern.scheduler[kern.clusters_at + 1:] == tuple(
+            int(v) if hasattr(v, "value") else v for v in make_scheduler_args(7, 8, None))
         assert K._launch_args(proj, group, kern) is K._launch_args(proj, group, kern)
         assert K._launch_args(other, group, kern)[0].data_ptr() == other.weight[lo].data_ptr()
 
 
-_ALL_EPILOGUES = {**{key: mod for key, mod in K._QK_EPILOGUES.items()},
-                  **{(True, True, rope, "one launch"): mod for rope, mod in K._ONE_LAUNCH.items()}}
+_ALL_EPILOGUES = {**{key: mod for key, mod in Dv._QK_EPILOGUES.items()},
+                  **{(True, True, rope, "one launch"): mod for rope, mod in Dv._ONE_LAUNCH.items()}}
 
 
 @pytest.mark.parametrize("key", sorted(_ALL_EPILOGUES, key=str))
@@ -194,7 +222,7 @@ def test_mint_matches_quack(key, monkeypatch):
             bias = torch.empty((n,) if pinned else (1, n), dtype=torch.bfloat16, device=dev)
         vec = lambda: torch.empty(n, dtype=torch.float32, device=dev)  # noqa: E731
         table = lambda: torch.empty(M, D, dtype=torch.float32, device=dev)  # noqa: E731
-        values = K._epilogue_values(
+        values = Dv._epilogue_values(
             mod, bias=bias, norm_weight=vec(), head_dim=D,
             rope_cs=(table(), table()) if key[2] == "pair" else table(), rot=vec(), sel=vec())
         A = torch.empty(1, M, C, dtype=torch.bfloat16, device=dev)
@@ -203,7 +231,7 @@ def test_mint_matches_quack(key, monkeypatch):
         with pytest.raises(Stop):
             mod.gemm(A, Bw, Dt, epi_args=values, tile_M=128, tile_N=128, cluster_M=2, cluster_N=1,
                      pingpong=True)
-        assert K._mint(mod, values) is captured["cls"]
+        assert Dv._mint(mod, values) is captured["cls"]
 
 
 def _reference_scatter(y, windows, proj, row0):

@@ -2,7 +2,6 @@
 NaN-poisoned windows, with emulated ranks (HBM windows) and with real rank processes over the host
 transport (windows in pinned host memory, every store over PCIe; under MPS where it starts); the
 link measured, and the automatic decision: unpaced on HBM, paced over host memory."""
-import os
 
 import pytest
 import torch

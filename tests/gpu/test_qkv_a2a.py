@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cute_kernels import qkv_a2a_sm90 as K
+from cute_kernels.limits import EPS
 from ulysses.layout import UlyssesLayout
 
 DEV = "cuda"
@@ -56,7 +57,7 @@ def torch_chain(x, proj, rope_cs, dtype):
     if proj.norm_weight is not None:
         w = proj.norm_weight.view(-1, proj.head_dim)
         qk32 = qk.float()
-        qk = (qk32 * torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + K.EPS) * w).to(dtype)
+        qk = (qk32 * torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + EPS) * w).to(dtype)
     if rope_cs is not None:
         c, s = rope_cs[:, None, 0::2], rope_cs[:, None, 1::2]
         x1, x2 = qk.float()[..., 0::2], qk.float()[..., 1::2]
