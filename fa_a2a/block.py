@@ -572,20 +572,26 @@ class _Projection:
             launch(sx, sp, sr)
 
 
+ONE_LAUNCH_ROWS = 576  # up to this many rows a bias + norm + RoPE projection is one launch with any tile
+
+
 def auto_tiles(rows: int, proj, rope) -> tuple:
     """(config, one_launch) for a rank's `rows`: config_for's 192-row tile where it pads fewer rows
-    than 128-row tiles, then with q|k|v in one launch when the epilogue is bias + norm + RoPE;
-    else quack's default tiles in two launches (None, False). Measured (H200, 2026-12-03, Flux
-    shapes, bench_block): at S_loc = 576 the block took 118.4 us this way against 147.9 with the
-    default; at 1024 and 4096 (where config_for keeps 128-row tiles) the default two launches were
-    faster than one launch of 128x128 tiles (261.9 vs 268.2, 2316.3 vs 2377.4 us)."""
+    than 128-row tiles, else quack's default tiles (None); q|k|v in one launch when the epilogue is
+    bias + norm + RoPE and the tile is 192 rows or the rows are at most ONE_LAUNCH_ROWS. Measured
+    (H200, 2026-12-03, Flux shapes, bench_block): at S_loc = 576 the block took 118.4 us this way
+    against 147.9 with the default; at 1024 and 4096 (where config_for keeps 128-row tiles) the
+    default two launches were faster than one launch of 128x128 tiles (261.9 vs 268.2, 2316.3 vs
+    2377.4 us). Up to 576 rows one launch of the default tiles costs what two do on the GPU
+    (qkv_speed, 576 rows: 88.7 vs 89.4 us) and one launch less on the host."""
     from cute_kernels.qkv_a2a_sm90 import config_for
 
     epilogue = proj.norm_weight is not None or rope is not None
+    one = proj.bias is not None and proj.norm_weight is not None and rope is not None
     cfg = config_for(rows, min(proj.widths), proj.head_dim, epilogue)
     if cfg.tile_m != 192 or any(w % cfg.tile_n for w in proj.widths):
-        return None, False
-    return cfg, proj.bias is not None and proj.norm_weight is not None and rope is not None
+        return None, one and rows <= ONE_LAUNCH_ROWS
+    return cfg, one
 
 
 @functools.lru_cache(maxsize=64)

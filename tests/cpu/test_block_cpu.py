@@ -180,7 +180,8 @@ def test_project_compiles_for_sm90(monkeypatch):
 
 def test_auto_tiles():
     """192-row tiles (and one launch with bias + norm + RoPE) where they pad fewer rows: Flux's
-    S_loc = 576 on 8 ranks; quack's defaults at 1024 and 4096 and for 64-wide ranks."""
+    S_loc = 576 on 8 ranks; quack's defaults at 1024 and 4096 and for 64-wide ranks, in one launch
+    with bias + norm + RoPE up to ONE_LAUNCH_ROWS rows."""
     lay = UlyssesLayout.from_shard(1, 24, 24, 8)
     h = lay.heads_loc
     full = K.QKVWeights(torch.empty(1), torch.empty(1), torch.empty(1), 8, h, h, 128, None)
@@ -189,6 +190,9 @@ def test_auto_tiles():
     assert block.auto_tiles(576, full, None) == (K.GemmConfig(192, 128, 1, 2, True), False)
     assert block.auto_tiles(1024, full, cs) == (None, False)
     assert block.auto_tiles(4096, full, cs) == (None, False)
+    assert block.auto_tiles(128, full, cs) == (None, True)
+    assert block.auto_tiles(128, full, None) == (None, False)
+    assert block.auto_tiles(block.ONE_LAUNCH_ROWS + 128, full, cs) == (None, False)
     narrow = K.QKVWeights(torch.empty(1), None, None, 8, 1, 1, 64, None)
     assert block.auto_tiles(576, narrow, None) == (None, False)
 
