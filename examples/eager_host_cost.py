@@ -16,7 +16,9 @@ time-slice it unless an MPS daemon runs (`python -m fa_a2a.mps -- ...`; the case
 "MPS"): time-sliced, their eager wall time is not a speed result, the host column is.
 Block cases ("block"): the same P and rows through the attention block with Flux-like shapes
 (C = 3072 = H * D, q/k/v bias, per-head RMSNorm, diffusers' (cos, sin) rotary; x [1, rows, C]);
-a last table prints each block case's host us/call beside the op's of the same P and rows.
+a last table prints each block case's host us/call beside the op's of the same P and rows. At P = 1
+and up to block.ONE_LAUNCH_ROWS rows the block also runs with its projection in two launches (q|k
+and v apart, config=None) beside the one launch its automatic tiles pick.
 
     python examples/eager_host_cost.py [--json OUT.json] [--calls 50]
     python -m fa_a2a.mps -- torchrun --nproc-per-node=2 examples/eager_host_cost.py
@@ -124,7 +126,7 @@ def _measure(call, n: int, n_host: int, trials: int = 5, barrier=None, graph: bo
 
 def one_process_cases(n: int) -> list[dict]:
     from fa_a2a import ulysses_attention, ulysses_attention_emulated
-    from fa_a2a.block import ulysses_qkv_attention, ulysses_qkv_attention_emulated
+    from fa_a2a.block import ONE_LAUNCH_ROWS, ulysses_qkv_attention, ulysses_qkv_attention_emulated
 
     from fa_a2a.fused import fa4_forward
 
@@ -140,6 +142,10 @@ def one_process_cases(n: int) -> list[dict]:
         rows.append(dict(case=f"P = 1 block, S = {S}", kind="block", pair=f"P = 1, S = {S}",
                          **_measure(lambda: ulysses_qkv_attention(x, proj, rotary=rot), n,
                                     min(n, 600 // BLOCK_LAUNCHES))))
+        if S <= ONE_LAUNCH_ROWS:  # the projection in one launch (auto) against q|k and v launched apart
+            rows.append(dict(case=f"P = 1 block, q|k and v apart, S = {S}",
+                             **_measure(lambda: ulysses_qkv_attention(x, proj, rotary=rot, config=None), n,
+                                        min(n, 600 // BLOCK_LAUNCHES))))
     del proj
     for P, S_loc in ((2, 128), (8, 128), (8, 576), (8, 1024), (4, 1152)):
         xs = _inputs(P, S_loc, P, 1)

@@ -582,8 +582,10 @@ def auto_tiles(rows: int, proj, rope) -> tuple:
     (H200, 2026-12-03, Flux shapes, bench_block): at S_loc = 576 the block took 118.4 us this way
     against 147.9 with the default; at 1024 and 4096 (where config_for keeps 128-row tiles) the
     default two launches were faster than one launch of 128x128 tiles (261.9 vs 268.2, 2316.3 vs
-    2377.4 us). Up to 576 rows one launch of the default tiles costs what two do on the GPU
-    (qkv_speed, 576 rows: 88.7 vs 89.4 us) and one launch less on the host."""
+    2377.4 us). Up to 576 rows one launch of the default tiles is faster (H200, 2026-12-04,
+    examples/qkv_speed.py: 43.0 vs 50.1 us at 128 rows, 38.6 vs 47.6 at 256; 88.7 vs 89.4 at 576 on
+    2026-12-03), and the eager block at P = 1, S 128 takes 75.4 us against 104.3 with two launches
+    (examples/eager_host_cost.py)."""
     from cute_kernels.qkv_a2a_sm90 import config_for
 
     epilogue = proj.norm_weight is not None or rope is not None
