@@ -82,6 +82,7 @@ columns; the two launches give v 128x192 tiles). So one_launch with config_for p
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -173,9 +174,11 @@ def launch_form(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: 
 
 
 @disk_value
-def _max_active_clusters(cluster_size: int, device_name: str, sm_count: int, capability: tuple) -> int:
+def _max_active_clusters(cluster_size: int, device_name: str, sm_count: int, capability: tuple,
+                         mps_share: Optional[str]) -> int:
     """The occupancy query the persistent scheduler takes (the DSL's), per kind of GPU (the current
-    device is of that kind), kept on disk."""
+    device is of that kind) and MPS share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), kept on disk. It sizes
+    the persistent grid only: a stale value costs speed, never correctness."""
     from cute_kernels.qkv_a2a_sm90_device import max_active_clusters
 
     return max_active_clusters(cluster_size)
@@ -187,7 +190,8 @@ def _scheduler_args(kern: _Kernel, device_index: int) -> tuple:
     props = torch.cuda.get_device_properties(device_index)
     with torch.cuda.device(device_index):
         clusters = _max_active_clusters(kern.cluster_size, props.name, props.multi_processor_count,
-                                        (props.major, props.minor))
+                                        (props.major, props.minor),
+                                        os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
     sched = list(kern.scheduler)
     sched[kern.clusters_at] = clusters
     return tuple(sched)
