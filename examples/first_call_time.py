@@ -15,8 +15,10 @@ one did), and the warm run must add no entry to the folder.
     python examples/first_call_time.py --profile  # also where a warm P = 1 first call spends its time
 
 Columns: import s, first output s (from process start), first call s, second call ms, CuTe DSL
-imported, cache entries after the run, whether the warm output equals the cold one, and the warm
-first output over the cold one. With --profile the profiles follow the table.
+imported, cache entries after the run, whether the warm output equals the cold one, the warm
+first output over the cold one, and the same after each rank's imports (first output minus
+imports: what the compile cache acts on; Python and torch's import is the floor of a warm start).
+With --profile the profiles follow the table.
 """
 
 import time
@@ -131,7 +133,8 @@ def run_case(what: str, P: int, cache: Path, work: Path, tag: str, profile: bool
         if r == 0:
             profile_text = "\n".join(ln[len("PROFILE "):] for ln in out.splitlines() if ln.startswith("PROFILE "))
     imported, first, second, first_call, dsl = (max(col) for col in zip(*results))
-    return dict(imported=imported, first=first, second=second, first_call=first_call, dsl=bool(dsl),
+    after = max(r[1] - r[0] for r in results)  # first output after the rank's own imports
+    return dict(imported=imported, first=first, second=second, first_call=first_call, dsl=bool(dsl), after=after,
                 profile=profile_text,
                 entries=len(list(cache.rglob("*.o"))), out=work / f"out-{what}-{P}-{tag}-0.pt")
 
@@ -142,7 +145,8 @@ def main(profile: bool) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("needs an SM90 GPU (compute capability 9.0)")
     print(f"{'case':<14}{'cache':<7}{'import s':>9}{'first output s':>16}{'first call s':>14}"
-          f"{'second call ms':>16}{'CuTe DSL':>10}{'entries':>9}{'same output':>13}{'warm/cold':>11}")
+          f"{'second call ms':>16}{'CuTe DSL':>10}{'entries':>9}{'same output':>13}{'warm/cold':>11}"
+          f"{'after imports w/c':>19}")
     profiles = []
     with tempfile.TemporaryDirectory() as tmp:
         for what, P in CASES:
@@ -153,9 +157,10 @@ def main(profile: bool) -> None:
             for tag, res in (("cold", cold), ("warm", warm)):
                 flag = "" if tag == "cold" else ("yes" if same else "NO")
                 ratio = "" if tag == "cold" else f"{warm['first'] / cold['first']:.2f}"
+                after = "" if tag == "cold" else f"{warm['after'] / cold['after']:.3f}"
                 print(f"{what + ' P=' + str(P):<14}{tag:<7}{res['imported']:>9.2f}{res['first']:>16.2f}"
                       f"{res['first_call']:>14.2f}{res['second']:>16.2f}{'yes' if res['dsl'] else 'no':>10}"
-                      f"{res['entries']:>9}{flag:>13}{ratio:>11}", flush=True)
+                      f"{res['entries']:>9}{flag:>13}{ratio:>11}{after:>19}", flush=True)
             if warm["profile"]:
                 profiles.append(f"first call of {what} P={P}, warm cache, rank 0 (cProfile, cumulative):\n"
                                 f"{warm['profile']}")
