@@ -585,11 +585,14 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
                     "sel": values["sel"]}
         epi, tables = [], []
         for at, field in enumerate(kern.fields):
-            if field is not None and field[0] in _ROPE_FIELDS:
+            if field is None:
+                epi.append(None)
+            elif field[0] in _ROPE_FIELDS:  # the call's, put in at launch
                 tables.append((at, _ROPE_FIELDS[field[0]]))
-                field = None
-            value = None if field is None else operands[field[0]]
-            epi.append(value.unsqueeze(0) if field is not None and field[1] else value)
+                epi.append(None)
+            else:
+                name, as_row = field
+                epi.append(operands[name].unsqueeze(0) if as_row else operands[name])
         args = cache[key] = (proj.weight[lo:hi].unsqueeze(0), tuple(epi), tuple(tables))
     return args
 

@@ -242,7 +242,6 @@ def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel
     return {name: by_name[name] for name in mod.operand_names}
 
 
-
 # ---- compile and launch form ---------------------------------------------------------------------
 def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: Optional[str], one_launch: bool,
                   l, m, n, k) -> tuple:

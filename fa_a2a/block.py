@@ -65,7 +65,6 @@ __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_at
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
 
 
-
 # ---- the torch chain: the unfused projection (fallback, baseline, reference) ----------------------
 @dataclasses.dataclass(frozen=True)
 class TorchQKV:
@@ -197,8 +196,6 @@ class _RopeTable:
             self._key, self._views = key, [cos[:, 0::2], sin[:, 0::2]]
         torch.stack(self._views, dim=-1, out=self._out)
         return self.table
-
-
 
 
 def _tma_table(t: torch.Tensor) -> torch.Tensor:
