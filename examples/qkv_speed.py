@@ -14,8 +14,14 @@ graph and timed by graph replays (graphs.time_graphs, medians over trials):
 W alone (57 MB) exceeds the 50 MB L2, so one input set is used. Optional extra tile
 configurations (--configs) are timed for fused/plain at every shape.
 
+--dest host puts the P windows in pinned host memory (the one-GPU proxy of a slow peer: the
+epilogue's stores reach them over PCIe; issue 24's question whether the pre-A2A's stores, 3/4 of
+the traffic, queue on a slow link as FA4's O bursts did). Then also timed: copy (the windows'
+bytes alone, the link's time) and plain-nr+copy (the unfused chain of fused-nr), and printed per
+S_loc the hiding H = 1 - (fused - plain) / (plain+copy - plain) of the projection's stores.
+
     python examples/qkv_speed.py [--seqlens 576 1024 4096] [--configs 192x128c1x2] [--out DIR]
-        [--start-after FILE]   compile and warm up, then wait for FILE before timing
+        [--dest hbm|host] [--start-after FILE]   compile and warm up, then wait for FILE before timing
 """
 
 import argparse
@@ -40,6 +46,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_block_shape_args(ap)
     ap.add_argument("--configs", type=tile_config, nargs="*", default=[tile_config("192x128c1x2"), tile_config("128x128c2x1")])
+    ap.add_argument("--dest", choices=("hbm", "host"), default="hbm",
+                    help="where the P rank windows live: this GPU's memory, or pinned host memory (a slow link)")
     ap.add_argument("--start-after", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -57,11 +65,23 @@ from cute_kernels import qkv_a2a_sm90 as K  # noqa: E402
 from graphs import median, time_graphs  # noqa: E402
 
 
-def windows_for(P, S_loc, heads, D, dtype):
-    """The op's in-window layout: per window q | k | v contiguous, P windows at one stride."""
+_PINNED = []  # host memory behind --dest host windows: alive as long as the process
+
+
+def windows_for(P, S_loc, heads, D, dtype, dest="hbm"):
+    """The op's in-window layout: per window q | k | v contiguous, P windows at one stride; in HBM,
+    or in pinned host memory the GPU stores into over PCIe (dest="host")."""
     N = P * S_loc
     per = N * heads * D
-    mem = torch.zeros(P, 3 * per, dtype=dtype, device="cuda")
+    if dest == "host":
+        from ulysses.transport import tensor_from_address
+
+        nbytes = P * 3 * per * torch.empty(0, dtype=dtype).element_size()
+        _PINNED.append(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        mem = tensor_from_address(_PINNED[-1].data_ptr(), nbytes, dev).view(dtype).view(P, 3 * per)
+    else:
+        mem = torch.zeros(P, 3 * per, dtype=dtype, device="cuda")
     return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]
 
 
@@ -86,7 +106,7 @@ def main(args):
         pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda", dtype=torch.float32)
         ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda") / (D // 2))[None]
         cs = K.interleaved_cos_sin(ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
-        win = windows_for(P, S_loc, H // P, D, dtype)
+        win = windows_for(P, S_loc, H // P, D, dtype, args.dest)
         y = torch.empty(1, S_loc, 3 * H * D, dtype=dtype, device="cuda")
         row0 = rank * S_loc
         view = K.rank_window_view(win, row0, 0, S_loc)
@@ -105,6 +125,9 @@ def main(args):
             methods["plain-nr1" + tag] = lambda cfg=cfg: K.qkv_projection_plain(
                 x, norm_w, y, rope_cs=cs, config=cfg, one_launch=True)
         methods["plain+copy"] = lambda: (K.qkv_projection_plain(x, plain_w, y), view.copy_(y5))
+        if args.dest == "host":
+            methods["copy"] = lambda: view.copy_(y5)
+            methods["plain-nr+copy"] = lambda: (K.qkv_projection_plain(x, norm_w, y, rope_cs=cs), view.copy_(y5))
         methods["matmul"] = lambda: torch.matmul(x, weight_t)
         methods["linear"] = lambda: torch.nn.functional.linear(x, plain_w.weight, plain_w.bias)
         return methods
@@ -138,8 +161,20 @@ def main(args):
         print(f"S_loc={S_loc}: " + ", ".join(f"{n} {t:.1f}" for n, t in med.items()), flush=True)
 
     card = torch.cuda.get_device_name()
-    print(f"\n{card}, bf16, C={C}, N={3 * H * D}, H={H}, D={D}, emulated P={P} (rank {rank}), "
-          f"CUDA-graph replay medians (us) of {args.calls} calls, {args.trials} trials")
+    print(f"\n{card}, bf16, C={C}, N={3 * H * D}, H={H}, D={D}, emulated P={P} (rank {rank}), windows in "
+          f"{args.dest}, CUDA-graph replay medians (us) of {args.calls} calls, {args.trials} trials")
+    if args.dest == "host":
+        print("\nthe projection's stores over the slow link: H = 1 - (fused - plain) / (plain+copy - plain)")
+        print("| S_loc | plain | copy | plain+copy | fused | H | plain-nr | plain-nr+copy | fused-nr | H nr |")
+        print("|---" * 10 + "|")
+        for row in rows:
+            m = row["median_us"]
+            get = lambda k: m.get(k, float("nan"))  # noqa: E731
+            hide = lambda f, p, s: 1 - (f - p) / (s - p)  # noqa: E731
+            print(f"| {row['S_loc']} | {get('plain'):.1f} | {get('copy'):.1f} | {get('plain+copy'):.1f} "
+                  f"| {get('fused'):.1f} | {hide(get('fused'), get('plain'), get('plain+copy')):.0%} "
+                  f"| {get('plain-nr'):.1f} | {get('plain-nr+copy'):.1f} | {get('fused-nr'):.1f} "
+                  f"| {hide(get('fused-nr'), get('plain-nr'), get('plain-nr+copy')):.0%} |")
     for name in configs:
         tag = "" if name == "default" else f"@{name}"
         print(f"\nconfig {name}")
@@ -159,7 +194,8 @@ def main(args):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "qkv_speed.json"), "w") as fh:
-            json.dump(dict(card=card, P=P, H=H, D=D, C=C, configs=list(configs), rows=rows), fh, indent=1)
+            json.dump(dict(card=card, P=P, H=H, D=D, C=C, dest=args.dest, configs=list(configs), rows=rows), fh,
+                      indent=1)
 
 
 if __name__ == "__main__":

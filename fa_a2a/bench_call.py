@@ -6,6 +6,9 @@ Two ranks on one GPU cannot use NCCL ("Duplicate GPU detected"): the process gro
 only and the NCCL call is skipped with that reason. Per M (the full sequence S), every rank times:
 
   fa4_local  fa4_forward on the rank's own [B, S, H/P, D] problem: the call if communication were free
+  fa4_aligned  the same behind the transport's in-stream barrier every call: FA4-local with the ranks
+             lined up as the call lines them up (on one GPU under MPS the free-running FA4-local of
+             the ranks interleave and fill each other's tails; a call's barriers align them)
   pre_a2a    the pre-A2A kernel alone (the first step of forward._rank_call)
   serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, copy
   fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
@@ -28,7 +31,8 @@ eager time of every method is measured too (host launch cost shows as eager > gr
 
 Ratios: fused / (fa4_local + pre_a2a) (target <= 1.03: the fused call should cost what its
 attention and pre-A2A kernel cost alone), block / (qkv_gemm + fa4_local) (targets <= 1.10 at
-S 4608, <= 1.05 at 16384), serial / fused, nccl / fused; and the hiding of the fused calls,
+S 4608, <= 1.05 at 16384), the same two over fa4_aligned (what the call adds beyond the alignment
+of the ranks), serial / fused, nccl / fused; and the hiding of the fused calls,
 H = 1 - (call - fa4_local) / (serial - fa4_local): the share of what the serial call spends beyond
 FA4-local that the call hides (over the host transport, FA_A2A_TRANSPORT=host: the slow link), and
 the same beyond FA4-local + pre-A2A: the share of the post-A2A hidden (the part the fused epilogue
@@ -73,6 +77,7 @@ class CallMethod:
 
 CALL_METHODS = (
     CallMethod("fa4_local", "FA4-local", "fa4_forward on the rank's own [B, S, H/P, D] problem"),
+    CallMethod("fa4_aligned", "FA4-aligned", "fa4_forward as FA4-local, behind the transport's in-stream barrier"),
     CallMethod("pre_a2a", "pre-A2A", "the pre-A2A kernel alone (forward._rank_call's first step)"),
     CallMethod("serial", "serial call", "ulysses_attention(impl='serial')"),
     CallMethod("fused", "fused call", "ulysses_attention(impl='fused'), pace='auto'"),
@@ -87,6 +92,8 @@ CALL_BY_KEY = {m.key: m for m in CALL_METHODS}
 RATIOS = (
     ("call_over_local", "fused", ("fa4_local", "pre_a2a")),
     ("call_over_fa4", "fused", ("fa4_local",)),
+    ("call_over_aligned", "fused", ("fa4_aligned", "pre_a2a")),
+    ("block_over_aligned", "block", ("qkv_gemm", "fa4_aligned")),
     ("serial_over_fused", "serial", ("fused",)),
     ("nccl_over_fused", "nccl", ("fused",)),
     ("block_over_local", "block", ("qkv_gemm", "fa4_local")),
@@ -229,7 +236,8 @@ def format_call_table(points: Sequence[dict]) -> str:
     the methods that ran nowhere are named under it with the reason."""
     shown = [m for m in CALL_METHODS if any(m.key in p["median_us"] for p in points)]
     head = (["M", "S_loc"] + [m.label + " (us)" for m in shown]
-            + ["fused/(FA4+pre)", "paired", "target", "block/(GEMM+FA4)", "paired", "target", "serial/fused",
+            + ["fused/(FA4+pre)", "paired", "target", "block/(GEMM+FA4)", "paired", "target",
+               "fused/(FA4-aligned+pre) paired", "block/(GEMM+FA4-aligned) paired", "serial/fused",
                "NCCL/fused", "hidden: fused", "hidden: unpaced", "post-A2A hidden: fused", "unpaced"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
@@ -239,6 +247,8 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _target_cell(r.get("call_over_local_paired"), t["call_over_local"]),
                   _cell(r.get("block_over_local"), "{:.3f}"), _cell(r.get("block_over_local_paired"), "{:.3f}"),
                   _target_cell(r.get("block_over_local_paired"), t["block_over_local"]),
+                  _cell(r.get("call_over_aligned_paired"), "{:.3f}"),
+                  _cell(r.get("block_over_aligned_paired"), "{:.3f}"),
                   _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}"),
                   _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_fused_paired"), "{:.0%}"),
@@ -388,13 +398,26 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
 
     problem, _ = check_call(q, k, v, None, "fused", causal, None, None, P, None, rank, pace="auto")
     calls, steps, plan = {}, None, None
+    built = {}
+
+    def once(name, make):  # FA4-local's inputs and the rank call serve two methods each
+        if name not in built:
+            built[name] = make()
+        return built[name]
+
+    def local_fa4():
+        ql, kl, vl = (randn(B, M, H_loc, D) for _ in range(3))
+        o = torch.empty_like(ql)
+        return lambda: fa4_forward(ql, kl, vl, out=o, causal=causal)
+
     for key in keys:
         if key == "fa4_local":
-            ql, kl, vl = (randn(B, M, H_loc, D) for _ in range(3))
-            o = torch.empty_like(ql)
-            calls[key] = lambda: fa4_forward(ql, kl, vl, out=o, causal=causal)
+            calls[key] = once("fa4", local_fa4)
+        elif key == "fa4_aligned":
+            barrier, fa4 = once("rank", lambda: _rank_call(problem, group, rank))[0].barrier, once("fa4", local_fa4)
+            calls[key] = lambda: (barrier(), fa4())
         elif key == "pre_a2a":
-            transport, plan, pre, attend = _rank_call(problem, group, rank)
+            transport, plan, pre, attend = once("rank", lambda: _rank_call(problem, group, rank))
             steps = (lambda: pre(q, k, v, None), transport.barrier, attend, transport.barrier,
                      lambda: plan.finish(rank, S_loc))
             calls[key] = steps[0]

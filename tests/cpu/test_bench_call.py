@@ -117,7 +117,7 @@ def test_nccl_is_skipped_with_the_reason_when_ranks_share_a_gpu():
     assert not bc.ranks_share_gpu(2, 2) and not bc.ranks_share_gpu(4, 8)
     keys, status = bc.select_methods(shared_gpu=True)
     assert "nccl" not in keys and "Duplicate GPU detected" in status["nccl"] and status["nccl"].startswith("skipped")
-    assert keys == ("fa4_local", "pre_a2a", "serial", "fused", "fused_unpaced", "qkv_gemm", "block")
+    assert keys == ("fa4_local", "fa4_aligned", "pre_a2a", "serial", "fused", "fused_unpaced", "qkv_gemm", "block")
     keys, status = bc.select_methods(shared_gpu=False)
     assert keys == tuple(m.key for m in bc.CALL_METHODS) and status == {}
 
@@ -135,6 +135,10 @@ def test_ratios_medians_and_paired():
     assert r["block_over_local"] == pytest.approx(1400 / 1300) and r["serial_over_fused"] == pytest.approx(1150 / 1071)
     assert r["nccl_over_fused"] is None and r["nccl_over_fused_paired"] is None
     assert bc.ratios({})["call_over_local"] is None
+    aligned = bc.ratios({**med, "fa4_aligned": 1020.0}, {**raw, "fa4_aligned": [1020.0, 920.0, 1120.0]})
+    assert aligned["call_over_aligned"] == pytest.approx(1071 / 1070)
+    assert aligned["block_over_aligned_paired"] == pytest.approx(1400 / 1320)  # per trial 1400/1320, /1220, /1420
+    assert r["call_over_aligned"] is None  # no fa4_aligned: no ratio
     with pytest.raises(ValueError, match="^raw: expected the same number of trials"):
         bc.ratios(med, {**raw, "pre_a2a": [50.0]})
 
