@@ -39,7 +39,8 @@ the same beyond FA4-local + pre-A2A: the share of the post-A2A hidden (the part 
 moves; the pre-A2A is in both calls).
 
 Breakdown of the fused call (eager, the steps of forward._rank_call with CUDA events between them,
-on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery copy, and host = the
+on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery (the output left in
+its out-slot, or the copy out of the staging window: fa_a2a.forward), and host = the
 GPU idle from the end of one call to the start of the next (the host had not launched it yet:
 wall time minus GPU time). Their sum over the eager fused call's time is the coverage (>= 90%
 expected: otherwise the public call does work the steps do not show). `launch` is the host time
@@ -104,10 +105,10 @@ RATIOS = (
 HIDING = (("hiding_fused", "fused", ("fa4_local",)), ("hiding_unpaced", "fused_unpaced", ("fa4_local",)),
           ("hiding_post_fused", "fused", ("fa4_local", "pre_a2a")),
           ("hiding_post_unpaced", "fused_unpaced", ("fa4_local", "pre_a2a")))
-STEPS = ("pre", "wait1", "attend", "wait2", "copy")  # the fused call's steps, in order
+STEPS = ("pre", "wait1", "attend", "wait2", "deliver")  # the fused call's steps, in order
 PHASES = STEPS + ("host",)
 PHASE_LABELS = {"pre": "pre-A2A", "wait1": "barrier 1 wait", "attend": "attention", "wait2": "barrier 2 wait",
-                "copy": "delivery copy", "host": "host (GPU idle)"}
+                "deliver": "delivery", "host": "host (GPU idle)"}
 
 
 # ------------------------------------------------------------------------------ pure parts
@@ -418,8 +419,14 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             calls[key] = lambda: (barrier(), fa4())
         elif key == "pre_a2a":
             transport, plan, pre, attend = once("rank", lambda: _rank_call(problem, group, rank))
-            steps = (lambda: pre(q, k, v, None), transport.barrier, attend, transport.barrier,
-                     lambda: plan.finish(rank, S_loc))
+            slot = [0]  # WindowPlan.complete's steps, the out-slot chosen with barrier 1
+
+            def choose_and_barrier():
+                slot[0] = plan.choose_slot()
+                transport.barrier()
+
+            steps = (lambda: pre(q, k, v, None), choose_and_barrier, lambda: attend(slot[0]), transport.barrier,
+                     lambda: plan.finish(rank, S_loc, slot=slot[0]))
             calls[key] = steps[0]
         elif key in ("serial", "fused", "nccl"):
             calls[key] = lambda impl=key: ulysses_attention(q, k, v, group=group, impl=impl, causal=causal)
@@ -529,9 +536,11 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
                            "transport": type(plan.transport).__name__}
         log(f"M={M}: {point['pacing']['transport']}, pace='auto': {plan.pacing.reason}")
     est, failed = {}, torch.zeros(len(keys))
+    held = []  # each method's first output, kept until every method ran: each call then leaves its own
+    # out-slot allocated (fa_a2a.forward's delivery), one for each method's CUDA graph to own
     for j, key in enumerate(keys):  # first calls (compiles) in one order on every rank, then one timed call
         try:
-            calls[key]()
+            held.append(calls[key]())
             torch.cuda.synchronize()
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
@@ -542,6 +551,7 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
         except Exception as e:  # reported in the table; the other ranks drop the method too
             status[key] = f"skipped ({_first_line(e)})"
             failed[j] = 1
+    del held
     failed = rank_max(failed, group)
     names = [k for j, k in enumerate(keys) if failed[j] == 0]
     for j, key in enumerate(keys):

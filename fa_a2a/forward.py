@@ -4,8 +4,8 @@ impl (one rank r of P; rows and heads as in ulysses/layout.py):
   "fused"      pre-A2A kernel (q, k, v in one launch, 16-byte peer stores) -> barrier ->
                fa_a2a.fused.fa4_a2a_forward (FA4 whose epilogue stores O tiles into the peers'
                output windows; paced where the call's pace decides so, fa_a2a.pacing) -> barrier
-               -> copy of this rank's window into the output.
-  "serial"     pre-A2A -> barrier -> fa4_forward -> post-A2A kernel -> barrier -> copy.
+               -> the output: this rank's window itself, or a copy of it (delivery, below).
+  "serial"     pre-A2A -> barrier -> fa4_forward -> post-A2A kernel -> barrier -> delivery.
   "nccl"       permute + torch.distributed.all_to_all_single around the local attention: the
                baseline users run today (yunchang, xDiT, DeepSpeed-Ulysses).
   "reference"  the same pipeline with the fp32 reference attention (any device).
@@ -16,10 +16,27 @@ Joint (text) tokens: the joint query rows go through fa4_forward (they are not s
 holds all of them) and their outputs are all-gathered over heads by the PostA2A kernel in
 broadcast mode, inside the same barrier.
 Output rows >= seq_len (padding of an uneven S) are zero in every impl.
+
+Delivery (real ranks): the call's output stays in the out-window its O tiles were stored into, with
+no copy, when every rank has a free one. Besides the staging window each (layout's) out shape has
+up to OUT_SLOTS more (FA_A2A_OUT_SLOTS, 0-16), each allocated when first chosen (by an eager call: a
+capture uses only allocated slots). Slot j is free on a rank when no output lent out of it
+(Transport.lend: a tensor of its own storage) is alive there and no other CUDA graph owns it (a
+graph owns every slot its capture chose: its replays store into it).
+Every call the ranks exchange one word each, the mask of their free slots, through the group's host
+channel (ulysses.channel; this runs on every rank whatever its own rows or `out=`, so the ranks
+always meet), and all take the lowest slot free on every rank: there the output is returned as it
+is (when it is contiguous: no padding heads); with none, the staging window is copied out. An output
+must be used on the stream of the call (as a caching-allocator block: the next call's peers store
+into its slot once this rank has passed that call's first barrier, which is ordered after this
+stream's work). Emulated ranks always copy.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+import os
 from typing import Optional
 
 import torch
@@ -28,7 +45,42 @@ from ulysses.reference import local_attention as reference_attention
 
 from .problem import Problem
 
-__all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan"]
+__all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan",
+           "OUT_SLOTS", "common_slot"]
+
+OUT_SLOTS = 8  # out-windows an output may stay in, besides the staging window (FA_A2A_OUT_SLOTS overrides)
+MAX_OUT_SLOTS = 16
+
+
+def out_slots_setting(env=None) -> int:
+    """FA_A2A_OUT_SLOTS as an int in [0, MAX_OUT_SLOTS] (default OUT_SLOTS; 0: always copy out)."""
+    text = (os.environ if env is None else env).get("FA_A2A_OUT_SLOTS", str(OUT_SLOTS))
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_OUT_SLOTS:
+        raise ValueError(f"FA_A2A_OUT_SLOTS: expected an int in [0, {MAX_OUT_SLOTS}], got {text!r}")
+    return n
+
+
+def common_slot(masks) -> int:
+    """The out-window every rank can use: the lowest bit set in every rank's mask (bit j: slot j
+    free on that rank; bit 0 is never set), or 0 (the staging window, copied out)."""
+    both = functools.reduce(operator.and_, masks)
+    return (both & -both).bit_length() - 1 if both > 0 else 0
+
+
+def _capture_id() -> Optional[int]:
+    """The id of the CUDA-graph capture running on the current stream, or None when not capturing."""
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    from cuda.bindings import driver
+
+    res = driver.cuStreamGetCaptureInfo(driver.CUstream(torch.cuda.current_stream().cuda_stream))
+    if res[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamGetCaptureInfo: {res[0]}")
+    return int(res[2])
 
 
 def contiguous16(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +156,17 @@ class WindowPlan:
     def __init__(self, transport, layout, B: int, D: int, dtype: torch.dtype):
         self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
         self.dq, self.dk, self.dv = in_windows(lambda n: transport.windows("ulysses.in", (n,), dtype), layout, B, D)
-        self.out_w = transport.windows("ulysses.out", (B, layout.seq_loc, layout.heads_pad, D), dtype)
+        self.out_shape = (B, layout.seq_loc, layout.heads_pad, D)
+        self.out_w = transport.windows("ulysses.out", self.out_shape, dtype)
+        # real ranks exchange their free out-slots every call (emulated ranks have no group: no exchange)
+        group = getattr(transport, "group", None)
+        self._slot_channel = None
+        if group is not None:
+            from ulysses.channel import get_channel
+
+            self._slot_channel = get_channel(group)
+        self.out_slots = out_slots_setting() if group is not None and transport.lends_outputs else 0
+        self._slot_address: dict = {}  # slot -> this rank's window address, once allocated
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)
         self.q_map, self.kv_map = head_maps(layout, transport.device)
@@ -186,6 +248,20 @@ class WindowPlan:
         return pre
 
     def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace):
+        pacer = self.pacer(rank, causal, pace) if impl == "fused" else None
+        per_slot = {0: self._attend_steps(rank, impl, causal, scale, pacer, self.out_w)}
+
+        def attend(slot: int = 0) -> None:
+            """Launch into out-slot `slot` (complete's choice; 0: the staging window)."""
+            steps = per_slot.get(slot)
+            if steps is None:
+                steps = per_slot[slot] = self._attend_steps(rank, impl, causal, scale, pacer, self.slot_window(slot))
+            for step in steps:
+                step()
+
+        return attend
+
+    def _attend_steps(self, rank: int, impl: str, causal: bool, scale: float, pacer, out_w) -> list:
         from cute_kernels.a2a import post_a2a_launcher
         from fa_a2a.fused import fa4_a2a_launcher, fa4_launcher
 
@@ -194,9 +270,8 @@ class WindowPlan:
         seqused = None if causal else self.seqused
         steps = []
         if impl == "fused":
-            steps.append(fa4_a2a_launcher(q[:, :lay.seq_pad], k, v, self.out_w, rank, causal=causal,
-                                          softmax_scale=scale, seqused_k=seqused,
-                                          pacer=self.pacer(rank, causal, pace)))
+            steps.append(fa4_a2a_launcher(q[:, :lay.seq_pad], k, v, out_w, rank, causal=causal,
+                                          softmax_scale=scale, seqused_k=seqused, pacer=pacer))
             if lay.joint_len:
                 jo = self.scratch("joint", rank, lay.joint_len)
                 steps.append(fa4_launcher(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale,
@@ -205,15 +280,44 @@ class WindowPlan:
         else:  # serial
             o = self.scratch("out", rank, lay.num_rows)
             steps.append(fa4_launcher(q, k, v, o, causal=causal, softmax_scale=scale, seqused_k=seqused))
-            steps.append(post_a2a_launcher(o[:, :lay.seq_pad], self.out_w, rank))
+            steps.append(post_a2a_launcher(o[:, :lay.seq_pad], out_w, rank))
             if lay.joint_len:
                 steps.append(post_a2a_launcher(o[:, lay.seq_pad:], self.jout_w, rank, broadcast=True))
+        return steps
 
-        def attend() -> None:
-            for step in steps:
-                step()
+    # ---- delivery: which out-window a call's output stays in (module docstring) ----------------------
+    def slot_window(self, slot: int) -> torch.Tensor:
+        """The [P, B, S_loc, H_pad, D] out-windows of slot `slot` (0: staging); a new slot is
+        allocated here (collective: every rank chose it at the same call)."""
+        if slot == 0:
+            return self.out_w
+        return self.transport.windows(f"ulysses.out.{slot}", self.out_shape, self.dtype)
 
-        return attend
+    def free_slots(self, capture: Optional[int]) -> int:
+        """This rank's mask of free out-slots (bit j: slot j). capture: the id of the CUDA-graph
+        capture this call is part of (None: eager), which may use only allocated slots."""
+        t, mask = self.transport, 0
+        for j in range(1, self.out_slots + 1):
+            a = self._slot_address.get(j)
+            if a is None:
+                w = t.allocated(f"ulysses.out.{j}", self.out_shape, self.dtype)
+                if w is None:
+                    mask |= (capture is None) << j  # allocated when chosen, never during a capture
+                    continue
+                a = self._slot_address[j] = w[t.local_ranks[0]].data_ptr()  # a window stays where it is
+            if t.captured.get(a, capture) == capture and not t.lent(a):
+                mask |= 1 << j
+        return mask
+
+    def choose_slot(self) -> int:
+        """This call's out-slot, agreed with every rank (the module docstring); 0 with emulated ranks."""
+        if self._slot_channel is None:
+            return 0
+        capture = _capture_id() if self.transport.device.type == "cuda" else None
+        slot = common_slot(self._slot_channel.exchange(self.free_slots(capture)))
+        if slot and capture is not None:  # that graph's replays store into the slot: it owns it
+            self.transport.captured[self._slot_address[slot]] = capture
+        return slot
 
     def pre(self, rank: int, q, k, v, joint) -> None:
         self.pre_launch(rank)(q, k, v, joint)
@@ -223,23 +327,27 @@ class WindowPlan:
 
     def complete(self, rank: int, rows: int, attend, out=None, joint_out=None):
         """The rest of rank's call once its pre-A2A is launched (the op's pre-A2A kernel, the block's
-        projection): barrier (every rank's q/k/v rows are in the in-windows) -> attend -> barrier
-        (every O tile is in its owner's out-window) -> finish."""
+        projection): the out-slot (choose_slot) -> barrier (every rank's q/k/v rows are in the
+        in-windows) -> attend -> barrier (every O tile is in its owner's out-window) -> finish."""
+        slot = self.choose_slot()
         self.transport.barrier()
-        attend()
+        attend(slot)
         self.transport.barrier()
-        return self.finish(rank, rows, out, joint_out)
+        return self.finish(rank, rows, out, joint_out, slot)
 
-    def finish(self, rank: int, rows: int, out=None, joint_out=None):
-        """This rank's outputs, copied out of its windows (into out / joint_out when given)."""
-        key = (rank, rows)
+    def finish(self, rank: int, rows: int, out=None, joint_out=None, slot: int = 0):
+        """This rank's outputs: lent out of out-slot `slot` as they are where it is not the staging
+        window and they are contiguous, else copied out (into out / joint_out when given; the joint
+        output is always copied)."""
+        key = (rank, rows, slot)
         if key not in self._results:  # views of rank's windows without the padding heads
             H = self.layout.num_heads
-            self._results[key] = (self.out_w[rank][:, :rows, :H],
+            self._results[key] = (self.slot_window(slot)[rank][:, :rows, :H],
                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
         o, jo = self._results[key]
-        if out is None:  # the windows are reused by the next call: copy out of them
-            o = o.clone(memory_format=torch.contiguous_format)
+        if out is None:
+            # the staging window (and the joint window) are reused by the next call: copy out of them
+            o = self.transport.lend(o) if slot and o.is_contiguous() else o.clone(memory_format=torch.contiguous_format)
             jo = None if jo is None else jo.clone(memory_format=torch.contiguous_format)
         return _deliver(self.layout, rank, (o, jo), rows, out, joint_out)
 

@@ -102,5 +102,6 @@ class SymmetricMemoryTransport(Transport):
         return tensor_from_address(bases[0], span, self.device), window_bytes
 
     def close(self) -> None:
+        self._keep_if_lent(list(self._buffers))
         super().close()
         self._buffers.clear()

@@ -69,6 +69,7 @@ call make reuse across calls safe.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -96,6 +97,8 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_SETUP_TIMEOUT_S = 300.0
+# the memory of transports closed while tensors lent out of their windows lived: kept until the process exits
+_KEPT: list = []
 
 
 class BarrierTimeoutError(RuntimeError):
@@ -168,6 +171,9 @@ class Transport:
     local_ranks: Sequence[int]
     #: ranks of the group whose kernels run at once on this rank's GPU (1: emulated ranks run in turn)
     ranks_per_gpu: int = 1
+    #: whether a call's output may stay in its window (fa_a2a.forward's delivery): not where the
+    #: windows are host memory, which every later read would cross PCIe for
+    lends_outputs: bool = True
 
     def __init__(self, world_size: int, device: torch.device, local_ranks: Sequence[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S, setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
@@ -182,6 +188,8 @@ class Transport:
         self.local_ranks = tuple(local_ranks)
         self._windows: dict = {}
         self._ptr_tables: dict = {}
+        self._lent: dict = {}  # address -> StorageWeakRef of the tensor lent at it (lend)
+        self.captured: dict = {}  # window address -> id of the CUDA-graph capture that owns it
         self.closed = False
         self._failure: Optional[Exception] = None  # set once; every later call raises it
         self._barrier_launch = None  # the barrier kernel's launch, prepared at the first barrier()
@@ -248,9 +256,49 @@ class Transport:
             self._windows[key] = _windows_view(flat, self.world_size, window_bytes, shape, dtype)
         return self._windows[key]
 
+    def allocated(self, name: str, shape: tuple, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The windows() tensor of (name, shape: a tuple of ints, dtype) if it is allocated, else
+        None (no collective)."""
+        return self._windows.get((name, shape, dtype))
+
     def allocated_windows(self) -> list[torch.Tensor]:
         """Every windows() tensor allocated so far ([P, *shape] each), the signal pad excluded."""
         return [w for (name, _, _), w in self._windows.items() if name != "__signal__"]
+
+    # ---- tensors lent out of windows (zero-copy delivery, fa_a2a.forward) ------------------------
+    def lend(self, view: torch.Tensor) -> torch.Tensor:
+        """A contiguous view into one of the windows as a tensor of its own storage, for the caller
+        to hand out; lent(view.data_ptr()) then says whether it (or any view of it) is alive. The
+        transport keeps its memory past close() while one is (with a warning)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        if not view.is_contiguous():
+            raise ValueError(f"view: expected a contiguous view into a window, got strides {view.stride()}")
+        nbytes = view.numel() * view.element_size()
+        t = tensor_from_address(view.data_ptr(), nbytes, view.device).view(view.dtype).view(view.shape)
+        self._lent[view.data_ptr()] = StorageWeakRef(t.untyped_storage())
+        return t
+
+    def lent(self, address: int) -> bool:
+        """Whether the tensor lent at `address` is alive."""
+        ref = self._lent.get(address)
+        if ref is None:
+            return False
+        if ref.expired():
+            del self._lent[address]
+            return False
+        return True
+
+    def _keep_if_lent(self, memory) -> bool:
+        """At close: keep `memory` (what backs the windows) until the process exits when a lent
+        tensor is alive, and say so. Returns whether it was kept."""
+        alive = sum(self.lent(a) for a in list(self._lent))
+        if alive:
+            _KEPT.append(memory)
+            logging.getLogger("fa_a2a").warning(
+                "closing a transport while %d output tensor(s) still live in its windows: its window memory "
+                "stays allocated until the process exits", alive)
+        return bool(alive)
 
     def pointer_table(self, windows: torch.Tensor) -> torch.Tensor:
         """int64 [P] device tensor of the window base addresses of a windows() tensor."""

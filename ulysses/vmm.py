@@ -421,8 +421,17 @@ class VmmTransport(Transport):
                 self.host_barrier()
             except Exception:
                 pass
+        if self._keep_if_lent(self._memory()):
+            self._detach_memory()  # stays mapped (Transport.lend); the bootstrap still closes
         super().close()
         self._release_all()
+
+    def _memory(self) -> list:
+        """What _release_all releases of the windows' memory."""
+        return list(self._mappings)
+
+    def _detach_memory(self) -> None:
+        self._mappings.clear()
 
 # ---- pinned host memory shared by the rank processes ------------------------------------------------
 _PROT_NONE, _PROT_RW = 0, 0x1 | 0x2  # Linux mmap constants (x86-64 and AArch64)
@@ -486,6 +495,7 @@ class HostTransport(VmmTransport):
     Measured (one H200 under MPS, 2026-12-03): see fa_a2a.pacing and notes/measurements.md."""
 
     HOST_WINDOWS = ("ulysses.out:", "ulysses.joint_out:", "fa_a2a.pacing.link:")  # name prefixes
+    lends_outputs = False  # an output left in host memory would be read over PCIe by every consumer
 
     def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):
@@ -539,6 +549,13 @@ class HostTransport(VmmTransport):
                     os.close(f)  # the mappings keep the files alive
         self._host_mappings.append((base, P * W, dptr))
         return flat, W
+
+    def _memory(self) -> list:
+        return super()._memory() + list(self._host_mappings)
+
+    def _detach_memory(self) -> None:
+        super()._detach_memory()
+        self._host_mappings.clear()
 
     def _release_all(self) -> None:
         first = None

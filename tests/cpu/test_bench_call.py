@@ -148,7 +148,7 @@ def test_phases_from_stamps():
     first = [0, 10, 12, 112, 115, 120]
     second = [t + 124 for t in first]
     ph = bc.phases_from_stamps([first, second])
-    assert ph == {"pre": [10, 10], "wait1": [2, 2], "attend": [100, 100], "wait2": [3, 3], "copy": [5, 5],
+    assert ph == {"pre": [10, 10], "wait1": [2, 2], "attend": [100, 100], "wait2": [3, 3], "deliver": [5, 5],
                   "host": [4]}
     with pytest.raises(ValueError, match="^stamps: expected at least 2 calls"):
         bc.phases_from_stamps([first])

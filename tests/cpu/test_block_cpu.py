@@ -362,9 +362,12 @@ class _FakePlan:
                                              device, dtype)
 
     def attend_launch(self, rank, impl, causal, scale, pace):
-        return lambda: setattr(self, "attends", self.attends + 1)
+        return lambda slot=0: setattr(self, "attends", self.attends + 1)
 
-    def finish(self, rank, rows, out=None, joint_out=None):
+    def choose_slot(self):
+        return 0
+
+    def finish(self, rank, rows, out=None, joint_out=None, slot=0):
         return ("out", rank, rows), ("joint out", rank) if self.joint else None
 
     complete = forward.WindowPlan.complete

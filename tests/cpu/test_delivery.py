@@ -1,0 +1,89 @@
+"""The delivery of a real rank's output (fa_a2a.forward: out-slots instead of a copy), on CPU: the
+slot the ranks agree on, which slots a rank offers (lent outputs alive, CUDA graphs owning slots),
+and the transport's lent tensors. The kernels' side (real ranks on a GPU) is tests/gpu/test_delivery_gpu.py."""
+import pytest
+import torch
+
+from fa_a2a.forward import MAX_OUT_SLOTS, OUT_SLOTS, WindowPlan, common_slot, out_slots_setting
+from ulysses.transport import EmulatedTransport
+
+SHAPE = (1, 4, 2, 8)  # B, S_loc, H_pad, D
+
+
+def test_the_ranks_take_the_lowest_slot_free_on_every_rank():
+    assert common_slot([0b1110, 0b1110]) == 1
+    assert common_slot([0b1100, 0b0110, 0b1111_0100]) == 2
+    assert common_slot([0b1000, 0b0100]) == 0  # nothing free everywhere: the staging window
+    assert common_slot([0, 0b1110]) == 0  # a rank offering nothing (a capture, or slots off)
+    assert common_slot([1 << MAX_OUT_SLOTS]) == MAX_OUT_SLOTS
+
+
+def test_the_slot_count_setting_is_bounded_and_named():
+    assert out_slots_setting({}) == OUT_SLOTS and out_slots_setting({"FA_A2A_OUT_SLOTS": "0"}) == 0
+    assert out_slots_setting({"FA_A2A_OUT_SLOTS": str(MAX_OUT_SLOTS)}) == MAX_OUT_SLOTS
+    for bad in ("-1", str(MAX_OUT_SLOTS + 1), "two", ""):
+        with pytest.raises(ValueError, match=r"^FA_A2A_OUT_SLOTS: expected an int in \[0, 16\], got"):
+            out_slots_setting({"FA_A2A_OUT_SLOTS": bad})
+
+
+class _Channel:
+    """The other rank's free-slot mask, and what this rank sent."""
+
+    def __init__(self, other: int):
+        self.other, self.sent = other, []
+
+    def exchange(self, word: int) -> list:
+        self.sent.append(word)
+        return [word, self.other]
+
+
+def _plan(slots=3, other=0b1110):
+    """A WindowPlan's delivery state over a CPU transport of 2 ranks (this process is rank 0)."""
+    plan = object.__new__(WindowPlan)
+    plan.transport = EmulatedTransport(2, "cpu")
+    plan.transport.local_ranks = (0,)
+    plan.out_shape, plan.dtype, plan.out_slots, plan._slot_address = SHAPE, torch.float32, slots, {}
+    plan.out_w = plan.transport.windows("ulysses.out", SHAPE, torch.float32)
+    plan._slot_channel = _Channel(other)
+    return plan
+
+
+def test_an_eager_call_offers_unallocated_slots_and_a_capture_only_allocated_ones():
+    plan = _plan()
+    assert plan.free_slots(None) == 0b1110 and plan.free_slots(capture=7) == 0
+    assert plan.choose_slot() == 1 and plan._slot_channel.sent == [0b1110]
+    w = plan.slot_window(1)  # allocated when first used
+    assert w.shape == (2, *SHAPE) and plan.slot_window(1) is w and plan.slot_window(0) is plan.out_w
+    assert plan.free_slots(capture=7) == 0b0010  # now allocated: a capture may take it
+
+
+def test_a_slot_is_offered_again_once_every_view_of_its_output_is_gone():
+    plan = _plan()
+    w = plan.slot_window(1)
+    out = plan.transport.lend(w[0][:, :3])
+    assert out.data_ptr() == w[0].data_ptr() and out.shape == (1, 3, 2, 8)
+    view = out[:, 1:]
+    del out
+    assert plan.free_slots(None) == 0b1100  # a view keeps the output (its storage) alive
+    assert plan.choose_slot() == 2  # the other rank offered 1, 2, 3: the lowest free on both
+    del view
+    assert plan.free_slots(None) == 0b1110
+    with pytest.raises(ValueError, match="^view: expected a contiguous view"):
+        plan.transport.lend(w[0][:, :, :1])
+
+
+def test_a_captured_slot_belongs_to_its_graph():
+    plan = _plan()
+    a = plan.slot_window(1)[0].data_ptr()
+    plan.slot_window(2)
+    plan.transport.captured[a] = 5  # a capture with id 5 chose slot 1: its graph owns it
+    assert plan.free_slots(None) == 0b1100  # eager calls: not slot 1
+    assert plan.free_slots(capture=5) == 0b0110  # the same capture again: slot 1 (its output dropped), 2
+    assert plan.free_slots(capture=6) == 0b0100  # another capture: only the free allocated slot 2
+
+
+def test_slots_off_still_exchange_so_that_the_ranks_meet():
+    plan = _plan(slots=0, other=0b10)
+    assert plan.choose_slot() == 0 and plan._slot_channel.sent == [0]
+    plan._slot_channel = None  # emulated ranks: no exchange, the staging window
+    assert plan.choose_slot() == 0
