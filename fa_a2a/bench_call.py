@@ -536,22 +536,29 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
                            "transport": type(plan.transport).__name__}
         log(f"M={M}: {point['pacing']['transport']}, pace='auto': {plan.pacing.reason}")
     est, failed = {}, torch.zeros(len(keys))
-    held = []  # each method's first output, kept until every method ran: each call then leaves its own
-    # out-slot allocated (fa_a2a.forward's delivery), one for each method's CUDA graph to own
-    for j, key in enumerate(keys):  # first calls (compiles) in one order on every rank, then one timed call
-        try:
-            held.append(calls[key]())
-            torch.cuda.synchronize()
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            calls[key]()
-            t1.record()
-            t1.synchronize()
-            est[key] = t0.elapsed_time(t1) * 1e3
-        except Exception as e:  # reported in the table; the other ranks drop the method too
-            status[key] = f"skipped ({_first_line(e)})"
-            failed[j] = 1
-    del held
+    # First calls (compiles) in one order on every rank, each output kept until every method ran: each
+    # call leaves its own out-slot allocated (fa_a2a.forward's delivery), one for each method's CUDA
+    # graph to own, and no timed call below allocates one. Then one timed call each.
+    held = []
+    for stage in ("first", "timed"):
+        for j, key in enumerate(keys):
+            if failed[j]:
+                continue
+            try:
+                if stage == "first":
+                    held.append(calls[key]())
+                    torch.cuda.synchronize()
+                    continue
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                calls[key]()
+                t1.record()
+                t1.synchronize()
+                est[key] = t0.elapsed_time(t1) * 1e3
+            except Exception as e:  # reported in the table; the other ranks drop the method too
+                status[key] = f"skipped ({_first_line(e)})"
+                failed[j] = 1
+        held.clear()
     failed = rank_max(failed, group)
     names = [k for j, k in enumerate(keys) if failed[j] == 0]
     for j, key in enumerate(keys):
