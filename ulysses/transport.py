@@ -75,6 +75,7 @@ import os
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef  # imported by `import torch` already
 
 if TYPE_CHECKING:  # the backends' modules import this one: they load on first use (__getattr__ below)
     from ulysses.symm import SymmetricMemoryTransport, uniform_window_stride
@@ -269,14 +270,14 @@ class Transport:
     def lend(self, view: torch.Tensor) -> torch.Tensor:
         """A contiguous view into one of the windows as a tensor of its own storage, for the caller
         to hand out; lent(view.data_ptr()) then says whether it (or any view of it) is alive. The
-        transport keeps its memory past close() while one is (with a warning)."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
+        transport keeps its memory past close() while one is (with a warning). ~3 us of host time."""
         if not view.is_contiguous():
             raise ValueError(f"view: expected a contiguous view into a window, got strides {view.stride()}")
+        address = view.data_ptr()
         nbytes = view.numel() * view.element_size()
-        t = tensor_from_address(view.data_ptr(), nbytes, view.device).view(view.dtype).view(view.shape)
-        self._lent[view.data_ptr()] = StorageWeakRef(t.untyped_storage())
+        storage = torch._C._construct_storage_from_data_pointer(address, view.device, nbytes)
+        t = torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
+        self._lent[address] = StorageWeakRef(storage)  # expired() once no tensor uses the storage
         return t
 
     def lent(self, address: int) -> bool:

@@ -72,6 +72,19 @@ def test_a_slot_is_offered_again_once_every_view_of_its_output_is_gone():
         plan.transport.lend(w[0][:, :, :1])
 
 
+def test_a_lent_tensor_is_the_window_memory_in_the_windows_dtype_and_shape():
+    t = EmulatedTransport(2, "cpu")
+    w = t.windows("ulysses.out.1", SHAPE, torch.bfloat16)
+    w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    view = w[1][:, 1:3]
+    lent = t.lend(view)
+    assert (lent.dtype, lent.shape, lent.stride(), lent.data_ptr()) == (view.dtype, view.shape, view.stride(),
+                                                                        view.data_ptr())
+    assert torch.equal(lent, view) and lent.untyped_storage().data_ptr() == view.data_ptr()
+    lent.fill_(7)  # the same memory: a write through it shows in the window
+    assert bool((w[1][:, 1:3] == 7).all()) and not bool((w[1][:, :1] == 7).any())
+
+
 def test_a_captured_slot_belongs_to_its_graph():
     plan = _plan()
     a = plan.slot_window(1)[0].data_ptr()
