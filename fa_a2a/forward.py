@@ -26,10 +26,11 @@ graph owns every slot its capture chose: its replays store into it).
 Every call the ranks exchange one word each, the mask of their free slots, through the group's host
 channel (ulysses.channel; this runs on every rank whatever its own rows or `out=`, so the ranks
 always meet), and all take the lowest slot free on every rank: there the output is returned as it
-is (when it is contiguous: no padding heads); with none, the staging window is copied out. An output
-must be used on the stream of the call (as a caching-allocator block: the next call's peers store
-into its slot once this rank has passed that call's first barrier, which is ordered after this
-stream's work). Emulated ranks always copy.
+is (when it is contiguous: no padding heads); with none, the staging window is copied out. The next
+call's peers store into a window once this rank has passed that call's first barrier, ordered after
+the work queued on this stream; a call on another stream than the window's last delivery first
+waits for that stream (as with a caching-allocator block, an output used on a third stream needs
+that stream's work ordered before its last reference goes). Emulated ranks always copy.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ class WindowPlan:
 
             self._slot_channel = get_channel(group)
         self.out_slots = out_slots_setting() if group is not None and transport.lends_outputs else 0
-        self._slot_address: dict = {}  # slot -> this rank's window address, once allocated
+        self._slot_address = {0: self.out_w[transport.local_ranks[0]].data_ptr()}  # slot -> this rank's
+        # window address, once allocated
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)
         self.q_map, self.kv_map = head_maps(layout, transport.device)
@@ -313,10 +315,16 @@ class WindowPlan:
         """This call's out-slot, agreed with every rank (the module docstring); 0 with emulated ranks."""
         if self._slot_channel is None:
             return 0
-        capture = _capture_id() if self.transport.device.type == "cuda" else None
+        t = self.transport
+        capture = _capture_id() if t.device.type == "cuda" else None
         slot = common_slot(self._slot_channel.exchange(self.free_slots(capture)))
-        if slot and capture is not None:  # that graph's replays store into the slot: it owns it
-            self.transport.captured[self._slot_address[slot]] = capture
+        if capture is not None:
+            if slot:  # that graph's replays store into the slot: it owns it
+                t.captured[self._slot_address[slot]] = capture
+        elif slot in self._slot_address:  # delivered on another stream last: the peers' stores wait for it
+            used_on = t.used_on.get(self._slot_address[slot])
+            if used_on is not None and used_on != torch.cuda.current_stream(t.device):
+                torch.cuda.current_stream(t.device).wait_stream(used_on)
         return slot
 
     def pre(self, rank: int, q, k, v, joint) -> None:
@@ -345,6 +353,8 @@ class WindowPlan:
             self._results[key] = (self.slot_window(slot)[rank][:, :rows, :H],
                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
         o, jo = self._results[key]
+        if o.is_cuda:  # the next call that stores into this window waits for this stream's work first
+            self.transport.used_on[o.data_ptr()] = torch.cuda.current_stream(o.device)
         if out is None:
             # the staging window (and the joint window) are reused by the next call: copy out of them
             o = self.transport.lend(o) if slot and o.is_contiguous() else o.clone(memory_format=torch.contiguous_format)

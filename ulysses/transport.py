@@ -190,6 +190,7 @@ class Transport:
         self._windows: dict = {}
         self._ptr_tables: dict = {}
         self._lent: dict = {}  # address -> StorageWeakRef of the tensor lent at it (lend)
+        self.used_on: dict = {}  # window address -> the CUDA stream its last output was delivered on
         self.captured: dict = {}  # window address -> id of the CUDA-graph capture that owns it
         self.closed = False
         self._failure: Optional[Exception] = None  # set once; every later call raises it
