@@ -10,7 +10,7 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
              lined up as the call lines them up (on one GPU under MPS the free-running FA4-local of
              the ranks interleave and fill each other's tails; a call's barriers align them)
   pre_a2a    the pre-A2A kernel alone (the first step of forward._rank_call)
-  serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, copy
+  serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, delivery
   fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
              stores paced as pace="auto" decides (fa_a2a.pacing; the decision is logged per M)
   fused_unpaced  the same with pace=None (what the fused call did before pacing existed)
