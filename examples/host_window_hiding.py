@@ -100,15 +100,14 @@ from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
 from fa_a2a.op import post_a2a  # noqa: E402
 from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual  # noqa: E402
 from graphs import capture, input_sets_needed, median, round_up, time_graphs  # noqa: E402
-from ulysses.transport import tensor_from_address  # noqa: E402
+from ulysses.transport import pinned_on_device  # noqa: E402
 
 def make_windows(dest, P, S_loc, H, D, dtype, keep):
     """[P, 1, S_loc, H, D] windows in HBM or in pinned host memory (wrapped as a CUDA tensor)."""
     nbytes = P * S_loc * H * D * torch.empty(0, dtype=dtype).element_size()
     if dest == "host":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        flat, host = pinned_on_device(nbytes, torch.uint8, torch.device("cuda", torch.cuda.current_device()))
         keep.append(host)
-        flat = tensor_from_address(host.data_ptr(), nbytes, torch.device("cuda", torch.cuda.current_device()))
     else:
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     return flat.view(dtype).view(P, 1, S_loc, H, D)
@@ -221,9 +220,8 @@ def pace_probe(n_sms, D, dt, tile_m, fractions, ctas_list, replays=3):
     q1, k1, v1 = (torch.randn(1, M1, 1, D, device="cuda", dtype=dt) for _ in range(3))
     w1 = torch.empty(1, 1, M1, 1, D, device="cuda", dtype=dt)
     nwords = (32 << 20) // 4
-    host = torch.empty(nwords, dtype=torch.int32, pin_memory=True)
-    dsts = dict(host=tensor_from_address(host.data_ptr(), nwords * 4, dev).view(torch.int32),
-                hbm=torch.empty(nwords, dtype=torch.int32, device="cuda"))
+    host_dst, host = pinned_on_device(nwords, torch.int32, dev)  # `host` owns the memory: kept alive here
+    dsts = dict(host=host_dst, hbm=torch.empty(nwords, dtype=torch.int32, device="cuda"))
     side = torch.cuda.Stream()
 
     def solo(dest, K, B, gap, n, mode):

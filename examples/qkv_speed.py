@@ -74,12 +74,11 @@ def windows_for(P, S_loc, heads, D, dtype, dest="hbm"):
     N = P * S_loc
     per = N * heads * D
     if dest == "host":
-        from ulysses.transport import tensor_from_address
+        from ulysses.transport import pinned_on_device
 
-        nbytes = P * 3 * per * torch.empty(0, dtype=dtype).element_size()
-        _PINNED.append(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True))
-        dev = torch.device("cuda", torch.cuda.current_device())
-        mem = tensor_from_address(_PINNED[-1].data_ptr(), nbytes, dev).view(dtype).view(P, 3 * per)
+        mem, host = pinned_on_device(P * 3 * per, dtype, torch.device("cuda", torch.cuda.current_device()))
+        _PINNED.append(host.zero_())
+        mem = mem.view(P, 3 * per)
     else:
         mem = torch.zeros(P, 3 * per, dtype=dtype, device="cuda")
     return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]

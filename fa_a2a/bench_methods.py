@@ -42,8 +42,6 @@ class _Point:
     def windows(self, name: str, shape=None) -> torch.Tensor:
         """[P, B, S_loc, H, D] output windows of all ranks (or [P, *shape]: B, rows, H, D), filled
         with random values."""
-        import torch
-
         cfg, P, H_loc = self.cfg, self.cfg.world_size, self.cfg.heads_local
         shape = (P, cfg.batch, self.S_loc, cfg.heads, cfg.head_dim) if shape is None else (P, *shape)
         H_loc = shape[3] // P
@@ -54,12 +52,11 @@ class _Point:
             w.narrow(3, self.rank * H_loc, H_loc).copy_(self.randn(P, *shape[1:3], H_loc, shape[4]))
             return w
         if self.dest == "host":
-            from ulysses.transport import tensor_from_address
+            from ulysses.transport import pinned_on_device
 
-            nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            w, host = pinned_on_device(math.prod(shape), self.dtype, self.dev)
             self.keep.append(host)
-            w = tensor_from_address(host.data_ptr(), nbytes, self.dev).view(self.dtype).view(shape)
+            w = w.view(shape)
             w.copy_(self.randn(*shape))
             return w
         return self.randn(*shape)

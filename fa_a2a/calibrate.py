@@ -201,13 +201,12 @@ class HostBuffer:
 
     def __init__(self, nwords: int, device_index: Optional[int] = None):
         import torch
-        from ulysses.transport import tensor_from_address
+        from ulysses.transport import pinned_on_device
 
         if nwords <= 0:
             raise ValueError(f"nwords: must be positive, got {nwords}")
         dev = torch.device("cuda", torch.cuda.current_device() if device_index is None else device_index)
-        self.host = torch.empty(nwords, dtype=torch.int32, pin_memory=True)
-        self.tensor = tensor_from_address(self.host.data_ptr(), nwords * 4, dev).view(torch.int32)
+        self.tensor, self.host = pinned_on_device(nwords, torch.int32, dev)
 
     def check(self, expected, start: int = 0) -> bool:
         import torch

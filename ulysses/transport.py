@@ -120,13 +120,25 @@ class TransportSetupError(RuntimeError):
         self.failures = dict(failures)
 
 
-def tensor_from_address(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 CUDA tensor [nbytes] over memory this module mapped (the tensor does not own it)."""
+def tensor_from_address(address: int, nbytes: int, device: torch.device,
+                        like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A uint8 tensor [nbytes] over memory mapped elsewhere (the tensor does not own it; its storage
+    is its own), or one with like's dtype, shape and strides (like: a view of the memory at address)."""
     storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
-    t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    if like is None:
+        t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    else:
+        t = torch.empty(0, dtype=like.dtype, device=device).set_(storage, 0, like.shape, like.stride())
     if t.data_ptr() != address or t.device != device:
         raise RuntimeError(f"could not wrap address {address:#x} as a tensor on {device}")
     return t
+
+
+def pinned_on_device(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a 1-D tensor on `device` over new pinned host memory, the host tensor that owns the memory):
+    the GPU's loads and stores of the first cross PCIe; keep the second alive while the first is used."""
+    host = torch.empty(numel, dtype=dtype, pin_memory=True)
+    return tensor_from_address(host.data_ptr(), numel * host.element_size(), device).view(dtype), host
 
 
 def _windows_view(flat: torch.Tensor, world_size: int, window_bytes: int, shape, dtype) -> torch.Tensor:
@@ -275,11 +287,8 @@ class Transport:
         (a 2-core CPU machine)."""
         if not view.is_contiguous():
             raise ValueError(f"view: expected a contiguous view into a window, got strides {view.stride()}")
-        address = view.data_ptr()
-        nbytes = view.numel() * view.element_size()
-        storage = torch._C._construct_storage_from_data_pointer(address, view.device, nbytes)
-        t = torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
-        self._lent[address] = StorageWeakRef(storage)  # expired() once no tensor uses the storage
+        t = tensor_from_address(view.data_ptr(), view.numel() * view.element_size(), view.device, like=view)
+        self._lent[view.data_ptr()] = StorageWeakRef(t.untyped_storage())  # expired() once no tensor uses it
         return t
 
     def lent(self, address: int) -> bool:
