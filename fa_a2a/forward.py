@@ -322,9 +322,9 @@ class WindowPlan:
             if slot:  # that graph's replays store into the slot: it owns it
                 t.captured[self._slot_address[slot]] = capture
         elif slot in self._slot_address:  # delivered on another stream last: the peers' stores wait for it
-            used_on = t.used_on.get(self._slot_address[slot])
-            if used_on is not None and used_on != torch.cuda.current_stream(t.device):
-                torch.cuda.current_stream(t.device).wait_stream(used_on)
+            used_on, stream = t.used_on.get(self._slot_address[slot]), torch.cuda.current_stream(t.device)
+            if used_on is not None and used_on != stream:
+                stream.wait_stream(used_on)
         return slot
 
     def pre(self, rank: int, q, k, v, joint) -> None:
@@ -353,7 +353,7 @@ class WindowPlan:
             self._results[key] = (self.slot_window(slot)[rank][:, :rows, :H],
                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
         o, jo = self._results[key]
-        if o.is_cuda:  # the next call that stores into this window waits for this stream's work first
+        if self._slot_channel is not None:  # real ranks: a later call into this window on another stream waits
             self.transport.used_on[o.data_ptr()] = torch.cuda.current_stream(o.device)
         if out is None:
             # the staging window (and the joint window) are reused by the next call: copy out of them
