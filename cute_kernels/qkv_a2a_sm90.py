@@ -143,17 +143,18 @@ class _Kernel(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
                        bias_dtype: Optional[torch.dtype], norm: bool, rope: Optional[str],
-                       config: GemmConfig, one_launch: bool = False) -> _Kernel:
+                       config: GemmConfig, one_launch: bool = False, paced: bool = False) -> _Kernel:
     """Compile (once per key: every argument) the rank-window GEMM for one launch group
     (rope: None, "table" or "pair", rope_kind; one_launch: q|k|v with qkv_bias_norm_rope_epi, which
-    needs bias, norm and rope), or load it and its launch form from the disk cache.
+    needs bias, norm and rope; paced: its stores paced, qkv_a2a_launcher's pacer), or load it and
+    its launch form from the disk cache.
 
     width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
     ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
     (CUTE_DSL_ARCH=sm_90a): everything is built from fake tensors.
     """
-    key = (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch)
-    fields, scheduler, clusters_at = launch_form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch)
+    key = (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch, paced)
+    fields, scheduler, clusters_at = launch_form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced)
 
     def compile():
         from cute_kernels.qkv_a2a_sm90_device import compile_kernel
@@ -165,12 +166,13 @@ def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
 
 
 @disk_value
-def launch_form(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: Optional[str], one_launch: bool):
+def launch_form(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: Optional[str], one_launch: bool,
+                paced: bool = False):
     """qkv_a2a_sm90_device.launch_form, kept on disk beside the kernels (a warm process does not
     import quack for it)."""
     from cute_kernels.qkv_a2a_sm90_device import launch_form as form
 
-    return form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch)
+    return form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced)
 
 
 @disk_value
@@ -446,7 +448,7 @@ def _group_values(proj, g, rope_cs):
 
 def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
                        row0: int, *, rope_cs: Optional[torch.Tensor] = None,
-                       config: Optional[GemmConfig] = None, one_launch: bool = False) -> None:
+                       config: Optional[GemmConfig] = None, one_launch: bool = False, pacer=None) -> None:
     """y = x W^T (+ bias) (q, k: + per-head RMSNorm with weight, + interleaved RoPE), stored as the
     Ulysses pre-A2A: rows [row0, row0 + M) of every destination window.
 
@@ -460,23 +462,27 @@ def qkv_a2a_projection(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Opti
     stride (tma_table).
     The norm applies when proj has norm weights. one_launch: q, k and v in one launch of
     qkv_bias_norm_rope_epi (bias + norm + RoPE on q and k, v passed through exactly) instead of
-    q|k and v apart: one grid instead of two partial waves. Graph-capturable; no host sync. On
+    q|k and v apart: one grid instead of two partial waves. pacer: every epilogue subtile's store
+    takes a slot worth its bytes from this grid-wide pacer state first (cute_kernels.pacer.make_pacer
+    with tile_bytes = cute_kernels.pacer.UNIT_BYTES; shared by every launch that gets it; None:
+    unpaced; qkv_a2a_sm90_device.StorePacer). Graph-capturable; no host sync. On
     fake tensors (FakeTensorMode) it compiles and checks without launching. Calls that repeat
     with the same shapes and windows: qkv_a2a_launcher (checked and bound once).
     """
-    qkv_a2a_launcher(x, proj, windows, row0, rope_cs=rope_cs, config=config, one_launch=one_launch)(x, proj, rope_cs)
+    qkv_a2a_launcher(x, proj, windows, row0, rope_cs=rope_cs, config=config, one_launch=one_launch,
+                     pacer=pacer)(x, proj, rope_cs)
 
 
 def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Optional[torch.Tensor]],
                      row0: int, *, rope_cs: Optional[torch.Tensor] = None,
-                     config: Optional[GemmConfig] = None, one_launch: bool = False):
+                     config: Optional[GemmConfig] = None, one_launch: bool = False, pacer=None):
     """qkv_a2a_projection's checks, launch groups, compiles and window views, done once for these
     arguments -> launch(x, proj, rope_cs=None) on the current stream.
 
     A launch takes an x of this x's shape, dtype and device, a proj of this proj's kind (shapes,
     bias and norm present, world size, heads: e.g. another layer's weights) and rope_cs exactly when
     one is given here, of the same kind (a table or a pair) and checked as here (tma_table); the
-    caller keeps to that (fa_a2a.block: its call signature). Per
+    caller keeps to that (fa_a2a.block: its call signature). The pacer is bound here. Per
     launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
     and kept on proj; the epilogue arguments with this call's rope_cs; x itself, or a contiguous
     copy (fresh storage) where its rows are not 16-byte aligned (the TMA's requirement; the checks
@@ -485,6 +491,10 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
     through the block, which called qkv_a2a_projection before, the host time per call fell from 238
     to 196 us (P 1, S 128) and from 470 to 223 us (two ranks, S_loc 1152; examples/eager_host_cost.py)."""
     _check_inputs(x, proj, rope_cs, config, one_launch)
+    if pacer is not None:
+        from cute_kernels.pacer import check_pacer
+
+        check_pacer(pacer, x.device)
     if not isinstance(windows, (tuple, list)) or len(windows) != 3 or all(w is None for w in windows):
         raise ValueError("windows: a tuple (dq, dk, dv) with at least one tensor expected")
     B, M, C = x.shape
@@ -533,7 +543,8 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             runs.append((run, compile_projection(
                 x.dtype, run["width"], D, proj.bias.dtype if proj.bias is not None else None,
                 run["epi"] is not None and proj.norm_weight is not None,
-                rope_kind(rope_cs) if run["epi"] is not None else None, cfg, run["epi"] == "qkv")))
+                rope_kind(rope_cs) if run["epi"] is not None else None, cfg, run["epi"] == "qkv",
+                pacer is not None)))
     if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
         return _no_launch
     device_index = x.device.index or 0
@@ -544,12 +555,12 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
         if not _tma_rows(x, C, x.data_ptr()):
             x = x.clone(memory_format=torch.contiguous_format)  # fresh storage: an aligned base too
         for kern, run, views, sched in bound:
-            weight, epi, tables = _launch_args(proj, run, kern)
-            if tables:  # the epilogue's arguments with this call's RoPE table(s)
+            weight, epi, per_call = _launch_args(proj, run, kern)
+            if per_call:  # the epilogue's arguments with this call's RoPE table(s) and the pacer
                 rope = rope_cs if isinstance(rope_cs, (tuple, list)) else (rope_cs,)
                 epi = list(epi)
-                for at, which in tables:
-                    epi[at] = rope[which]
+                for at, which in per_call:
+                    epi[at] = pacer if which == "pacer" else rope[which]
                 epi = tuple(epi)
             if B == 1:
                 kern.compiled(x, weight, views[0], None, epi, sched, None, None, None)
@@ -573,9 +584,9 @@ def _no_launch(x, proj, rope_cs=None) -> None:
 
 def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
     """(weight rows [1, n, C], the epilogue tuple (launch_form's fields), ((position, which), ...)
-    of its RoPE fields: the call's table (which 0) or its (cos, sin) pair (0, 1) goes there) of
-    launch group `run` for proj. Sliced at proj's first launch with `kern` and kept on proj
-    (views: no copy)."""
+    of the fields the call fills: which 0 / 1 for its RoPE table or (cos, sin) pair, "pacer" for its
+    pacer) of launch group `run` for proj. Sliced at proj's first launch with `kern` and kept on
+    proj (views: no copy)."""
     cache = proj.__dict__.setdefault("_launch_args", {})
     key = (run["ts"][0], run["ts"][-1], run["epi"], kern.fields)
     args = cache.get(key)
@@ -583,21 +594,21 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
         lo, hi, values = _group_values(proj, run, None)
         operands = {"b": values["bias"], "bias": values["bias"], "w": values["norm_weight"], "rot": values["rot"],
                     "sel": values["sel"]}
-        epi, tables = [], []
+        epi, per_call = [], []
         for at, field in enumerate(kern.fields):
             if field is None:
                 epi.append(None)
-            elif field[0] in _ROPE_FIELDS:  # the call's, put in at launch
-                tables.append((at, _ROPE_FIELDS[field[0]]))
+            elif field[0] in _CALL_FIELDS:  # the call's, put in at launch
+                per_call.append((at, _CALL_FIELDS[field[0]]))
                 epi.append(None)
             else:
                 name, as_row = field
                 epi.append(operands[name].unsqueeze(0) if as_row else operands[name])
-        args = cache[key] = (proj.weight[lo:hi].unsqueeze(0), tuple(epi), tuple(tables))
+        args = cache[key] = (proj.weight[lo:hi].unsqueeze(0), tuple(epi), tuple(per_call))
     return args
 
 
-_ROPE_FIELDS = {"cs": 0, "cos": 0, "sin": 1}  # which tensor of the call's (table,) or (cos, sin)
+_CALL_FIELDS = {"cs": 0, "cos": 0, "sin": 1, "pacer": "pacer"}  # which tensor of the call's (table,) or (cos, sin)
 
 
 def rank_window_view(tensors: Sequence[torch.Tensor], row0: int, batch: int, rows: int) -> torch.Tensor:

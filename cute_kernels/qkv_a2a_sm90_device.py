@@ -20,20 +20,20 @@ TypeError (it reaches a ContextVar of the DSL); install it as a normal package.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 import cutlass
 import cutlass.cute as cute
 from quack.compile_utils import make_fake_tensor
-from quack.cute_dsl_utils import get_max_active_clusters, torch2cute_dtype_map
-from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.cute_dsl_utils import get_max_active_clusters, mlir_namedtuple, torch2cute_dtype_map
+from quack.epilogue.frontend import EpiMod, gemm_epilogue, pack, unpack
 from quack.epilogue.head_rmsnorm import HeadRstd
 from quack.epilogue.library import qk_rope_epi, qknorm_epi
 from quack.epilogue.ops import EpiOp, RowVecLoad
 from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
-from quack.gemm_default_epi import GemmDefaultEpiMixin, GemmDefaultSm90
+from quack.gemm_default_epi import GemmDefaultSm90
 from quack.gemm_runtime.host import FakeArgCtx
 from quack.gemm_tvm_ffi_utils import (
     compile_gemm_kernel,
@@ -44,8 +44,8 @@ from quack.gemm_tvm_ffi_utils import (
 from quack.rounding import RoundingMode
 
 from cute_kernels.limits import EPS
-
-
+from cute_kernels.pacer import UNIT_BYTES
+from cute_kernels.pacer_device import pace_wait
 
 # ---- kernel classes ------------------------------------------------------------------------------
 class _RankWindowD:
@@ -75,6 +75,64 @@ class GemmRankWindowSm90(_RankWindowD, GemmDefaultSm90):
 @functools.lru_cache(maxsize=None)
 def _rank_window_class(base):
     return type(f"RankWindow_{base.__name__}", (_RankWindowD, base), {"__module__": __name__})
+
+
+# ---- the store pacer: an epilogue op the epilogue function never sees ---------------------------
+PACER = "pacer"  # the EpilogueArguments field of a paced kernel
+
+
+class StorePacer(EpiOp):
+    """The projection's store pacer (cute_kernels.pacer; the state counts in UNIT_BYTES) as a quack
+    epilogue op. Per epilogue subtile, thread 0 of the storing threads (tidx 0: lane 0 of the warp
+    that issues the TMA store) claims a slot worth the subtile's bytes and waits for it in
+    end_loop_stage. quack's driver (0.6.5, gemm_base.epilogue) runs end_loop_stage after the
+    epilogue math and before the epilogue barrier that precedes the register-to-smem copy and the
+    TMA store, so the other epilogue threads wait at that barrier and the subtile's store issues
+    after its slot. In pingpong the other warpgroup's mainloop runs meanwhile. Values are unchanged."""
+
+    def host_arg_key(self, value):
+        return None if value is None else ("int64", 3)
+
+    def host_fake_arg(self, key, fctx):
+        return make_fake_tensor(cutlass.Int64, (3,), leading_dim=0)
+
+    def param_fields(self):
+        return [(self.name, Optional[cute.Tensor], None)]
+
+    def to_params(self, gemm, args):
+        return {self.name: getattr(args, self.name)}
+
+    def end_loop_stage(self, gemm, param, state, epi_coord, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tidx):
+        tile_m, tile_n = gemm.cta_tile_shape_mnk[:2]
+        subtiles = cute.size(cute.zipped_divide(cute.make_layout((tile_m, tile_n)), epi_tile).shape[1])
+        _pace_subtile(param, tidx, tile_m * tile_n * gemm.d_dtype.width // 8 // subtiles)
+        return None  # nothing staged: the driver's own barrier follows
+
+
+@cute.jit
+def _pace_subtile(mPace: cute.Tensor, tidx, subtile_bytes: cutlass.Constexpr[int]):
+    if tidx == 0:
+        pace_wait(mPace, subtile_bytes, UNIT_BYTES)
+
+
+@functools.lru_cache(maxsize=None)
+def _paced_mod(mod: EpiMod) -> EpiMod:
+    """`mod` with the store pacer (its own kernels: another semantic key)."""
+    if mod.output_ops or mod.sinks:
+        raise NotImplementedError(f"{mod.fn.__name__}: the paced copy keeps no stored outputs or sinks besides D")
+    return EpiMod(mod.fn, ops=mod.ops, mode=mod.mode, prepass=mod.prepass, prepass_outs=mod.prepass_outs,
+                  extra_ops=mod.extra_ops + (StorePacer(PACER),), vectorize=mod.vectorize)
+
+
+@functools.lru_cache(maxsize=None)
+def _paced_default_class():
+    """GemmRankWindowSm90 with the store pacer: quack's default epilogue arguments plus PACER."""
+    base = GemmDefaultSm90.EpilogueArguments
+    Args = NamedTuple("EpilogueArguments", [*base.__annotations__.items(), (PACER, Optional[cute.Tensor])])
+    Args.__new__.__defaults__ = tuple(base._field_defaults.get(f) for f in base._fields) + (None,)
+    return type("GemmRankWindowPacedSm90", (_RankWindowD, GemmDefaultSm90),
+                {"_epi_ops": GemmDefaultSm90._epi_ops + (StorePacer(PACER),),
+                 "EpilogueArguments": mlir_namedtuple(Args), "__module__": __name__})
 
 
 # ---- epilogues: quack's where they exist, compositions of quack's ops otherwise ------------------
@@ -244,19 +302,25 @@ def _epilogue_values(mod, *, bias, norm_weight, head_dim, rope_cs, rot=None, sel
 
 # ---- compile and launch form ---------------------------------------------------------------------
 def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope: Optional[str], one_launch: bool,
-                  l, m, n, k) -> tuple:
+                  paced: bool, l, m, n, k) -> tuple:
     """(GEMM class, its fake EpilogueArguments to compile with, the active epilogue ops as
-    ((name, op, key), ...), the CPU stand-in values they were keyed with) of one launch group."""
+    ((name, op, key), ...), the CPU stand-in values they were keyed with) of one launch group;
+    paced: with the store pacer (StorePacer, the PACER field)."""
+    pacer = torch.empty(3, dtype=torch.int64) if paced else None
     if not (norm or rope):
         row = None
         if bias_dtype is not None:
             row = make_fake_tensor(torch2cute_dtype_map[bias_dtype], (l, n), leading_dim=1, divisibility=4)
-        epi = GemmRankWindowSm90.EpilogueArguments(
+        cls = _paced_default_class() if paced else GemmRankWindowSm90
+        fields = {PACER: StorePacer(PACER).host_fake_arg(None, None)} if paced else {}
+        epi = cls.EpilogueArguments(
             alpha=None, beta=None, mRowVecBroadcast=row, mColVecBroadcast=None,
-            add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None,
+            add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None, **fields,
         )
-        return GemmRankWindowSm90, epi, (), {}
+        return cls, epi, (), {PACER: pacer}
     mod = _epilogue_mod(bias_dtype is not None, norm, rope, one_launch)
+    if paced:
+        mod = _paced_mod(mod)
     # CPU stand-ins: host_arg_key reads only dtype, rank and the last extent
     vec = torch.empty(1, dtype=torch.float32)
     table = torch.empty(1, head_dim, dtype=torch.float32)
@@ -266,6 +330,7 @@ def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope
         norm_weight=vec, head_dim=head_dim,
         rope_cs=(table, table) if rope == "pair" else table, rot=vec, sel=vec,
     )
+    dummies[PACER] = pacer
     cls = _rank_window_class(_mint(mod, dummies))
     fctx = FakeArgCtx(m, n, k, l, True, False)
     call_ops, fields = [], {}
@@ -281,7 +346,7 @@ def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope
 
 
 def compile_kernel(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Optional[torch.dtype], norm: bool,
-                   rope: Optional[str], config, one_launch: bool):
+                   rope: Optional[str], config, one_launch: bool, paced: bool = False):
     """The TVM-FFI compiled rank-window GEMM of one launch group (cute_kernels.qkv_a2a_sm90.
     compile_projection's arguments; fake tensors: no GPU needed)."""
     cdt = torch2cute_dtype_map[dtype]
@@ -292,7 +357,7 @@ def compile_kernel(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Op
         stride=tuple(cute.sym_int64(divisibility=div) for _ in range(4)) + (1,),
         assumed_align=16,
     )
-    cls, epi, _, _ = _kernel_class(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, l, m, n, k)
+    cls, epi, _, _ = _kernel_class(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced, l, m, n, k)
     return compile_gemm_kernel(
         cls, cdt, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
         config.pingpong, True, False, False, (9, 0), mA, mB, mD, None, epi,
@@ -301,22 +366,23 @@ def compile_kernel(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Op
 
 
 def launch_form(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Optional[torch.dtype], norm: bool,
-                rope: Optional[str], one_launch: bool) -> tuple:
+                rope: Optional[str], one_launch: bool, paced: bool = False) -> tuple:
     """How a launch of compile_kernel's kernel passes its epilogue and scheduler arguments, in
     plain Python (TVM-FFI takes a NamedTuple argument as the tuple of its fields, so a launch needs
     neither quack's classes nor the DSL's numbers): (epilogue fields, scheduler tuple, index of
     max_active_clusters in it). Each epilogue field, in the kernel's order, is None (passed as None:
     absent, or a compile-time constant such as the head dim of the norm) or (operand, unsqueeze):
-    the launch group's operand of that name ("b"/"bias", "w", "rot", "sel", "cs", "cos", "sin"),
-    as a [1, n] row when unsqueeze. Raises where an epilogue op passes its value in another form
+    the launch group's operand of that name ("b"/"bias", "w", "rot", "sel", "cs", "cos", "sin", or
+    PACER: the launch's pacer state), as a [1, n] row when unsqueeze. Raises where an epilogue op passes its value in another form
     (none of this module's do)."""
     cdt = torch2cute_dtype_map[dtype]
     _, _, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", "k", "n", None)
-    cls, _, call_ops, dummies = _kernel_class(dtype, width, head_dim, bias_dtype, norm, rope, one_launch,
+    cls, _, call_ops, dummies = _kernel_class(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced,
                                               l, m, n, k)
     if not call_ops:
-        fields = tuple(("bias", True) if f == "mRowVecBroadcast" and bias_dtype is not None else None
-                       for f in GemmDefaultEpiMixin.EpilogueArguments._fields)
+        given = {"mRowVecBroadcast": ("bias", True) if bias_dtype is not None else None,
+                 PACER: (PACER, False) if paced else None}
+        fields = tuple(given.get(f) for f in cls.EpilogueArguments._fields)
     else:
         by_name = {}
         for name, op, key in call_ops:

@@ -94,7 +94,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from cute_kernels.fa4_a2a_paced_sm90 import make_pacer  # noqa: E402
+from cute_kernels.pacer import make_pacer  # noqa: E402
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS  # noqa: E402
 from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
 from fa_a2a.op import post_a2a  # noqa: E402

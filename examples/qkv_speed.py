@@ -19,9 +19,13 @@ epilogue's stores reach them over PCIe; issue 24's question whether the pre-A2A'
 the traffic, queue on a slow link as FA4's O bursts did). Then also timed: copy (the windows'
 bytes alone, the link's time) and plain-nr+copy (the unfused chain of fused-nr), and printed per
 S_loc the hiding H = 1 - (fused - plain) / (plain+copy - plain) of the projection's stores.
+--paced-gbps R ... adds fused / fused-nr with their stores paced at R GB/s (p<R>) and as
+fa_a2a.pacing's automatic rule decides from the windows' link, measured as the op measures it
+(pauto; the decision is printed), and their H.
 
     python examples/qkv_speed.py [--seqlens 576 1024 4096] [--configs 192x128c1x2] [--out DIR]
-        [--dest hbm|host] [--start-after FILE]   compile and warm up, then wait for FILE before timing
+        [--dest hbm|host] [--paced-gbps 40 44 48] [--start-after FILE]   (--start-after: compile
+        and warm up, then wait for FILE before timing)
 """
 
 import argparse
@@ -48,9 +52,13 @@ def parse_args(argv=None):
     ap.add_argument("--configs", type=tile_config, nargs="*", default=[tile_config("192x128c1x2"), tile_config("128x128c2x1")])
     ap.add_argument("--dest", choices=("hbm", "host"), default="hbm",
                     help="where the P rank windows live: this GPU's memory, or pinned host memory (a slow link)")
+    ap.add_argument("--paced-gbps", type=float, nargs="*", default=[],
+                    help="also time fused and fused-nr with their stores paced at these GB/s, and as pace='auto' decides")
     ap.add_argument("--start-after", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if any(not 0 < r <= 1e6 for r in args.paced_gbps):
+        ap.error(f"--paced-gbps: rates in (0, 1e6] GB/s expected, got {args.paced_gbps}")
     if args.heads % args.world_size:
         ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
     return args
@@ -84,6 +92,25 @@ def windows_for(P, S_loc, heads, D, dtype, dest="hbm"):
     return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]
 
 
+def measured_link(P, dtype, dest):
+    """GB/s of the post-A2A kernel alone into P windows in `dest` (fa_a2a.pacing.measure_store_rate
+    of LINK_PROBE_BYTES, as the op measures a transport's link)."""
+    from fa_a2a.pacing import measure_store_rate, probe_shape
+
+    shape = (P, *probe_shape(P))
+    numel = 1
+    for n in shape:
+        numel *= n
+    if dest == "host":
+        from ulysses.transport import pinned_on_device
+
+        mem, host = pinned_on_device(numel, dtype, torch.device("cuda", torch.cuda.current_device()))
+        _PINNED.append(host)
+    else:
+        mem = torch.empty(numel, dtype=dtype, device="cuda")
+    return measure_store_rate(mem.view(shape), min(3, P - 1))
+
+
 def main(args):
     if not torch.cuda.is_available():
         raise SystemExit("examples/qkv_speed.py: needs a CUDA GPU (SM90); nothing measured")
@@ -98,6 +125,8 @@ def main(args):
                                       q_norm_weight=r(D) * 0.2 + 1, k_norm_weight=r(D) * 0.2 + 1)
     weight_t = plain_w.weight.t()
     configs = {"default": None, **{text: K.GemmConfig(*fields) for text, fields in args.configs}}
+    link = measured_link(P, dtype, args.dest) if args.paced_gbps else None
+    decisions = {}
 
     def methods_for(S_loc):
         """The timed callables of one shape (their own tensors: closures bind this call's locals)."""
@@ -127,6 +156,18 @@ def main(args):
         if args.dest == "host":
             methods["copy"] = lambda: view.copy_(y5)
             methods["plain-nr+copy"] = lambda: (K.qkv_projection_plain(x, norm_w, y, rope_cs=cs), view.copy_(y5))
+        if args.paced_gbps:
+            from fa_a2a.pacing import decide_projection, projection_pacer, Pacing
+
+            d = decisions[S_loc] = decide_projection(link, S_loc * 3 * H * D * x.element_size(), 2.0 * S_loc * C * 3 * H * D)
+            rates = {f"p{r:g}": Pacing(r, "given") for r in args.paced_gbps}
+            if d.rate_gbps is not None:
+                rates["pauto"] = d
+            for tag, decision in rates.items():
+                pacers = [projection_pacer(decision, x.device) for _ in range(2)]
+                methods[f"fused-{tag}"] = lambda p=pacers[0]: K.qkv_a2a_projection(x, plain_w, win, row0, pacer=p)
+                methods[f"fused-nr-{tag}"] = lambda p=pacers[1]: K.qkv_a2a_projection(
+                    x, norm_w, win, row0, rope_cs=cs, pacer=p)
         methods["matmul"] = lambda: torch.matmul(x, weight_t)
         methods["linear"] = lambda: torch.nn.functional.linear(x, plain_w.weight, plain_w.bias)
         return methods
@@ -160,6 +201,20 @@ def main(args):
         print(f"S_loc={S_loc}: " + ", ".join(f"{n} {t:.1f}" for n, t in med.items()), flush=True)
 
     card = torch.cuda.get_device_name()
+    if args.paced_gbps:
+        print(f"\nlink (the post-A2A kernel alone into {args.dest} windows, as fa_a2a.pacing measures it): {link:.1f} GB/s")
+        for S_loc, d in decisions.items():
+            print(f"S_loc {S_loc}: pace='auto': {d.reason}")
+        print("\n| S_loc | variant | fused | H | fused-nr | H nr |")
+        print("|---" * 6 + "|")
+        for row in rows:
+            m = row["median_us"]
+            get = lambda k: m.get(k, float("nan"))  # noqa: E731
+            hide = lambda f, p, s: 1 - (f - p) / (s - p)  # noqa: E731
+            for tag in ["", *sorted({k[len("fused-"):] for k in m if k.startswith("fused-p")})]:
+                f, fn = get("fused" + (f"-{tag}" if tag else "")), get("fused-nr" + (f"-{tag}" if tag else ""))
+                print(f"| {row['S_loc']} | {tag or 'unpaced'} | {f:.1f} | {hide(f, get('plain'), get('plain+copy')):.0%} "
+                      f"| {fn:.1f} | {hide(fn, get('plain-nr'), get('plain-nr+copy')):.0%} |")
     print(f"\n{card}, bf16, C={C}, N={3 * H * D}, H={H}, D={D}, emulated P={P} (rank {rank}), windows in "
           f"{args.dest}, CUDA-graph replay medians (us) of {args.calls} calls, {args.trials} trials")
     if args.dest == "host":

@@ -492,7 +492,7 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
 
 # ---- one rank's projection into the in-windows -----------------------------------------------------
 def project(windows, layout, rank: int, x, proj=None, rope=None, joint_x=None, joint_proj=None, joint_rope=None, *,
-            config="auto", one_launch: bool = False) -> None:
+            config="auto", one_launch: bool = False, pacer=None) -> None:
     """Rank `rank`'s fused projection + pre-A2A into windows = (dq, dk, dv) [P, B, N, h, D]
     (rows as in the module docstring). x [B, rows, C]: the rank's rows, projected with proj and
     rope (None, the fp32 [rows, D] table or a (cos, sin) pair, as qkv_a2a_launcher's rope_cs); or
@@ -500,10 +500,11 @@ def project(windows, layout, rank: int, x, proj=None, rope=None, joint_x=None, j
     (proj and rope None). Rows past the rank's valid rows are not
     read; its padding rows are projected from zero rows with the last segment's weights (segment_writes).
     joint_proj: the rank's own slice (QKVWeights.rank_slice). config "auto": auto_tiles by each
-    launch's rows; else config and one_launch for every launch."""
+    launch's rows; else config and one_launch for every launch. pacer: every launch's stores paced
+    by this state (qkv_a2a_launcher's pacer), None: unpaced."""
     segs = [(x, proj, rope)] if isinstance(x, torch.Tensor) else list(x)
     joint = (joint_x, joint_proj, joint_rope) if joint_x is not None else None
-    _Projection(windows, layout, rank, segs, joint, config=config, one_launch=one_launch)(segs, joint)
+    _Projection(windows, layout, rank, segs, joint, config=config, one_launch=one_launch, pacer=pacer)(segs, joint)
 
 
 _JOINT = -1  # _Projection's segment index of the joint rows
@@ -514,12 +515,14 @@ class _Projection:
     each launch's (config, one_launch) (auto_tiles), the zero stand-in rows of its padding rows and
     each launch's qkv_a2a_launcher (checked, compiled, window views made). Built from one call's
     segments (x, proj, rope) and joint (x, proj, rope) or None; a call of the same shapes and kinds
-    (the block's signature) launches with its own tensors (`__call__`)."""
+    (the block's signature) launches with its own tensors (`__call__`). pacer: one pacer state for
+    all its launches (qkv_a2a_launcher's), None: unpaced."""
 
-    def __init__(self, windows, layout, rank: int, segs, joint=None, *, config="auto", one_launch: bool = False):
+    def __init__(self, windows, layout, rank: int, segs, joint=None, *, config="auto", one_launch: bool = False,
+                 pacer=None):
         from cute_kernels import qkv_a2a_sm90
 
-        bind = qkv_a2a_sm90.qkv_a2a_launcher
+        bind = functools.partial(qkv_a2a_sm90.qkv_a2a_launcher, pacer=pacer)
         dq, dk, dv = windows
         pick = {"q": (dq, None, None), "kv": (None, dk, dv), "qkv": (dq, dk, dv)}
         auto = isinstance(config, str) and config == "auto"
@@ -711,9 +714,32 @@ class _RankBlock:
             joint_rope = _rope_source(joint_rotary, self.joint_rows, p.head_dim, segs[0][0].device, "joint_rotary")
             self.joint_table = _rope_table_for(joint_rope, p.head_dim)
             joint = (joint, self._joint_proj(joint_proj or segs[0][1]), _rope_operand(joint_rope, self.joint_table))
+        self.pacing = None if transport is None else self._projection_pacing(segs)
+        pacer = None
+        if self.pacing is not None:
+            from fa_a2a.pacing import projection_pacer
+
+            pacer = projection_pacer(self.pacing, transport.device)
         self.project = _Projection(windows, lay, rank,
                                    [(x, w, _rope_operand(r, t)) for (x, w, r), t in zip(segs, self.tables)],
-                                   joint if self.joint_rows else None, config=config, one_launch=one_launch)
+                                   joint if self.joint_rows else None, config=config, one_launch=one_launch,
+                                   pacer=pacer)
+
+    def _projection_pacing(self, segs):
+        """The projection's store pacing (fa_a2a.pacing.plan_projection_pacing) from the call's pace:
+        "auto" decides from the input windows' link (collective the first time: every rank builds its
+        _RankBlock at the same call); a rate paces at that rate where the input windows sit behind
+        the attention's link, and decides as "auto" where they do not (Transport.split_links)."""
+        from fa_a2a.pacing import link_gbps, plan_projection_pacing
+
+        t, p = self.transport, self.problem
+        if p.pace is None:
+            return None
+        pace = "auto" if t.split_links else p.pace
+        proj = segs[0][1]
+        return plan_projection_pacing(pace, lambda: link_gbps(t, "in"), t.device, self.rows + self.joint_rows,
+                                      proj.weight.shape[0], segs[0][0].shape[2],
+                                      p.dtype, ranks_per_gpu=t.ranks_per_gpu)
 
     @property
     def closed(self) -> bool:

@@ -439,7 +439,7 @@ def fa4_a2a_launcher(
         raise ValueError("rotate: the rank-rotated tile order is for non-causal attention, got causal=True")
     kind = f"a2a-{o_store}"
     if pacer is not None:
-        from cute_kernels.fa4_a2a_paced_sm90 import check_pacer
+        from cute_kernels.pacer import check_pacer
 
         check_pacer(pacer, q.device)
         if arch != 90 or o_store != "tma" or lse_dst is not None or rotate:
@@ -496,8 +496,9 @@ def fa4_a2a_forward(
     On SM100 (cute_kernels.fa4_a2a_sm100) lse_windows needs S_loc % 128 == 0.
     rotate: the rank-rotated tile order (rank r starts on rank r+1's rows; same output; non-causal
     only, ValueError otherwise): see cute_kernels.fa4_a2a_sm90.
-    pacer: every O tile's store paced grid-wide by this state (cute_kernels.fa4_a2a_paced_sm90.
-    make_pacer; shared by every launch that gets it): SM90's TMA path, no LSE, no rotation.
+    pacer: every O tile's store paced grid-wide by this state (cute_kernels.pacer.make_pacer, for the
+    O tile's bytes; shared by every launch that gets it; the kernel: cute_kernels.fa4_a2a_paced_sm90):
+    SM90's TMA path, no LSE, no rotation.
     """
     fa4_a2a_launcher(q, k, v, out_windows, rank, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
                      lse_windows=lse_windows, o_store=o_store, timestamps=timestamps, rotate=rotate, pacer=pacer)()

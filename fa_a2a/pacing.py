@@ -62,8 +62,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-__all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "Pacing", "check_pace", "encode_pace", "decode_pace",
-           "decide", "measure_store_rate", "link_gbps", "pace_path", "plan_pacing", "launch_pacer"]
+__all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "GEMM_TFLOPS", "Pacing", "check_pace", "encode_pace",
+           "decode_pace", "decide", "measure_store_rate", "link_gbps", "pace_path", "plan_pacing", "launch_pacer",
+           "decide_projection", "plan_projection_pacing", "projection_pacer"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,22 +171,30 @@ def probe_shape(world_size: int) -> tuple:
     return (1, max(LINK_PROBE_BYTES // (world_size * 128 * 2), 1), world_size, 128)
 
 
-def link_gbps(transport) -> float:
+def link_gbps(transport, side: str = "out") -> float:
     """The transport's link rate for pacing (GB/s): measure_store_rate of LINK_PROBE_BYTES from its
     first local rank into windows of its own, every rank at once, minimum over the ranks; measured
-    once per transport (collective the first time: every rank calls it at the same point). The
-    probe's windows stay allocated with the transport: LINK_PROBE_BYTES per rank (P of them for
-    emulated ranks)."""
-    rate = getattr(transport, "pacing_link_gbps", None)
+    once per transport and side (collective the first time: every rank calls it at the same point).
+    side "out": the post-A2A's (output) windows, the fused attention's; "in": the pre-A2A's, the
+    projection's: the same link and measurement unless the transport puts them apart
+    (Transport.split_links: HostTransport's input windows are GPU memory). The probe's windows stay
+    allocated with the transport: LINK_PROBE_BYTES per rank and side (P of them for emulated ranks)."""
+    if side not in ("out", "in"):
+        raise ValueError(f"side: expected 'out' or 'in', got {side!r}")
+    attr, name = "pacing_link_gbps", "fa_a2a.pacing.link"
+    if side == "in" and transport.split_links:
+        attr, name = "pacing_in_link_gbps", "fa_a2a.pacing.in_link"
+    rate = getattr(transport, attr, None)
     if rate is None:
         P, D = transport.world_size, 128
-        windows = transport.windows("fa_a2a.pacing.link", probe_shape(P), torch.bfloat16)
+        windows = transport.windows(name, probe_shape(P), torch.bfloat16)
         from cute_kernels.a2a import compile_post_a2a
 
         compile_post_a2a(torch.bfloat16, D, P)  # every rank compiled before the first timed store
         transport.host_barrier()
         mine = measure_store_rate(windows, transport.local_ranks[0], barrier=transport.barrier)
-        rate = transport.pacing_link_gbps = min(transport.host_allgather("pacing link rate", mine))
+        rate = min(transport.host_allgather(f"pacing link rate ({side})", mine))
+        setattr(transport, attr, rate)
     return rate
 
 
@@ -244,11 +253,78 @@ def plan_pacing(pace: Pace, link: Callable[[], float], device, seqlen: int, head
 
 
 def launch_pacer(decision: Pacing, device, tile_m: int, head_dim: int, dtype: torch.dtype):
-    """The fused launch's store pacer for a decision (cute_kernels.fa4_a2a_paced_sm90.make_pacer),
+    """The fused launch's store pacer for a decision (cute_kernels.pacer.make_pacer),
     None where it is unpaced."""
     if decision.rate_gbps is None:
         return None
-    from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+    from cute_kernels.pacer import make_pacer
 
     tile_bytes = tile_m * head_dim * torch.empty(0, dtype=dtype).element_size()
     return make_pacer(device, decision.rate_gbps, tile_bytes, BURST_TILES)
+
+
+# ---- the QKV projection's stores (the block's pre-A2A, cute_kernels.qkv_a2a_sm90's pacer) -------
+GEMM_TFLOPS = 700.0  # the projection's GEMM, bf16, Flux shapes, H200: 750 TFLOP/s at S_loc 2304
+PROJECTION_BURST_UNITS = 4  # the projection pacer's burst tolerance, in UNIT_BYTES (256 KiB)
+PROJECTION_MIN_GEMM_SHARE = 0.6  # pace only where the GEMM takes at least this share of its stores' link time
+
+
+def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: float = GEMM_TFLOPS,
+                      shared_gpu: bool = False) -> Pacing:
+    """The automatic rule for the projection's stores (out_bytes into the windows, its GEMM of
+    `flops` at gemm_tflops), from what the stores take on the link (drain = out_bytes / link):
+      - drain <= QUEUE_FRACTION x GEMM: off (the link keeps up; pacing would only add its atomics);
+      - GEMM < PROJECTION_MIN_GEMM_SHARE x drain: off (the stores are link-bound: the pacer's slots
+        stretch them past the link's own time by more than the GEMM it could hide);
+      - otherwise paced at PACE_FRACTION of the link; unpaced where other ranks' kernels share the
+        GPU (not measured there).
+    Measured (one H200, 2026-12-04, examples/qkv_speed.py --dest host --world-size 2 --paced-gbps,
+    N 9216, windows in pinned host memory, link 51-52 GB/s; GEMM share = GEMM estimate / drain; fused
+    q|k|v + bias, paced at 88% of the link against unpaced): share 0.22 (C 3072): +18% at S_loc 576,
+    -3% at 2304; 0.46 (C 6144): +6% / -7%; 0.69 (C 9216): -7% / -7%; 0.9 (C 12288): -15% / -13%;
+    1.8 (C 24576, 2304 rows; paced at 44 GB/s): -23%, though the link carries its stores in 56% of
+    the GEMM's time: the stores queue in bursts, as FA4's O tiles do."""
+    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
+        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    gemm_us = flops / (gemm_tflops * 1e6)
+    drain_us = out_bytes / (link * 1e3)
+    facts = (f"the projection's {out_bytes / 1e6:.2f} MB take {drain_us:.1f} us at the link's {link:.1f} GB/s, "
+             f"its GEMM ~{gemm_us:.0f} us")
+    if drain_us <= QUEUE_FRACTION * gemm_us:
+        return Pacing(None, f"{facts}: within {QUEUE_FRACTION:.0%} of it, the link keeps up")
+    if gemm_us < PROJECTION_MIN_GEMM_SHARE * drain_us:
+        return Pacing(None, f"{facts}: below {PROJECTION_MIN_GEMM_SHARE:.0%} of the link's time, the stores are "
+                            "link-bound and pacing would stretch them more than it hides")
+    if shared_gpu:
+        return Pacing(None, f"{facts}; other ranks' kernels share the GPU: unpaced (not measured there)")
+    rate = PACE_FRACTION * link
+    return Pacing(rate, f"{facts}: paced at {PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
+
+
+def plan_projection_pacing(pace: Pace, link: Callable[[], float], device, rows: int, columns: int, hidden: int,
+                           dtype: torch.dtype, *, ranks_per_gpu: int = 1) -> Pacing:
+    """The pacing of one rank's projection (rows x columns outputs from `hidden` inputs): pace as
+    check_pace returns it (a rate: that rate; "auto": decide_projection with link(), called only
+    then). Logged once per decision."""
+    if pace is None:
+        return Pacing(None, "pace off")
+    if pace != "auto":
+        return Pacing(pace, f"pace {pace:g} GB/s given")
+    out_bytes = rows * columns * torch.empty(0, dtype=dtype).element_size()
+    decision = decide_projection(link(), out_bytes, 2.0 * rows * columns * hidden, shared_gpu=ranks_per_gpu > 1)
+    key = ("projection", rows, columns, hidden, dtype, ranks_per_gpu, decision)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("fa_a2a pace='auto', projection (%d rows, %d columns, C %d): %s", rows, columns, hidden,
+                    decision.reason)
+    return decision
+
+
+def projection_pacer(decision: Pacing, device):
+    """The projection's store pacer for a decision (cute_kernels.pacer.make_pacer in UNIT_BYTES),
+    None where it is unpaced."""
+    if decision.rate_gbps is None:
+        return None
+    from cute_kernels.pacer import UNIT_BYTES, make_pacer
+
+    return make_pacer(device, decision.rate_gbps, UNIT_BYTES, PROJECTION_BURST_UNITS)

@@ -187,6 +187,9 @@ class Transport:
     #: whether a call's output may stay in its window (fa_a2a.forward's delivery): not where the
     #: windows are host memory, which every later read would cross PCIe for
     lends_outputs: bool = True
+    #: whether the pre-A2A's (input) windows sit behind another link than the post-A2A's (output)
+    #: windows (fa_a2a.pacing.link_gbps measures each then)
+    split_links: bool = False
 
     def __init__(self, world_size: int, device: torch.device, local_ranks: Sequence[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S, setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):

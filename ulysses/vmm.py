@@ -496,6 +496,7 @@ class HostTransport(VmmTransport):
 
     HOST_WINDOWS = ("ulysses.out:", "ulysses.joint_out:", "fa_a2a.pacing.link:")  # name prefixes
     lends_outputs = False  # an output left in host memory would be read over PCIe by every consumer
+    split_links = True  # the input windows are GPU memory
 
     def __init__(self, group=None, device=None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  setup_timeout_s: float = DEFAULT_SETUP_TIMEOUT_S):

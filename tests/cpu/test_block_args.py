@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cute_kernels import fa4_a2a_paced_sm90 as paced
+from cute_kernels import pacer as paced
 from fa_a2a import block
 
 BF16 = torch.bfloat16

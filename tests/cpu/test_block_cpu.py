@@ -31,8 +31,10 @@ def launches(monkeypatch):
 
 def _bind_recorder(record):
     """A stand-in for K.qkv_a2a_launcher: each launch calls record(x, proj, windows, row0, rope_cs=,
-    config=, one_launch=) with the launch's x, proj and rope_cs and the windows, row0 and tiles bound."""
-    def bind(x, proj, windows, row0, *, rope_cs=None, config=None, one_launch=False):
+    config=, one_launch=) with the launch's x, proj and rope_cs and the windows, row0 and tiles bound
+    (and record.pacers the pacer bound, when record has that list)."""
+    def bind(x, proj, windows, row0, *, rope_cs=None, config=None, one_launch=False, pacer=None):
+        getattr(record, "pacers", []).append(pacer)
         return lambda x, proj, rope_cs=None: record(x, proj, windows, row0, rope_cs=rope_cs, config=config,
                                                     one_launch=one_launch)
     return bind
@@ -348,6 +350,9 @@ def test_emulated_segment_argument_checks(name, change, match):
 
 # ---- the real-rank path's prepared call ------------------------------------------------------------
 class _FakeTransport:
+    split_links, ranks_per_gpu, world_size, device = False, 1, 2, torch.device("cpu")
+    pacing_link_gbps = 1e4  # a fast link, measured already: pace "auto" leaves the projection unpaced
+
     def __init__(self):
         self.closed, self.barriers = False, 0
 
@@ -487,6 +492,47 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
         assert a[2] == b[2] and (a[0] is b[0]) == (a[0] is rb.project.zeros[0])
     assert sliced == [("joint", rank)]
     assert transport.barriers == 4 and rb.plan.attends == 2
+
+
+@pytest.mark.parametrize("pace,split,in_link,rate", [
+    (None, False, None, None),
+    (40.0, False, None, 40.0),  # a rate by hand paces the projection's stores at it
+    ("auto", False, None, None),  # the fast link the fake transport measured
+    (40.0, True, 1e4, None),  # input windows behind their own link: decided as "auto", from that link
+    ("auto", True, 500.0, 440.0),  # a slower input link and a GEMM long enough beside it: paced at 88% of it
+])
+def test_rank_block_paces_its_projection_as_pace_says(monkeypatch, pace, split, in_link, rate):
+    """_RankBlock binds one pacer (fa_a2a.pacing.plan_projection_pacing) to every projection launch."""
+    import types
+
+    from cute_kernels.pacer import UNIT_BYTES
+
+    pacers = []
+    record = lambda *a, **k: None  # noqa: E731
+    record.pacers = pacers
+    monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(record))
+    monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: _FakePlan(t, lay, B, D, dtype, "cpu"))
+    P, D, C, S_loc = 2, 64, 4096, 64
+    lay = UlyssesLayout.from_shard(S_loc, 4, 4, P)
+    p = types.SimpleNamespace(layout=lay, batch=1, head_dim=D, dtype=torch.bfloat16, impl="fused", causal=False,
+                              scale=0.125, pace=pace)
+    transport = _FakeTransport()
+    transport.split_links = split
+    if in_link is not None:
+        transport.pacing_in_link_gbps = in_link
+    segs = ((torch.randn(1, S_loc, C), _fake_proj_cpu(P, 4, D, C), None),)
+    rb = block._RankBlock(transport, p, 0, segs, None, None, None, None, False)
+    assert pacers and all(q is pacers[0] for q in pacers)  # one state for all the rank's launches
+    assert (rb.pacing.rate_gbps if rb.pacing is not None else None) == (pytest.approx(rate) if rate else None)
+    if rate is None:
+        assert pacers[0] is None
+    else:
+        assert pacers[0][1].item() == round(UNIT_BYTES / rate)
+
+
+def _fake_proj_cpu(P, H, D, C):
+    n = 3 * H * D
+    return K.QKVWeights(torch.empty(n, C, dtype=torch.bfloat16), None, None, P, H // P, H // P, D)
 
 
 def test_rank_block_steady_state_and_refusals(monkeypatch):

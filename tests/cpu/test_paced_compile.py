@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cute_kernels import fa4_a2a_paced_sm90 as paced
+from cute_kernels import fa4_a2a_paced_sm90 as paced_kernel
+from cute_kernels import pacer as paced
 from fa_a2a import fused
 
 
@@ -67,9 +68,9 @@ def test_refusals():
     with pytest.raises(ValueError, match="kind: the paced kernel is SM90 only"):
         fused.compile_fa4("a2a-paced", torch.bfloat16, 128, 1, False, False, False, rotate=True)
     with pytest.raises(ValueError, match="o_store"):
-        fused._make_kernel(paced.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, o_store="st")
+        fused._make_kernel(paced_kernel.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, o_store="st")
     with pytest.raises(ValueError, match="rotate"):
-        fused._make_kernel(paced.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, rotate=True)
+        fused._make_kernel(paced_kernel.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, rotate=True)
 
 
 def test_make_pacer():

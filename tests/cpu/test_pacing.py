@@ -167,3 +167,61 @@ def test_every_entry_refuses_a_bad_pace_by_name():
         with pytest.raises(ValueError, match=r"^pace: "):
             make()
     assert UlyssesAttention(pace=40).pace == 40.0 and UlyssesAttention(pace=None).pace is None
+
+
+# ---- the projection's stores ------------------------------------------------------------------------
+FLUX_FLOPS = 2.0 * 2304 * 9216 * 3072  # Flux's projection at S_loc 2304 (C 3072, N 9216)
+FLUX_BYTES = 2304 * 9216 * 2
+
+
+@pytest.mark.parametrize("hidden,link,paced", [
+    (3072, 52.0, False),  # GEMM share 0.22 of the host link: link-bound, pacing cost (576 rows) or ~3%
+    (9216, 52.0, True),  # share 0.69: -7% measured
+    (24576, 52.0, True),  # GEMM longer than the link's time, and the stores still queued: -23% measured
+    (3072, 20000.0, False),  # a link that drains the stores in 1% of the GEMM
+])
+def test_projection_rule_follows_the_measured_shares(hidden, link, paced):
+    flops = FLUX_FLOPS * hidden / 3072
+    d = pacing.decide_projection(link, FLUX_BYTES, flops)
+    assert (d.rate_gbps is not None) == paced, d.reason
+    if paced:
+        assert d.rate_gbps == pytest.approx(PACE_FRACTION * link)
+
+
+def test_projection_rule_edges():
+    gemm_us = FLUX_FLOPS / (pacing.GEMM_TFLOPS * 1e6)
+    # the link's time for the stores at exactly the GEMM share's bound: paced; just below it: not
+    link = FLUX_BYTES / (gemm_us / pacing.PROJECTION_MIN_GEMM_SHARE * 1e3)
+    assert pacing.decide_projection(link * 0.999, FLUX_BYTES, FLUX_FLOPS).rate_gbps is None
+    assert pacing.decide_projection(link * 1.001, FLUX_BYTES, FLUX_FLOPS).rate_gbps is not None
+    # a link that drains the stores within QUEUE_FRACTION of the GEMM: unpaced
+    fast = FLUX_BYTES / (pacing.QUEUE_FRACTION * gemm_us * 1e3)
+    assert pacing.decide_projection(fast * 1.001, FLUX_BYTES, FLUX_FLOPS).rate_gbps is None
+    assert pacing.decide_projection(fast * 0.999, FLUX_BYTES, FLUX_FLOPS).rate_gbps is not None
+    shared = pacing.decide_projection(fast * 0.999, FLUX_BYTES, FLUX_FLOPS, shared_gpu=True)
+    assert shared.rate_gbps is None and "share the GPU" in shared.reason
+    for bad in (0, -1.0, float("nan"), None):
+        with pytest.raises(ValueError, match="link: expected a positive rate"):
+            pacing.decide_projection(bad, FLUX_BYTES, FLUX_FLOPS)
+
+
+def test_plan_projection_pacing_follows_the_option():
+    probes = []
+
+    def link():
+        probes.append(1)
+        return 20.0
+
+    args = ("cpu", 2304, 9216, 24576, torch.bfloat16)
+    assert pacing.plan_projection_pacing(None, link, *args).rate_gbps is None
+    assert pacing.plan_projection_pacing(33.0, link, *args) == Pacing(33.0, "pace 33 GB/s given")
+    assert probes == []  # the link is measured only for "auto"
+    auto = pacing.plan_projection_pacing("auto", link, *args)
+    assert auto.rate_gbps == pytest.approx(PACE_FRACTION * 20.0) and probes == [1]
+    pacer = pacing.projection_pacer(auto, "cpu")
+    from cute_kernels.pacer import UNIT_BYTES
+
+    assert pacer.tolist() == [0, round(UNIT_BYTES / auto.rate_gbps), pacing.PROJECTION_BURST_UNITS
+                              * round(UNIT_BYTES / auto.rate_gbps)]
+    assert pacing.projection_pacer(Pacing(None, "off"), "cpu") is None
+    assert pacing.plan_projection_pacing("auto", link, *args, ranks_per_gpu=2).rate_gbps is None

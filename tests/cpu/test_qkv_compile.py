@@ -30,8 +30,8 @@ def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True
     return proj, x, windows, cs
 
 
-def _key(dtype, width, D, bias_dtype, norm, rope, one_launch=False):
-    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128), one_launch)
+def _key(dtype, width, D, bias_dtype, norm, rope, one_launch=False, paced=False):
+    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128), one_launch, paced)
 
 
 @pytest.fixture
@@ -79,6 +79,46 @@ def test_variants_compile_for_sm90(dtype, D, bias, norm, rope, record_compiles):
     assert len(set(record_compiles)) == (2 if epi else 1)
 
 
+PACED = [(True, True, "table", False), (True, False, None, False), (False, False, None, False),
+         (True, True, "pair", True), (False, True, None, False)]
+
+
+@pytest.mark.parametrize("bias,norm,rope,one", PACED)
+def test_paced_variants_compile_with_the_pacer_in_their_ptx(bias, norm, rope, one, record_compiles, tmp_path,
+                                                            monkeypatch):
+    """pacer=: the same launch groups, each compiled paced (the default class and quack's composed
+    epilogues alike); the PTX holds the pacer's slot claim (atomic max and add, %globaltimer) and
+    the unpaced build does not."""
+    from cute_kernels.pacer import UNIT_BYTES, make_pacer
+
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128, bias=bias, norm=norm)
+        pacer = make_pacer("cuda", 44.0, UNIT_BYTES, 4)
+        K.qkv_a2a_projection(x, proj, windows, 200, rope_cs={"table": cs, "pair": (cs, cs), None: None}[rope],
+                             one_launch=one, pacer=pacer)
+    assert record_compiles and all(args[-1] is True for args in record_compiles)
+    import cutlass.cute as cute
+
+    from cute_kernels.qkv_a2a_sm90_device import compile_kernel
+
+    compile = cute.compile
+    monkeypatch.setattr(cute, "compile", lambda *a, options="", **kw: compile(
+        *a, options=f"{options} --keep-ptx --dump-dir={tmp_path}", **kw))
+    ptx = {paced: compile_kernel(*record_compiles[0][:8], paced=paced).__ptx__ for paced in (True, False)}
+    assert "red.relaxed.gpu.global.max.s64" in ptx[True] and "atom.relaxed.gpu.global.add.u64" in ptx[True]
+    assert "%globaltimer" in ptx[True] and "%globaltimer" not in ptx[False]
+    assert "cp.async.bulk.tensor" in ptx[True]  # the TMA stores it paces
+
+
+def test_paced_launcher_refuses_a_bad_pacer():
+    with FakeTensorMode():
+        proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
+        for bad in (torch.zeros(3, dtype=torch.int64, device="cuda"), torch.empty(3, dtype=torch.int32, device="cuda"),
+                    "fast"):
+            with pytest.raises(ValueError, match="pacer: expected"):
+                K.qkv_a2a_launcher(x, proj, windows, 200, rope_cs=cs, pacer=bad)
+
+
 def test_gqa_and_fp32_bias_compile(record_compiles):
     """GQA: q (2 heads a rank) and k|v (1 head a rank) have different widths: separate kernels."""
     with FakeTensorMode():
@@ -114,7 +154,7 @@ def test_one_launch_compiles(record_compiles):
         record_compiles.clear()
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128, H_loc=2, H_kv_loc=1)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs, one_launch=True)
-        assert [(a[1], a[-1]) for a in record_compiles] == [(256, True), (128, True), (128, True)]
+        assert [(a[1], a[7]) for a in record_compiles] == [(256, True), (128, True), (128, True)]
         with pytest.raises(ValueError, match="one_launch: bias, norm weights and rope_cs"):
             K.qkv_a2a_projection(x, proj, windows, 200, one_launch=True)
 

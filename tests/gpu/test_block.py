@@ -75,12 +75,14 @@ def assert_same(got, ref, what):
     assert mism == 0, f"{what}: {mism} elements differ from the plain projection + the op"
 
 
-# (P, S_loc, H, config/one_launch): Flux's 24 heads at P = 8, the 192-row tile and one launch there
-CASES = [(1, 256, 4, False), (2, 200, 4, False), (4, 128, 8, False), (8, 576, 24, True)]
+# (P, S_loc, H, config/one_launch, pace): Flux's 24 heads at P = 8, the 192-row tile and one launch
+# there; a rate by hand paces the projection's and the attention's stores (values unchanged)
+CASES = [(1, 256, 4, False, None), (2, 200, 4, False, None), (4, 128, 8, False, None), (8, 576, 24, True, None),
+         (2, 256, 4, False, 40.0)]
 
 
-@pytest.mark.parametrize("P,S_loc,H,tuned", CASES)
-def test_block_bit_exact_and_close(P, S_loc, H, tuned):
+@pytest.mark.parametrize("P,S_loc,H,tuned,pace", CASES)
+def test_block_bit_exact_and_close(P, S_loc, H, tuned, pace):
     D, C, B = 128, 256, 1
     chain = make_chain(H, H, D, C, seed=P)
     proj = block.block_weights(chain, P)
@@ -90,7 +92,11 @@ def test_block_bit_exact_and_close(P, S_loc, H, tuned):
     rot = [rope_tab(S_loc, D, r * S_loc) for r in range(P)]
     plan = block.emulated_plan(P, UlyssesLayout.from_shard(S_loc, H, H, P), B, D, DTYPE, DEV)
     poison(plan)
-    got = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, **kw)
+    got = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, pace=pace, **kw)
+    if pace is not None:  # the P ranks' prepared calls of this signature pace their projections at the rate
+        blocks = [rb for p, prepared in block._resolved_emulated.values() if p.pace == pace
+                  for rbs in prepared.values() for rb in rbs]
+        assert len(blocks) == P and all(rb.pacing.rate_gbps == pace for rb in blocks)
     tabs = [K.interleaved_cos_sin(*c) for c in rot]
     qkv = [plain_qkv(x, proj, t, **kw) for x, t in zip(xs, tabs)]
     ref = ulysses_attention_emulated(*([t[i] for t in qkv] for i in range(3)), impl="fused")

@@ -4,7 +4,7 @@ writes the same windows as the unpaced one, bit for bit, into HBM and pinned hos
 import pytest
 import torch
 
-from cute_kernels.fa4_a2a_paced_sm90 import make_pacer
+from cute_kernels.pacer import make_pacer
 from fa_a2a.fused import fa4_a2a_forward, tile_m_for
 from ulysses.transport import tensor_from_address
 

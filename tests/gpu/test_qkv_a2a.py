@@ -23,11 +23,17 @@ class Windows:
     """P in-windows in one allocation at a uniform stride, q | k | v in each (the op's layout,
     plus NaN pads): windows[t] is [P, B, N, h_t, D]."""
 
-    def __init__(self, P, B, N, heads, D, dtype):
+    def __init__(self, P, B, N, heads, D, dtype, host=False):
         sizes = [B * N * h * D for h in heads]
         self.offsets = [sum(sizes[:t]) + t * PAD for t in range(3)]
         width = self.offsets[2] + sizes[2] + PAD
-        self.mem = torch.full((P, width), float("nan"), dtype=dtype, device=DEV)
+        if host:  # pinned host memory the GPU stores into over PCIe (the one-GPU slow link)
+            from ulysses.transport import pinned_on_device
+
+            mem, self.host = pinned_on_device(P * width, dtype, torch.device(DEV, torch.cuda.current_device()))
+            self.mem = mem.view(P, width).fill_(float("nan"))
+        else:
+            self.mem = torch.full((P, width), float("nan"), dtype=dtype, device=DEV)
         self.data = torch.zeros_like(self.mem, dtype=torch.bool)
         self.tensors = []
         for t, (h, n) in enumerate(zip(heads, sizes)):
@@ -85,13 +91,15 @@ def make_proj(H, H_kv, D, C, P, dtype, *, bias=True, norm=True, layout=None, see
                                     q_norm_weight=nw[0], k_norm_weight=nw[1], **heads)
 
 
-def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=None, one_launch=False):
-    """All P source ranks (reverse order) into fresh NaN windows, fused and reference; returns the
-    reference outputs per rank for the numerics check."""
+def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=None, one_launch=False, pacer=None,
+             host=False):
+    """All P source ranks (reverse order) into fresh NaN windows (host: the fused kernel's in pinned
+    host memory), fused (paced by `pacer` when given) and reference; returns the reference outputs
+    per rank for the numerics check."""
     P, D = proj.world_size, proj.head_dim
     N = P * S_loc + extra_rows
     heads = [w // D for w in proj.widths]
-    got, ref = Windows(P, B, N, heads, D, dtype), Windows(P, B, N, heads, D, dtype)
+    got, ref = Windows(P, B, N, heads, D, dtype, host=host), Windows(P, B, N, heads, D, dtype)
     g = torch.Generator(device=DEV).manual_seed(seed)
     y = torch.empty(B, S_loc, proj.weight.shape[0], dtype=dtype, device=DEV)
     outs = []
@@ -99,7 +107,7 @@ def run_case(proj, B, S_loc, C, dtype, rope, *, extra_rows=0, seed=1, config=Non
         x = torch.randn(B, S_loc, C, generator=g, device=DEV).to(dtype)
         cs = rope_table(S_loc, D, r * S_loc) if rope else None
         K.qkv_a2a_projection(x, proj, got.tensors, r * S_loc, rope_cs=cs, config=config,
-                             one_launch=one_launch)
+                             one_launch=one_launch, pacer=pacer)
         y.fill_(float("nan"))
         K.qkv_projection_plain(x, proj, y, rope_cs=cs, config=config, one_launch=one_launch)
         scatter(y, ref.tensors, proj, r * S_loc)
@@ -160,6 +168,51 @@ def test_one_launch_bit_exact(P, S_loc, rows_config):
     assert_close_to_torch(proj, outs[:2], True, dtype)
     two, _, _ = run_case(proj, 1, S_loc, C, dtype, rope=True, config=config)
     assert torch.equal(got.tensors[2], two.tensors[2])
+
+
+@pytest.mark.parametrize("norm,rope,one_launch,config,host", [
+    (True, True, False, None, True),  # two launches (composed q|k epilogue, default-class v), host windows
+    (True, True, True, "rows", False),  # one launch, 192-row tiles
+    (False, False, False, None, True),  # bias only, the default class
+])
+def test_paced_bit_exact(norm, rope, one_launch, config, host):
+    """pacer=: the windows are the unpaced kernels' bit for bit (pacing only delays stores)."""
+    from cute_kernels.pacer import UNIT_BYTES, make_pacer
+
+    dtype, D, C, P, S_loc = torch.bfloat16, 128, 512, 4, 576
+    proj = make_proj(2 * P, 2 * P, D, C, P, dtype, norm=norm)
+    cfg = K.config_for(S_loc, 2 * D, D, True) if config == "rows" else None
+    pacer = make_pacer(torch.device(DEV, torch.cuda.current_device()), 20.0, UNIT_BYTES, 4)
+    got, ref, outs = run_case(proj, 1, S_loc, C, dtype, rope=rope, config=cfg, one_launch=one_launch,
+                              pacer=pacer, host=host)
+    assert_bit_exact(got, ref)
+    assert_close_to_torch(proj, outs[:1], rope, dtype)
+
+
+def test_pacer_spaces_the_projection_stores():
+    """At 1 GB/s the projection's stores (S_loc x N x 2 bytes) take at least their bytes / rate less
+    the burst tolerance, and not much more."""
+    from cute_kernels.pacer import UNIT_BYTES, make_pacer
+
+    dtype, D, C, P, S_loc = torch.bfloat16, 128, 512, 4, 384
+    proj = make_proj(2 * P, 2 * P, D, C, P, dtype)
+    N = P * S_loc
+    win = Windows(P, 1, N, [2, 2, 2], D, dtype)
+    x = torch.randn(1, S_loc, C, device=DEV).to(dtype)
+    cs = rope_table(S_loc, D)
+    pacer = make_pacer(x.device, 1.0, UNIT_BYTES, burst_tiles=2)
+    launch = K.qkv_a2a_launcher(x, proj, win.tensors, 0, rope_cs=cs, pacer=pacer)
+    launch(x, proj, cs)  # compiled, and a TAT in the past for the next launch
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    launch(x, proj, cs)
+    b.record()
+    torch.cuda.synchronize()
+    units = S_loc * proj.weight.shape[0] * 2 / UNIT_BYTES
+    unit_us = pacer[1].item() / 1e3
+    assert a.elapsed_time(b) * 1e3 >= (units - 2 - 1) * unit_us
+    assert a.elapsed_time(b) * 1e3 < (units + 20) * unit_us
 
 
 def test_head_dim_64_and_batch():
