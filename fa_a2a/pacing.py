@@ -266,35 +266,40 @@ def launch_pacer(decision: Pacing, device, tile_m: int, head_dim: int, dtype: to
 # ---- the QKV projection's stores (the block's pre-A2A, cute_kernels.qkv_a2a_sm90's pacer) -------
 GEMM_TFLOPS = 700.0  # the projection's GEMM, bf16, Flux shapes, H200: 750 TFLOP/s at S_loc 2304
 PROJECTION_BURST_UNITS = 4  # the projection pacer's burst tolerance, in UNIT_BYTES (256 KiB)
-PROJECTION_MIN_GEMM_SHARE = 0.6  # pace only where the GEMM takes at least this share of its stores' link time
+PROJECTION_GEMM_SHARES = (0.6, 2.0)  # pace only where the GEMM takes this many times its stores' link time
 
 
 def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: float = GEMM_TFLOPS,
                       shared_gpu: bool = False) -> Pacing:
     """The automatic rule for the projection's stores (out_bytes into the windows, its GEMM of
-    `flops` at gemm_tflops), from what the stores take on the link (drain = out_bytes / link):
-      - drain <= QUEUE_FRACTION x GEMM: off (the link keeps up; pacing would only add its atomics);
-      - GEMM < PROJECTION_MIN_GEMM_SHARE x drain: off (the stores are link-bound: the pacer's slots
-        stretch them past the link's own time by more than the GEMM it could hide);
+    `flops` at gemm_tflops), from the GEMM's share = GEMM time / the link's time for the stores
+    (out_bytes / link), with (lo, hi) = PROJECTION_GEMM_SHARES:
+      - share > hi: off (a fast link: its stores do not queue, and the pacer's slots only hold the
+        epilogues);
+      - share < lo: off (the stores are link-bound: the pacer's slots stretch them past the link's
+        own time by more than the GEMM it could hide);
       - otherwise paced at PACE_FRACTION of the link; unpaced where other ranks' kernels share the
         GPU (not measured there).
-    Measured (one H200, 2026-12-04, examples/qkv_speed.py --dest host --world-size 2 --paced-gbps,
-    N 9216, windows in pinned host memory, link 51-52 GB/s; GEMM share = GEMM estimate / drain; fused
-    q|k|v + bias, paced at 88% of the link against unpaced): share 0.22 (C 3072): +18% at S_loc 576,
-    -3% at 2304; 0.46 (C 6144): +6% / -7%; 0.69 (C 9216): -7% / -7%; 0.9 (C 12288): -15% / -13%;
-    1.8 (C 24576, 2304 rows; paced at 44 GB/s): -23%, though the link carries its stores in 56% of
-    the GEMM's time: the stores queue in bursts, as FA4's O tiles do."""
+    Measured (one H200, 2026-12-04, examples/qkv_speed.py --world-size 2 --paced-gbps, N 9216, fused
+    q|k|v + bias, paced at 88% of the link against unpaced, S_loc 576 / 2304). Windows in pinned host
+    memory (link 51-52 GB/s): share 0.22 (C 3072): +18% / -3%; 0.46 (C 6144): +6% / -7%; 0.69
+    (C 9216): -7% / -7%; 0.9 (C 12288): -15% / -13%; 1.8 (C 24576, 2304 rows, paced at 44 GB/s): -23%,
+    though the link carries the stores in 56% of the GEMM's time (they queue in bursts, as FA4's O
+    tiles do). Windows in HBM (link 1257-1295 GB/s): share 2.8 (C 1536) +33% at 576 rows, 5.6
+    (C 3072) +9.5%."""
     if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
         raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    lo, hi = PROJECTION_GEMM_SHARES
     gemm_us = flops / (gemm_tflops * 1e6)
     drain_us = out_bytes / (link * 1e3)
+    share = gemm_us / drain_us
     facts = (f"the projection's {out_bytes / 1e6:.2f} MB take {drain_us:.1f} us at the link's {link:.1f} GB/s, "
-             f"its GEMM ~{gemm_us:.0f} us")
-    if drain_us <= QUEUE_FRACTION * gemm_us:
-        return Pacing(None, f"{facts}: within {QUEUE_FRACTION:.0%} of it, the link keeps up")
-    if gemm_us < PROJECTION_MIN_GEMM_SHARE * drain_us:
-        return Pacing(None, f"{facts}: below {PROJECTION_MIN_GEMM_SHARE:.0%} of the link's time, the stores are "
-                            "link-bound and pacing would stretch them more than it hides")
+             f"its GEMM ~{gemm_us:.0f} us ({share:.2f}x)")
+    if share > hi:
+        return Pacing(None, f"{facts}: above {hi:g}x, the link keeps up")
+    if share < lo:
+        return Pacing(None, f"{facts}: below {lo:g}x, the stores are link-bound and pacing would stretch them more "
+                            "than it hides")
     if shared_gpu:
         return Pacing(None, f"{facts}; other ranks' kernels share the GPU: unpaced (not measured there)")
     rate = PACE_FRACTION * link

@@ -177,8 +177,8 @@ FLUX_BYTES = 2304 * 9216 * 2
 @pytest.mark.parametrize("hidden,link,paced", [
     (3072, 52.0, False),  # GEMM share 0.22 of the host link: link-bound, pacing cost (576 rows) or ~3%
     (9216, 52.0, True),  # share 0.69: -7% measured
-    (24576, 52.0, True),  # GEMM longer than the link's time, and the stores still queued: -23% measured
-    (3072, 20000.0, False),  # a link that drains the stores in 1% of the GEMM
+    (24576, 52.0, True),  # share 1.8: the stores still queued, -23% measured
+    (3072, 1257.0, False),  # HBM: share 5.6, pacing cost 9.5% measured
 ])
 def test_projection_rule_follows_the_measured_shares(hidden, link, paced):
     flops = FLUX_FLOPS * hidden / 3072
@@ -190,15 +190,11 @@ def test_projection_rule_follows_the_measured_shares(hidden, link, paced):
 
 def test_projection_rule_edges():
     gemm_us = FLUX_FLOPS / (pacing.GEMM_TFLOPS * 1e6)
-    # the link's time for the stores at exactly the GEMM share's bound: paced; just below it: not
-    link = FLUX_BYTES / (gemm_us / pacing.PROJECTION_MIN_GEMM_SHARE * 1e3)
-    assert pacing.decide_projection(link * 0.999, FLUX_BYTES, FLUX_FLOPS).rate_gbps is None
-    assert pacing.decide_projection(link * 1.001, FLUX_BYTES, FLUX_FLOPS).rate_gbps is not None
-    # a link that drains the stores within QUEUE_FRACTION of the GEMM: unpaced
-    fast = FLUX_BYTES / (pacing.QUEUE_FRACTION * gemm_us * 1e3)
-    assert pacing.decide_projection(fast * 1.001, FLUX_BYTES, FLUX_FLOPS).rate_gbps is None
-    assert pacing.decide_projection(fast * 0.999, FLUX_BYTES, FLUX_FLOPS).rate_gbps is not None
-    shared = pacing.decide_projection(fast * 0.999, FLUX_BYTES, FLUX_FLOPS, shared_gpu=True)
+    lo, hi = pacing.PROJECTION_GEMM_SHARES
+    link = lambda share: FLUX_BYTES / (gemm_us / share * 1e3)  # noqa: E731  (the link giving that GEMM share)
+    for share, paced in ((lo * 0.999, False), (lo * 1.001, True), (hi * 0.999, True), (hi * 1.001, False)):
+        assert (pacing.decide_projection(link(share), FLUX_BYTES, FLUX_FLOPS).rate_gbps is not None) == paced, share
+    shared = pacing.decide_projection(link(1.0), FLUX_BYTES, FLUX_FLOPS, shared_gpu=True)
     assert shared.rate_gbps is None and "share the GPU" in shared.reason
     for bad in (0, -1.0, float("nan"), None):
         with pytest.raises(ValueError, match="link: expected a positive rate"):
