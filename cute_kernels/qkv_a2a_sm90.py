@@ -49,7 +49,10 @@ importing either (quack's import alone took ~9 s on the H200 machine: torch._dyn
 Ordering: the stores are TMA bulk stores issued by quack's epilogue exactly as for a plain
 output; nothing waits for remote completion. Visibility to the consumer comes from the barrier
 kernel launched after this one on the same stream (cute_kernels/signal.py): kernel completion
-orders every store of this grid before that barrier's release.
+orders every store of this grid before that barrier's release. With a pacer (qkv_a2a_launcher's
+pacer, qkv_a2a_sm90_device.StorePacer) each epilogue subtile's store waits for a slot of the
+grid-wide pacer before it issues; the ordering is the same. Where that pays over a slow link:
+fa_a2a.pacing.decide_projection.
 
 Measured (H200, 2026-12-03, bf16, C = 3072, N = 9216, H = 24, D = 128, emulated P = 8 windows,
 source rank 3; examples/qkv_speed.py: CUDA-graph replays of 20 calls, medians of 11 trials, us).

@@ -92,6 +92,15 @@ def windows_for(P, S_loc, heads, D, dtype, dest="hbm"):
     return [mem[:, t * per:(t + 1) * per].unflatten(1, (1, N, heads, D)) for t in range(3)]
 
 
+NAN = float("nan")
+
+
+def hiding(medians, fused, plain, chain):
+    """H = 1 - (fused - plain) / (chain - plain) of the named medians (nan where one is missing)."""
+    get = lambda k: medians.get(k, NAN)  # noqa: E731
+    return 1 - (get(fused) - get(plain)) / (get(chain) - get(plain))
+
+
 def measured_link(P, dtype, dest):
     """GB/s of the post-A2A kernel alone into P windows in `dest` (fa_a2a.pacing.measure_store_rate
     of LINK_PROBE_BYTES, as the op measures a transport's link)."""
@@ -209,12 +218,11 @@ def main(args):
         print("|---" * 6 + "|")
         for row in rows:
             m = row["median_us"]
-            get = lambda k: m.get(k, float("nan"))  # noqa: E731
-            hide = lambda f, p, s: 1 - (f - p) / (s - p)  # noqa: E731
             for tag in ["", *sorted({k[len("fused-"):] for k in m if k.startswith("fused-p")})]:
-                f, fn = get("fused" + (f"-{tag}" if tag else "")), get("fused-nr" + (f"-{tag}" if tag else ""))
-                print(f"| {row['S_loc']} | {tag or 'unpaced'} | {f:.1f} | {hide(f, get('plain'), get('plain+copy')):.0%} "
-                      f"| {fn:.1f} | {hide(fn, get('plain-nr'), get('plain-nr+copy')):.0%} |")
+                f, fn = ("fused" + (f"-{tag}" if tag else ""), "fused-nr" + (f"-{tag}" if tag else ""))
+                print(f"| {row['S_loc']} | {tag or 'unpaced'} | {m.get(f, NAN):.1f} "
+                      f"| {hiding(m, f, 'plain', 'plain+copy'):.0%} | {m.get(fn, NAN):.1f} "
+                      f"| {hiding(m, fn, 'plain-nr', 'plain-nr+copy'):.0%} |")
     print(f"\n{card}, bf16, C={C}, N={3 * H * D}, H={H}, D={D}, emulated P={P} (rank {rank}), windows in "
           f"{args.dest}, CUDA-graph replay medians (us) of {args.calls} calls, {args.trials} trials")
     if args.dest == "host":
@@ -223,12 +231,11 @@ def main(args):
         print("|---" * 10 + "|")
         for row in rows:
             m = row["median_us"]
-            get = lambda k: m.get(k, float("nan"))  # noqa: E731
-            hide = lambda f, p, s: 1 - (f - p) / (s - p)  # noqa: E731
-            print(f"| {row['S_loc']} | {get('plain'):.1f} | {get('copy'):.1f} | {get('plain+copy'):.1f} "
-                  f"| {get('fused'):.1f} | {hide(get('fused'), get('plain'), get('plain+copy')):.0%} "
-                  f"| {get('plain-nr'):.1f} | {get('plain-nr+copy'):.1f} | {get('fused-nr'):.1f} "
-                  f"| {hide(get('fused-nr'), get('plain-nr'), get('plain-nr+copy')):.0%} |")
+            cells = [f"{m.get(k, NAN):.1f}" for k in ("plain", "copy", "plain+copy", "fused")]
+            cells += [f"{hiding(m, 'fused', 'plain', 'plain+copy'):.0%}"]
+            cells += [f"{m.get(k, NAN):.1f}" for k in ("plain-nr", "plain-nr+copy", "fused-nr")]
+            cells += [f"{hiding(m, 'fused-nr', 'plain-nr', 'plain-nr+copy'):.0%}"]
+            print(f"| {row['S_loc']} | " + " | ".join(cells) + " |")
     for name in configs:
         tag = "" if name == "default" else f"@{name}"
         print(f"\nconfig {name}")

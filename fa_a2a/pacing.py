@@ -1,4 +1,5 @@
-"""The `pace` option: whether and how fast the fused kernel paces its O-tile stores.
+"""The `pace` option: whether and how fast the fused kernel paces its O-tile stores, and the block's
+QKV projection its epilogue's stores (the pre-A2A: decide_projection, at the end of this module).
 
 Why: over a slow link (peers behind PCIe, a congested switch; on one GPU: windows in pinned host
 memory) a wave of FA4 tiles issues its O stores at once, the write backlog stalls every SM's loads,
@@ -267,6 +268,7 @@ def launch_pacer(decision: Pacing, device, tile_m: int, head_dim: int, dtype: to
 GEMM_TFLOPS = 700.0  # the projection's GEMM, bf16, Flux shapes, H200: 750 TFLOP/s at S_loc 2304
 PROJECTION_BURST_UNITS = 4  # the projection pacer's burst tolerance, in UNIT_BYTES (256 KiB)
 PROJECTION_GEMM_SHARES = (0.6, 2.0)  # pace only where the GEMM takes this many times its stores' link time
+PROJECTION_PACE_FRACTION = 0.85  # of the link: the best of 40 / 44 / 48 GB/s at 2304 rows in 4 runs of 4
 
 
 def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: float = GEMM_TFLOPS,
@@ -278,15 +280,17 @@ def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: fl
         epilogues);
       - share < lo: off (the stores are link-bound: the pacer's slots stretch them past the link's
         own time by more than the GEMM it could hide);
-      - otherwise paced at PACE_FRACTION of the link; unpaced where other ranks' kernels share the
-        GPU (not measured there).
+      - otherwise paced at PROJECTION_PACE_FRACTION of the link; unpaced where other ranks' kernels
+        share the GPU (not measured there).
     Measured (one H200, 2026-12-04, examples/qkv_speed.py --world-size 2 --paced-gbps, N 9216, fused
-    q|k|v + bias, paced at 88% of the link against unpaced, S_loc 576 / 2304). Windows in pinned host
-    memory (link 51-52 GB/s): share 0.22 (C 3072): +18% / -3%; 0.46 (C 6144): +6% / -7%; 0.69
-    (C 9216): -7% / -7%; 0.9 (C 12288): -15% / -13%; 1.8 (C 24576, 2304 rows, paced at 44 GB/s): -23%,
-    though the link carries the stores in 56% of the GEMM's time (they queue in bursts, as FA4's O
-    tiles do). Windows in HBM (link 1257-1295 GB/s): share 2.8 (C 1536) +33% at 576 rows, 5.6
-    (C 3072) +9.5%."""
+    q|k|v + bias against unpaced, S_loc 576 / 2304). Windows in pinned host memory (link 51-52 GB/s),
+    paced at 88% of the link: share 0.22 (C 3072): +18% / -3%; 0.46 (C 6144): +6% / -7%; 0.69
+    (C 9216): -7% / -7%; 0.9 (C 12288): -15% / -13%, -17% in a second run; 1.8 (C 24576, 2304 rows):
+    -16%, though the link carries the stores in 56% of the GEMM's time (they queue in bursts, as
+    FA4's O tiles do). Paced at 44 GB/s (85% of the link) instead, at 2304 rows: -13% (C 9216), -22%
+    and -24% (C 12288), -23% and -20% (C 24576); at 576 rows 48 GB/s did best (-19% at C 12288,
+    -11% at C 9216, where 85% gave -13% and -4%). Windows in HBM (link 1257-1295 GB/s), paced at
+    88%: share 2.8 (C 1536) +33% at 576 rows, 5.6 (C 3072) +9.5%."""
     if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
         raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
     lo, hi = PROJECTION_GEMM_SHARES
@@ -302,8 +306,8 @@ def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: fl
                             "than it hides")
     if shared_gpu:
         return Pacing(None, f"{facts}; other ranks' kernels share the GPU: unpaced (not measured there)")
-    rate = PACE_FRACTION * link
-    return Pacing(rate, f"{facts}: paced at {PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
+    rate = PROJECTION_PACE_FRACTION * link
+    return Pacing(rate, f"{facts}: paced at {PROJECTION_PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
 
 
 def plan_projection_pacing(pace: Pace, link: Callable[[], float], device, rows: int, columns: int, hidden: int,

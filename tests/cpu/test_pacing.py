@@ -185,7 +185,7 @@ def test_projection_rule_follows_the_measured_shares(hidden, link, paced):
     d = pacing.decide_projection(link, FLUX_BYTES, flops)
     assert (d.rate_gbps is not None) == paced, d.reason
     if paced:
-        assert d.rate_gbps == pytest.approx(PACE_FRACTION * link)
+        assert d.rate_gbps == pytest.approx(pacing.PROJECTION_PACE_FRACTION * link)
 
 
 def test_projection_rule_edges():
@@ -213,7 +213,7 @@ def test_plan_projection_pacing_follows_the_option():
     assert pacing.plan_projection_pacing(33.0, link, *args) == Pacing(33.0, "pace 33 GB/s given")
     assert probes == []  # the link is measured only for "auto"
     auto = pacing.plan_projection_pacing("auto", link, *args)
-    assert auto.rate_gbps == pytest.approx(PACE_FRACTION * 20.0) and probes == [1]
+    assert auto.rate_gbps == pytest.approx(pacing.PROJECTION_PACE_FRACTION * 20.0) and probes == [1]
     pacer = pacing.projection_pacer(auto, "cpu")
     from cute_kernels.pacer import UNIT_BYTES
 
