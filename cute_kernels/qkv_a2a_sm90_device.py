@@ -373,8 +373,8 @@ def launch_form(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Optio
     max_active_clusters in it). Each epilogue field, in the kernel's order, is None (passed as None:
     absent, or a compile-time constant such as the head dim of the norm) or (operand, unsqueeze):
     the launch group's operand of that name ("b"/"bias", "w", "rot", "sel", "cs", "cos", "sin", or
-    PACER: the launch's pacer state), as a [1, n] row when unsqueeze. Raises where an epilogue op passes its value in another form
-    (none of this module's do)."""
+    PACER: the launch's pacer state), as a [1, n] row when unsqueeze. Raises where an epilogue op
+    passes its value in another form (none of this module's do)."""
     cdt = torch2cute_dtype_map[dtype]
     _, _, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", "k", "n", None)
     cls, _, call_ops, dummies = _kernel_class(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced,

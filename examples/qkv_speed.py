@@ -53,7 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--dest", choices=("hbm", "host"), default="hbm",
                     help="where the P rank windows live: this GPU's memory, or pinned host memory (a slow link)")
     ap.add_argument("--paced-gbps", type=float, nargs="*", default=[],
-                    help="also time fused and fused-nr with their stores paced at these GB/s, and as pace='auto' decides")
+                    help="also time fused and fused-nr with their stores paced at these GB/s, and as "
+                         "pace='auto' decides")
     ap.add_argument("--start-after", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -168,7 +169,8 @@ def main(args):
         if args.paced_gbps:
             from fa_a2a.pacing import decide_projection, projection_pacer, Pacing
 
-            d = decisions[S_loc] = decide_projection(link, S_loc * 3 * H * D * x.element_size(), 2.0 * S_loc * C * 3 * H * D)
+            d = decisions[S_loc] = decide_projection(link, S_loc * 3 * H * D * x.element_size(),
+                                                     2.0 * S_loc * C * 3 * H * D)
             rates = {f"p{r:g}": Pacing(r, "given") for r in args.paced_gbps}
             if d.rate_gbps is not None:
                 rates["pauto"] = d
@@ -211,7 +213,8 @@ def main(args):
 
     card = torch.cuda.get_device_name()
     if args.paced_gbps:
-        print(f"\nlink (the post-A2A kernel alone into {args.dest} windows, as fa_a2a.pacing measures it): {link:.1f} GB/s")
+        print(f"\nlink (the post-A2A kernel alone into {args.dest} windows, as fa_a2a.pacing measures it): "
+              f"{link:.1f} GB/s")
         for S_loc, d in decisions.items():
             print(f"S_loc {S_loc}: pace='auto': {d.reason}")
         print("\n| S_loc | variant | fused | H | fused-nr | H nr |")

@@ -729,7 +729,8 @@ class _RankBlock:
         """The projection's store pacing (fa_a2a.pacing.plan_projection_pacing) from the call's pace:
         "auto" decides from the input windows' link (collective the first time: every rank builds its
         _RankBlock at the same call); a rate paces at that rate where the input windows sit behind
-        the attention's link, and decides as "auto" where they do not (Transport.split_links)."""
+        the attention's link, and decides as "auto" where they do not (Transport.split_links). The
+        GEMM is estimated from all the rank's rows with the first segment's weights and width."""
         from fa_a2a.pacing import link_gbps, plan_projection_pacing
 
         t, p = self.transport, self.problem
