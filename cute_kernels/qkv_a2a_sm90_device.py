@@ -109,6 +109,9 @@ class StorePacer(EpiOp):
         return None  # nothing staged: the driver's own barrier follows
 
 
+_STORE_PACER = StorePacer(PACER)
+
+
 @cute.jit
 def _pace_subtile(mPace: cute.Tensor, tidx, subtile_bytes: cutlass.Constexpr[int]):
     if tidx == 0:
@@ -121,7 +124,7 @@ def _paced_mod(mod: EpiMod) -> EpiMod:
     if mod.output_ops or mod.sinks:
         raise NotImplementedError(f"{mod.fn.__name__}: the paced copy keeps no stored outputs or sinks besides D")
     return EpiMod(mod.fn, ops=mod.ops, mode=mod.mode, prepass=mod.prepass, prepass_outs=mod.prepass_outs,
-                  extra_ops=mod.extra_ops + (StorePacer(PACER),), vectorize=mod.vectorize)
+                  extra_ops=mod.extra_ops + (_STORE_PACER,), vectorize=mod.vectorize)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +134,7 @@ def _paced_default_class():
     Args = NamedTuple("EpilogueArguments", [*base.__annotations__.items(), (PACER, Optional[cute.Tensor])])
     Args.__new__.__defaults__ = tuple(base._field_defaults.get(f) for f in base._fields) + (None,)
     return type("GemmRankWindowPacedSm90", (_RankWindowD, GemmDefaultSm90),
-                {"_epi_ops": GemmDefaultSm90._epi_ops + (StorePacer(PACER),),
+                {"_epi_ops": GemmDefaultSm90._epi_ops + (_STORE_PACER,),
                  "EpilogueArguments": mlir_namedtuple(Args), "__module__": __name__})
 
 
@@ -312,7 +315,7 @@ def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope
         if bias_dtype is not None:
             row = make_fake_tensor(torch2cute_dtype_map[bias_dtype], (l, n), leading_dim=1, divisibility=4)
         cls = _paced_default_class() if paced else GemmRankWindowSm90
-        fields = {PACER: StorePacer(PACER).host_fake_arg(None, None)} if paced else {}
+        fields = {PACER: _STORE_PACER.host_fake_arg(None, None)} if paced else {}
         epi = cls.EpilogueArguments(
             alpha=None, beta=None, mRowVecBroadcast=row, mColVecBroadcast=None,
             add_to_output=False, rounding_mode=RoundingMode.RN, sr_seed=None, **fields,

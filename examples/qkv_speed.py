@@ -30,6 +30,7 @@ fa_a2a.pacing's automatic rule decides from the windows' link, measured as the o
 
 import argparse
 import json
+import math
 import os
 import re
 import time
@@ -108,9 +109,7 @@ def measured_link(P, dtype, dest):
     from fa_a2a.pacing import measure_store_rate, probe_shape
 
     shape = (P, *probe_shape(P))
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     if dest == "host":
         from ulysses.transport import pinned_on_device
 

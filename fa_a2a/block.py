@@ -738,9 +738,9 @@ class _RankBlock:
             return None
         pace = "auto" if t.split_links else p.pace
         proj = segs[0][1]
-        return plan_projection_pacing(pace, lambda: link_gbps(t, "in"), t.device, self.rows + self.joint_rows,
-                                      proj.weight.shape[0], segs[0][0].shape[2],
-                                      p.dtype, ranks_per_gpu=t.ranks_per_gpu)
+        return plan_projection_pacing(pace, lambda: link_gbps(t, "in"), self.rows + self.joint_rows,
+                                      proj.weight.shape[0], segs[0][0].shape[2], p.dtype,
+                                      ranks_per_gpu=t.ranks_per_gpu)
 
     @property
     def closed(self) -> bool:

@@ -109,13 +109,17 @@ class Pacing:
     reason: str
 
 
+def _check_link(link) -> None:
+    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
+        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+
+
 def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[int] = None,
            shared_gpu: bool = False) -> Pacing:
     """The automatic rule (module docstring) for a link of `link` GB/s and FA4's tiles
     (xstage.FaTiles on this rank's share of the SMs; gpu_sms: the whole GPU's, default the same;
     shared_gpu: other ranks' kernels run at once on this GPU)."""
-    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
-        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    _check_link(link)
     one = one_wave(tiles)
     if one is not None:
         return one
@@ -291,8 +295,7 @@ def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: fl
     and -24% (C 12288), -23% and -20% (C 24576); at 576 rows 48 GB/s did best (-19% at C 12288,
     -11% at C 9216, where 85% gave -13% and -4%). Windows in HBM (link 1257-1295 GB/s), paced at
     88%: share 2.8 (C 1536) +33% at 576 rows, 5.6 (C 3072) +9.5%."""
-    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
-        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    _check_link(link)
     lo, hi = PROJECTION_GEMM_SHARES
     gemm_us = flops / (gemm_tflops * 1e6)
     drain_us = out_bytes / (link * 1e3)
@@ -310,7 +313,7 @@ def decide_projection(link: float, out_bytes: int, flops: float, gemm_tflops: fl
     return Pacing(rate, f"{facts}: paced at {PROJECTION_PACE_FRACTION:.0%} of the link, {rate:.1f} GB/s")
 
 
-def plan_projection_pacing(pace: Pace, link: Callable[[], float], device, rows: int, columns: int, hidden: int,
+def plan_projection_pacing(pace: Pace, link: Callable[[], float], rows: int, columns: int, hidden: int,
                            dtype: torch.dtype, *, ranks_per_gpu: int = 1) -> Pacing:
     """The pacing of one rank's projection (rows x columns outputs from `hidden` inputs): pace as
     check_pace returns it (a rate: that rate; "auto": decide_projection with link(), called only

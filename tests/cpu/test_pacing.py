@@ -208,7 +208,7 @@ def test_plan_projection_pacing_follows_the_option():
         probes.append(1)
         return 20.0
 
-    args = ("cpu", 2304, 9216, 24576, torch.bfloat16)
+    args = (2304, 9216, 24576, torch.bfloat16)
     assert pacing.plan_projection_pacing(None, link, *args).rate_gbps is None
     assert pacing.plan_projection_pacing(33.0, link, *args) == Pacing(33.0, "pace 33 GB/s given")
     assert probes == []  # the link is measured only for "auto"
