@@ -18,10 +18,12 @@ issues after the slot. TAT left by an earlier launch lies in the past and acts a
 between launches or CUDA-graph replays.
 
 Ordering is unchanged from the parent kernel (cute_kernels.fa4_a2a_sm90): the store is waited for
-only until it has read shared memory. Values are the parent's bit for bit; the TMA path only
-(S_loc a multiple of the tile rows), no LSE output, no rank rotation. The pacer rides last in the
-parent's aux tensors (its `mPace` argument). Launch: fa_a2a.fused.fa4_a2a_forward(..., pacer=
-cute_kernels.pacer.make_pacer(...)) (compile kind "a2a-paced").
+only until it has read shared memory. Values are the parent's bit for bit; both O paths: "tma"
+(S_loc a multiple of the tile rows) and "st" (the per-thread stores, any S_loc: every epilogue
+thread waits for the slot at the epilogue's first barrier, which warp 4 reaches after it); no LSE
+output, no rank rotation. The pacer rides last in the parent's aux tensors (its `mPace`
+argument). Launch: fa_a2a.fused.fa4_a2a_forward(..., pacer=cute_kernels.pacer.make_pacer(...))
+(compile kinds "a2a-paced" for the TMA path, "a2a-paced-st").
 
 Measured (H200, 2026-12-03, bf16, D=128, H_loc=3, emulated P=8, rank 0; `examples/
 host_window_hiding.py OUT --variants fused --paced-host-gbps 44 48 52 --paced-hbm-gbps 1000
@@ -56,8 +58,6 @@ class FlashAttentionA2APacedForwardSm90(FlashAttentionA2AForwardSm90):
     """The rank-window kernel whose O stores take slots from a grid-wide pacer (module docstring)."""
 
     def __init__(self, *args, **kwargs):
-        if kwargs.get("o_store", "tma") != "tma":
-            raise ValueError(f"o_store: the paced kernel paces TMA stores, got {kwargs['o_store']!r}")
         if kwargs.get("rotate", False):
             raise ValueError("rotate: the paced kernel launches FA4's own scheduler, got rotate=True")
         super().__init__(*args, **kwargs)
@@ -69,8 +69,8 @@ class FlashAttentionA2APacedForwardSm90(FlashAttentionA2AForwardSm90):
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma, tidx,
                  m_block, head_idx, batch_idx):
-        # warp 4 issues the TMA store in the parent; the other epilogue threads wait for it at the
-        # epilogue barrier, so the store leaves after the slot
+        # warp 4 issues the TMA store in the parent; every epilogue thread waits for it at the
+        # epilogue's first barrier, so the store (TMA, or each thread's st) leaves after the slot
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 4:
             if cute.arch.lane_idx() == 0:

@@ -9,6 +9,7 @@ and the command lines offer HEAD_DIMS. Importing this module loads neither torch
 from __future__ import annotations
 
 HEAD_DIMS = (64, 128)
+MAX_WORLD_SIZE = 32  # ranks the barrier kernel (cute_kernels.signal) and so every transport take
 EPS = 1e-6  # the QKV projection's RMSNorm eps (quack's HeadRstd in its qk epilogues): Flux's and Wan's
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from cute_kernels.signal import MAX_WORLD_SIZE
+from cute_kernels.limits import MAX_WORLD_SIZE
 
 
 class BarrierKernel:

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fa_a2a.cli import no_gpu
+
 H, D = 24, 128
 C = H * D  # Flux's hidden size
 BLOCK_LAUNCHES = 8  # an upper bound of the block's launches per rank and call (rope, projection, barriers, FA4, copy)
@@ -283,7 +285,7 @@ def main() -> None:
     if under_torchrun and args.no_real_ranks:
         ap.error("--no-real-ranks: under torchrun only the real-rank case runs")
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+        raise SystemExit(no_gpu("examples/eager_host_cost.py", "the timing of eager calls"))
     if under_torchrun:
         rows = torchrun_case(args.calls, args.profile)
         if rows is None:  # not rank 0

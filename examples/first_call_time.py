@@ -142,8 +142,11 @@ def run_case(what: str, P: int, cache: Path, work: Path, tag: str, profile: bool
 def main(profile: bool) -> None:
     import torch
 
+    from fa_a2a.cli import no_gpu  # here, not at the top: a rank child's import time stays the project's own
+
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("needs an SM90 GPU (compute capability 9.0)")
+        raise SystemExit(no_gpu("examples/first_call_time.py", "the first-call timing",
+                                "an SM90 GPU (compute capability 9.0)"))
     print(f"{'case':<14}{'cache':<7}{'import s':>9}{'first output s':>16}{'first call s':>14}"
           f"{'second call ms':>16}{'CuTe DSL':>10}{'entries':>9}{'same output':>13}{'warm/cold':>11}"
           f"{'after imports w/c':>19}")

@@ -1,5 +1,11 @@
 """Memory of the fused Flux processor's weights: one copy of the attention weights, not two.
 
+Needs the [dit] extra (diffusers: `pip install -e ".[dit]"`) and room for the model: the whole
+Flux.1 transformer (the default) is ~24 GB of bf16 weights, in GPU memory or, with --device cpu
+(the default without a GPU), in RAM; --attention-only ~5 GB (5.02 GB held in the run below).
+The model's size is worked out before anything is allocated: where it does not fit in the free
+memory, the script says so in one line and exits with status 2.
+
 fa_a2a.flux_block's processor gathers each FluxAttention's q/k/v weights in destination order at
 the module's first fused call (flux_block.attention_weights), and the module's Linears become
 views of them. This builds a Flux.1-size transformer (19 double- + 38 single-stream blocks, 24
@@ -33,14 +39,21 @@ GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import resource
 import sys
 
+from fa_a2a.cli import cannot_run, no_gpu
+
+TOOL = "examples/flux_block_memory.py"
+
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p = argparse.ArgumentParser(prog="python examples/flux_block_memory.py", description=__doc__.split("\n\n")[0],
+                                epilog=" ".join(__doc__.split("\n\n")[1].split()))
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda (default when available) or cpu")
     p.add_argument("--world-size", type=int, default=8, help="P, the ranks the weights are gathered for")
     p.add_argument("--attention-only", action="store_true", help="the attention modules alone")
     p.add_argument("--copy", action="store_true", help="a copy beside the Linears (share_weights=False)")
@@ -61,6 +74,21 @@ def _parse(argv):
 def _build(args, device):
     """The transformer (or its attention modules) on `device`, random bf16 weights, norms' weights 1."""
     import torch
+
+    model = _meta_model(args).to_empty(device=device)
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.rsplit(".", 2)[-2].startswith("norm") and t.dim() == 1:
+                t.fill_(1)
+            elif t.is_floating_point():
+                t.normal_(0, 0.02, generator=g)
+    return model.eval()
+
+
+def _meta_model(args):
+    """The transformer (or its attention modules) in bf16 on the meta device: shapes, no memory."""
+    import torch
     from diffusers import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_flux import FluxAttention
 
@@ -76,15 +104,26 @@ def _build(args, device):
             model = FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.single_layers,
                                            attention_head_dim=D, num_attention_heads=args.heads,
                                            axes_dims_rope=(D // 8, 7 * D // 16, 7 * D // 16))
-    model = model.to(torch.bfloat16).to_empty(device=device)
-    g = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.rsplit(".", 2)[-2].startswith("norm") and t.dim() == 1:
-                t.fill_(1)
-            elif t.is_floating_point():
-                t.normal_(0, 0.02, generator=g)
-    return model.eval()
+    return model.to(torch.bfloat16)
+
+
+def model_bytes(args) -> int:
+    """Bytes of the model's parameters and buffers (bf16), from its meta-device twin."""
+    model = _meta_model(args)
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def free_bytes(device) -> int:
+    """Free memory where the model would go: the GPU's (cudaMemGetInfo) or the host's MemAvailable."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def storage_bytes(tensors) -> int:
@@ -152,8 +191,22 @@ def measure(args) -> dict:
     return r
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = _parse(argv)
+    if importlib.util.find_spec("diffusers") is None:
+        return cannot_run(TOOL, 'needs diffusers, the [dit] extra (pip install -e ".[dit]")')
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return no_gpu(TOOL, "--device cuda", "a CUDA GPU")
+    need, free = model_bytes(args), free_bytes(device)
+    what = "Flux.1's attention modules" if args.attention_only else "the Flux.1 transformer"
+    if need * 1.15 > free:  # the weights, plus one module's gathering and the process itself
+        return cannot_run(TOOL, f"{what} needs ~{need / 1e9:.1f} GB on {device}, {free / 1e9:.1f} GB free here"
+                          + ("" if args.attention_only else "; --attention-only builds the attention modules alone"))
+    print(f"building {what}: {need / 1e9:.1f} GB of bf16 weights on {device} ({free / 1e9:.1f} GB free)", flush=True)
+    args.device = str(device)
     r = measure(args)
     gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
     print(f"{r['attention_modules']} attention modules on {r['device']}, P = {r['world_size']}, "
@@ -170,6 +223,7 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

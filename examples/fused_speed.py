@@ -18,12 +18,13 @@ import math
 import os
 import statistics
 
-from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, float_in, int_in
+from fa_a2a.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
+                        int_in, no_gpu)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[8192, 16384, 32768, 65536],
+    ap.add_argument("--seqlens", type=SEQLEN, nargs="+", default=[8192, 16384, 32768, 65536],
                     help="M, multiples of --world-size")
     ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
     ap.add_argument("--heads-per-rank", type=int_in(1, MAX_HEADS), default=3)
@@ -33,9 +34,10 @@ def parse_args(argv=None):
                     help="length of one replay in ms (sets the calls per graph)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for M in args.seqlens:
-        if M % args.world_size:
-            ap.error(f"--seqlens: multiples of --world-size {args.world_size} expected, got {M}")
+    try:
+        check_seqlens(args.seqlens, args.world_size, "--world-size")
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -50,7 +52,7 @@ from graphs import median, time_graphs  # noqa: E402
 
 def main(args):
     if not torch.cuda.is_available():
-        raise SystemExit("examples/fused_speed.py: needs a CUDA GPU (SM90); nothing measured")
+        raise SystemExit(no_gpu("examples/fused_speed.py", "the fused kernel's timing"))
     P, H_loc, D = args.world_size, args.heads_per_rank, args.head_dim
     rows = []
     for M in args.seqlens:

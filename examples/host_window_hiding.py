@@ -47,7 +47,8 @@ import json
 import math
 import statistics
 
-from fa_a2a.cli import KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, float_in, int_in
+from fa_a2a.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
+                        int_in, no_gpu)
 
 VARIANTS = {  # the unpaced O-store paths
     "fused": dict(o_store="tma"),
@@ -59,7 +60,7 @@ MAX_CTAS = 1024  # storing CTAs (more than any GPU's SMs)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    seqlen = int_in(1, MAX_SEQLEN)
+    seqlen = SEQLEN
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--seqlens", type=seqlen, nargs="*", default=[8192, 16384, 32768],
                     help="sequence lengths of the timing table (none: probes only)")
@@ -306,18 +307,21 @@ def pace_probe(n_sms, D, dt, tile_m, fractions, ctas_list, replays=3):
 
 def main(parser, args):
     if not torch.cuda.is_available():
-        raise SystemExit("examples/host_window_hiding.py: needs a CUDA GPU (SM90); nothing measured")
+        raise SystemExit(no_gpu("examples/host_window_hiding.py", "the hiding probe"))
     P, H_loc, D, dt = args.world_size, args.heads_per_rank, args.head_dim, torch.bfloat16
     H = P * H_loc
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     tile_m = tile_m_for(D)
+    for flag, values in (("--seqlens", args.seqlens), ("--hbm-only-seqlens", args.hbm_only_seqlens)):
+        try:
+            check_seqlens(values, P * tile_m, f"P * tile_m = {P} * {tile_m}", flag=flag)
+        except ValueError as e:
+            parser.error(str(e))
     platform = PlatformModel.from_json(args.platform) if args.platform else None
     rows, stamps, raw = [], [], {}
     print("| M | dest | variant | us | / FA4 | hiding H | bound us | H_bound | model us |")
     print("|---|---|---|---|---|---|---|---|---|")
     for M in args.seqlens + args.hbm_only_seqlens:
-        if M % (P * tile_m):
-            parser.error(f"--seqlens: multiples of P * tile_m = {P * tile_m} expected, got {M}")
         S_loc = M // P
         set_bytes = 4 * M * H_loc * D * 2
         sets = [[torch.randn(1, M, H_loc, D, device="cuda", dtype=dt) for _ in range(4)]

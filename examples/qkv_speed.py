@@ -35,7 +35,7 @@ import os
 import re
 import time
 
-from fa_a2a.cli import add_block_shape_args
+from fa_a2a.cli import add_block_shape_args, check_seqlens, no_gpu
 
 
 def tile_config(text):
@@ -63,6 +63,10 @@ def parse_args(argv=None):
         ap.error(f"--paced-gbps: rates in (0, 1e6] GB/s expected, got {args.paced_gbps}")
     if args.heads % args.world_size:
         ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
+    try:
+        check_seqlens(args.seqlens)
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -122,7 +126,7 @@ def measured_link(P, dtype, dest):
 
 def main(args):
     if not torch.cuda.is_available():
-        raise SystemExit("examples/qkv_speed.py: needs a CUDA GPU (SM90); nothing measured")
+        raise SystemExit(no_gpu("examples/qkv_speed.py", "the projection's timing"))
     P, H, D, C, dtype = args.world_size, args.heads, args.head_dim, args.hidden, torch.bfloat16
     rank = min(3, P - 1)
     g = torch.Generator(device="cuda").manual_seed(0)

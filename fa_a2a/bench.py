@@ -52,7 +52,7 @@ from fa_a2a.bench_methods import BY_KEY, METHODS, _Point, not_applicable
 from fa_a2a.bench_report import (_finite, _first_line, _git_commit, _Log, _tiles, _versions, derive, format_eager,
                                  format_model, format_predictions, format_table, model_applies, model_row,
                                  predictions, write_plots, write_result)
-from fa_a2a.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE
+from fa_a2a.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_seqlens
 from fa_a2a.xstage import US
 
 EMULATION_NOTE = (
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "emulated": " (emulated ranks only)"}.get(m.ranks, "")
                                         for m in METHODS),
     )
-    p.add_argument("--seqlens", "-M", type=int, nargs="+", default=None,
+    p.add_argument("--seqlens", "-M", nargs="+", metavar="M", default=None,
                    help=f"full sequence lengths M (default {' '.join(map(str, DEFAULT_SEQLENS))}; "
                    f"--quick: {' '.join(map(str, QUICK_SEQLENS))})")
     p.add_argument("--heads", type=int, default=24, help="total heads H over all ranks (default 24)")
@@ -187,12 +187,7 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
         seqlens = tuple(ns.seqlens)
     else:
         seqlens = CALL_SEQLENS if whole_call else (QUICK_SEQLENS if ns.quick else DEFAULT_SEQLENS)
-    for m in seqlens:
-        _bounded(m, "--seqlens")
-        if m % world:
-            raise ValueError(f"--seqlens: M={m} is not divisible by the world size P={world}")
-    if len(set(seqlens)) != len(seqlens):
-        raise ValueError(f"--seqlens: repeated values in {list(seqlens)}")
+    seqlens = check_seqlens(seqlens, world, "the world size P")
     _bounded(ns.heads, "--heads")
     if ns.heads % world:
         raise ValueError(f"--heads: H={ns.heads} is not divisible by the world size P={world}")
@@ -263,9 +258,22 @@ def parse_args(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None)
 # ------------------------------------------------------------------------------ no GPU
 def no_gpu(cfg: BenchConfig) -> int:
     """The Burst-Gap model's predictions without a GPU, printed by rank 0 (under torchrun the
-    other ranks print nothing); nothing is written to --out."""
+    other ranks print nothing); nothing is written: not to --out, and FA4's tile table, which the
+    model reads, is not kept in the compile cache (FA_A2A_CACHE=0 while it is read)."""
     if _rank_from_env() != 0:
         return 0
+    saved = os.environ.get("FA_A2A_CACHE")
+    os.environ["FA_A2A_CACHE"] = "0"
+    try:
+        return _predict_without_gpu(cfg)
+    finally:
+        if saved is None:
+            os.environ.pop("FA_A2A_CACHE", None)
+        else:
+            os.environ["FA_A2A_CACHE"] = saved
+
+
+def _predict_without_gpu(cfg: BenchConfig) -> int:
     print("No CUDA GPU: nothing was measured (the benchmark needs an SM90 GPU; run it there, or under "
           "torchrun --nproc-per-node=N for N GPUs).")
     model, source = load_platform(cfg.platform)
@@ -277,7 +285,7 @@ def no_gpu(cfg: BenchConfig) -> int:
         print(HOST_NOTE + (" The model below is of another path: give --platform of a host calibration."
                            if not model_applies(model, "host") or cfg.platform is None else ""))
     print(format_predictions(predictions(cfg, model, sigma, cfg.num_sms), source))
-    print(f"Nothing written to {cfg.out} (only measurements are written).")
+    print(f"Nothing written to {cfg.out} (only measurements are written), nor to the compile cache.")
     return 0
 
 
@@ -350,7 +358,12 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
 
     point = {"M": M, "dest": dest, "S_loc": M // P, "H_loc": H_loc, "input_sets": n_sets, "n_calls": None,
              "raw_us": {}, "median_us": {}, "eager_raw_us": {}, "eager_us": {}, "status": status, "finite": {},
-             "clocks": {}}
+             "clocks": {}, "auto": None}
+    if "op_emulated_auto" in calls or "layer_auto" in calls:  # decided at its first call, above
+        from fa_a2a.autotune import decision_text
+
+        point["auto"] = decision_text("ulysses_attention", M // P)
+        log(f"  M={M} ({dest}): impl='auto': {point['auto']}")
     if not calls:
         point["derived"] = derive({})
         return point

@@ -50,7 +50,7 @@ import math
 import os
 import time
 
-from fa_a2a.cli import add_block_shape_args
+from fa_a2a.cli import add_block_shape_args, check_seqlens, no_gpu
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.heads % args.world_size:
         ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
+    try:
+        check_seqlens(args.seqlens)
+    except ValueError as e:
+        ap.error(str(e))
 
     from fa_a2a.bench_config import load_platform
 
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("python -m fa_a2a.bench_block: needs a CUDA GPU (SM90); nothing measured")
+        return no_gpu("python -m fa_a2a.bench_block", "the block benchmark")
     from cute_kernels import qkv_a2a_sm90 as K
     from fa_a2a import block
     from fa_a2a.forward import window_plan

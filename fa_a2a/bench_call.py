@@ -14,7 +14,11 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
   fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
              stores paced as pace="auto" decides (fa_a2a.pacing; the decision is logged per M)
   fused_unpaced  the same with pace=None (what the fused call did before pacing existed)
+  fused_st   fa_a2a.ulysses_attention(impl="fused:st"): the fused call with per-thread O stores
+             (where S_loc is a multiple of the tile's rows "fused" stores with TMA)
   nccl       fa_a2a.ulysses_attention(impl="nccl"): all_to_all_single around FA4 (one GPU per rank only)
+  auto       fa_a2a.ulysses_attention(impl="auto"): the path fa_a2a.autotune picked at its first call
+             (its decision, how it was reached and its candidates' times are printed per M)
   qkv_gemm   the attention block's QKV projection alone (Flux-style bias, per-head RMSNorm, RoPE; C = H*D)
              with a plain output: the same kernels, tiles and epilogue as the block, no rank windows
   block      fa_a2a.ulysses_qkv_attention from the hidden states: the projection storing into the
@@ -59,6 +63,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fa_a2a.autotune import decision_text
 from fa_a2a.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
 from fa_a2a.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
 
@@ -83,7 +88,9 @@ CALL_METHODS = (
     CallMethod("serial", "serial call", "ulysses_attention(impl='serial')"),
     CallMethod("fused", "fused call", "ulysses_attention(impl='fused'), pace='auto'"),
     CallMethod("fused_unpaced", "fused unpaced", "ulysses_attention(impl='fused', pace=None)"),
+    CallMethod("fused_st", "fused st", "ulysses_attention(impl='fused:st'), pace='auto'"),
     CallMethod("nccl", "NCCL call", "ulysses_attention(impl='nccl')", needs_nccl=True),
+    CallMethod("auto", "auto call", "ulysses_attention(impl='auto'): the path fa_a2a.autotune picked"),
     CallMethod("qkv_gemm", "QKV GEMM", "the block's QKV projection alone, plain output (qkv_projection_plain)"),
     CallMethod("block", "block call", "ulysses_qkv_attention(impl='fused') from the hidden states"),
 )
@@ -148,6 +155,11 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
                                  f"{[len(raw[k]) for k in keys]}")
             paired = statistics.median(_quot({k: raw[k][t] for k in keys}, num, den) for t in range(n))
         out[name + "_paired"] = paired
+    out["auto_over_best"] = _over_best(med)
+    out["auto_over_best_paired"] = None
+    if raw and raw.get("auto") and all(raw.get(k) for k in AUTO_CANDIDATES if k in med):
+        out["auto_over_best_paired"] = statistics.median(
+            _over_best({k: raw[k][t] for k in raw if k in med}) for t in range(len(raw["auto"])))
     for name, call, base in HIDING:
         out[name] = _hiding(med, call, base)
         paired = None
@@ -156,6 +168,15 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
             paired = statistics.median(per_trial) if None not in per_trial else None
         out[name + "_paired"] = paired
     return out
+
+
+AUTO_CANDIDATES = ("fused", "fused_st", "serial", "nccl")  # impl "auto"'s candidates, as methods here
+
+
+def _over_best(values: dict) -> Optional[float]:
+    """auto / the fastest of its candidates that ran (None without auto or any candidate)."""
+    ran = [values[k] for k in AUTO_CANDIDATES if k in values]
+    return values["auto"] / min(ran) if "auto" in values and ran else None
 
 
 def _hiding(values: dict, call: str, base: Sequence[str]) -> Optional[float]:
@@ -202,7 +223,7 @@ def new_point(M: int, S_loc: int, H_loc: int, status: dict) -> dict:
     """One M's record (JSON) before anything is timed."""
     return {"M": M, "S_loc": S_loc, "H_loc": H_loc, "n_calls": None, "status": status, "timing_mode": None,
             "capture_error": None, "raw_us": {}, "median_us": {}, "eager_raw_us": {}, "eager_us": {},
-            "ratios": ratios({}), "breakdown": None, "finite": {}, "pacing": None}
+            "ratios": ratios({}), "breakdown": None, "finite": {}, "pacing": None, "auto": None}
 
 
 def fill_point(point: dict, raw: dict, eager_raw: dict, rank_rows: Optional[Sequence[Sequence[float]]] = None) -> dict:
@@ -239,7 +260,8 @@ def format_call_table(points: Sequence[dict]) -> str:
     head = (["M", "S_loc"] + [m.label + " (us)" for m in shown]
             + ["fused/(FA4+pre)", "paired", "target", "block/(GEMM+FA4)", "paired", "target",
                "fused/(FA4-aligned+pre) paired", "block/(GEMM+FA4-aligned) paired", "serial/fused",
-               "NCCL/fused", "hidden: fused", "hidden: unpaced", "post-A2A hidden: fused", "unpaced"])
+               "NCCL/fused", "auto/best paired", "hidden: fused", "hidden: unpaced", "post-A2A hidden: fused",
+               "unpaced"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         r, t = p["ratios"], targets(p["M"])
@@ -251,7 +273,7 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _cell(r.get("call_over_aligned_paired"), "{:.3f}"),
                   _cell(r.get("block_over_aligned_paired"), "{:.3f}"),
                   _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}"),
-                  _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
+                  _cell(r.get("auto_over_best_paired"), "{:.3f}"), _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_fused_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_unpaced_paired"), "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -263,6 +285,10 @@ def format_call_table(points: Sequence[dict]) -> str:
     if why:
         lines.append("")
         lines += [f"Not run ({text}) at M = {', '.join(ms)}." for text, ms in why.items()]
+    decided = [p for p in points if p.get("auto")]
+    if decided:
+        lines.append("")
+        lines += [f"impl='auto' at M = {p['M']}: {p['auto']}" for p in decided]
     return "\n".join(lines)
 
 
@@ -428,8 +454,10 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             steps = (lambda: pre(q, k, v, None), choose_and_barrier, lambda: attend(slot[0]), transport.barrier,
                      lambda: plan.finish(rank, S_loc, slot=slot[0]))
             calls[key] = steps[0]
-        elif key in ("serial", "fused", "nccl"):
+        elif key in ("serial", "fused", "nccl", "auto"):
             calls[key] = lambda impl=key: ulysses_attention(q, k, v, group=group, impl=impl, causal=causal)
+        elif key == "fused_st":
+            calls[key] = lambda: ulysses_attention(q, k, v, group=group, impl="fused:st", causal=causal)
         elif key == "fused_unpaced":
             calls[key] = lambda: ulysses_attention(q, k, v, group=group, impl="fused", causal=causal, pace=None)
         elif key == "qkv_gemm":
@@ -559,6 +587,9 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
                 status[key] = f"skipped ({_first_line(e)})"
                 failed[j] = 1
         held.clear()
+        if stage == "first" and "auto" in keys:  # decided at its first call
+            point["auto"] = decision_text("ulysses_attention", M // cfg.world_size)
+            log(f"M={M}: impl='auto': {point['auto']}")
     failed = rank_max(failed, group)
     names = [k for j, k in enumerate(keys) if failed[j] == 0]
     for j, key in enumerate(keys):
@@ -593,7 +624,8 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     else:
         raw = eager_raw = _time_batches(eager, n_calls, cfg.trials, cfg.warmup, align, group)
     del graphs
-    for key in ("serial", "fused", "fused_unpaced", "nccl", "block"):  # fresh outputs, checked once after the timing
+    for key in ("serial", "fused", "fused_unpaced", "fused_st", "nccl", "auto", "block"):  # fresh outputs, checked once
+        # after the timing
         if key in names:
             point["finite"][key] = _finite(calls[key]())
             if not point["finite"][key]:

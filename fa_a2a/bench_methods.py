@@ -104,6 +104,14 @@ def _build_fused(pt, s):
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal)), pt.mine(w)
 
 
+def _build_fused_st(pt, s):
+    from fa_a2a.fused import fa4_a2a_forward
+
+    w = pt.windows(f"fused_st.{s['i']}")
+    return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal, o_store="st")), \
+        pt.mine(w)
+
+
 def _build_fused_auto(pt, s):
     """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.plan_pacing), decided
     once per point: real ranks from their transport's link (link_gbps, as the op) and its ranks per
@@ -171,13 +179,15 @@ def _layer_builder(impl: str):
     return build
 
 
-def _build_emulated(pt, s):
-    from fa_a2a.op import ulysses_attention_emulated
+def _emulated_builder(impl: str):
+    def build(pt, s):
+        from fa_a2a.op import ulysses_attention_emulated
 
-    cfg = pt.cfg
-    qs, ks, vs = ([pt.randn(cfg.batch, pt.S_loc, cfg.heads, cfg.head_dim) for _ in range(cfg.world_size)]
-                  for _ in range(3))
-    return (lambda: ulysses_attention_emulated(qs, ks, vs, impl="fused", causal=cfg.causal)), None
+        cfg = pt.cfg
+        qs, ks, vs = ([pt.randn(cfg.batch, pt.S_loc, cfg.heads, cfg.head_dim) for _ in range(cfg.world_size)]
+                      for _ in range(3))
+        return (lambda: ulysses_attention_emulated(qs, ks, vs, impl=impl, causal=cfg.causal)), None
+    return build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +208,25 @@ METHODS = (
     Method("serial_nccl", "Serial-NCCL", "FA4, then permute + all_to_all_single (yunchang / xDiT / DeepSpeed)",
            _build_serial_nccl, "real", True),
     Method("fused", "Fused", "FA4 with the post-A2A in its epilogue: fa_a2a.fused.fa4_a2a_forward", _build_fused),
+    Method("fused_st", "Fused st", "the fused kernel with per-thread O stores (o_store='st')", _build_fused_st),
     Method("fused_auto", "Fused auto-paced", "the fused kernel with its stores paced as pace='auto' decides "
            "(fa_a2a.pacing: the link measured into this row's windows, FA4's tiles)", _build_fused_auto),
     Method("layer_fused", "Layer fused", "whole Ulysses layer (pre-A2A + attention + post-A2A), impl='fused'",
            _layer_builder("fused"), "real", True),
+    Method("layer_fused_st", "Layer fused st", "the same layer with impl='fused:st'", _layer_builder("fused:st"),
+           "real", True),
+    Method("layer_serial", "Layer serial", "the same layer with impl='serial'", _layer_builder("serial"), "real", True),
     Method("layer_nccl", "Layer NCCL", "the same layer with impl='nccl'", _layer_builder("nccl"), "real", True),
+    Method("layer_auto", "Layer auto", "the same layer with impl='auto' (the path fa_a2a.autotune picked)",
+           _layer_builder("auto"), "real", True),
     Method("op_emulated", "Op emulated", "fa_a2a.ulysses_attention_emulated, impl='fused': all P ranks' work "
-           "(pre-A2A, fused attention, barrier) in one process", _build_emulated, "emulated", True),
+           "(pre-A2A, fused attention, barrier) in one process", _emulated_builder("fused"), "emulated", True),
+    Method("op_emulated_st", "Op emulated st", "the same with impl='fused:st'", _emulated_builder("fused:st"),
+           "emulated", True),
+    Method("op_emulated_serial", "Op emulated serial", "the same with impl='serial'", _emulated_builder("serial"),
+           "emulated", True),
+    Method("op_emulated_auto", "Op emulated auto", "the same with impl='auto' (the path fa_a2a.autotune picked)",
+           _emulated_builder("auto"), "emulated", True),
 )
 BY_KEY = {m.key: m for m in METHODS}
 

@@ -64,7 +64,24 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
         out["speedup_nccl"] = med["serial_nccl"] / fused
     if med.get("layer_nccl") is not None and med.get("layer_fused") is not None:
         out["layer_speedup"] = med["layer_nccl"] / med["layer_fused"]
+    out["op_auto_over_best_paired"] = _auto_over_best(raw or {})
     return out
+
+
+# impl="auto" (fa_a2a.autotune) against its candidates timed in the same run: (auto, candidates)
+AUTO_ROWS = (("op_emulated_auto", ("op_emulated", "op_emulated_st", "op_emulated_serial")),
+             ("layer_auto", ("layer_fused", "layer_fused_st", "layer_serial", "layer_nccl")))
+
+
+def _auto_over_best(raw: dict) -> Optional[float]:
+    """Median over trials of T_auto / the fastest candidate of the same trial (None without them)."""
+    import statistics
+
+    for auto, candidates in AUTO_ROWS:
+        ran = [raw[k] for k in candidates if raw.get(k)]
+        if raw.get(auto) and ran and all(len(r) == len(raw[auto]) for r in ran):
+            return statistics.median(a / min(r[t] for r in ran) for t, a in enumerate(raw[auto]))
+    return None
 
 
 DERIVED_COLUMNS = (
@@ -78,6 +95,7 @@ DERIVED_COLUMNS = (
     ("auto_over_fa_paired", "T_auto/T_FA paired", lambda x: f"{x:.4f}"),
     ("speedup_nccl", "T_serial-NCCL/T_fused", lambda x: f"{x:.3f}x"),
     ("layer_speedup", "layer NCCL/fused", lambda x: f"{x:.3f}x"),
+    ("op_auto_over_best_paired", "impl auto/best paired", lambda x: f"{x:.4f}"),
 )
 
 

@@ -41,7 +41,9 @@ and 176.6 / 373.5 / 2836.8 with that chain under torch.compile (0.67 / 0.72 / 0.
 
 Argument checks: the attention facts through fa_a2a.problem (check_call on stand-in q/k/v of the
 block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
-a bad argument on one rank makes every rank raise the same ValueError. After the agreement a rank's
+a bad argument on one rank makes every rank raise the same ValueError; x and joint whose elements
+share memory are refused every call (their strides are not in the signature). FA_A2A_CHECK_JOINT=1
+adds a checksum of the joint rows to the agreement, as the op's. After the agreement a rank's
 call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.forward._rank_call):
 transport, window plan, bound attention launch and the projection's routing and bound launches
 (cute_kernels.qkv_a2a_sm90.qkv_a2a_launcher).
@@ -58,8 +60,9 @@ from torch import nn
 
 from cute_kernels.limits import EPS, tma_table
 
-from .problem import (KERNEL_IMPLS, check_call, check_tensor, checked_and_agreed, lookup, signature_fields,
-                      signature_word)
+from .op import traced_refusals
+from .problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
+                      signature_fields, signature_word, split_impl)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
@@ -293,22 +296,29 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
 
 
 def _check_no_grad(named) -> None:
-    """problem.check_no_grad for the block's inputs (named (name, tensor or None) pairs)."""
+    """Refuse the block's inputs that require grad under grad mode (named (name, tensor or None) pairs):
+    the fused block has no backward yet (the op's is fa_a2a.backward); never cut autograd silently."""
     if torch.is_grad_enabled():
         for name, t in named:
             if t is not None and t.requires_grad:
-                raise ValueError(f"{name}: requires grad, but fa-a2a has no backward yet: call it under "
-                                 "torch.no_grad() / torch.inference_mode(), or pass detached tensors")
+                raise ValueError(f"{name}: requires grad, but the fused attention block has no backward yet: call "
+                                 "it under torch.no_grad() / torch.inference_mode(), pass detached tensors, or train "
+                                 "with a torch projection and fa_a2a.ulysses_attention (differentiable)")
 
 
 def _world_size(group, world_size) -> int:
     """UlyssesQKVAttention's P: world_size, default the group's size (1 without a process group)."""
     from fa_a2a.op import _group
 
+    from cute_kernels.limits import MAX_WORLD_SIZE
+
     if world_size is None:
         return _group(group)[2]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int or None, got {world_size!r}")
+    if world_size > MAX_WORLD_SIZE:  # the transports' bound (ulysses.transport), which the op meets with its group
+        raise ValueError(f"world_size: expected at most {MAX_WORLD_SIZE} ranks (the transports' bound), got "
+                         f"{world_size}")
     return world_size
 
 
@@ -332,6 +342,9 @@ def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
         if m.in_features != q.in_features:
             raise ValueError(f"{name}: expected in_features = {q.in_features} ({names[0]}'s), got {m.in_features}")
     for name, m in zip(names, layers):
+        if m.in_features < 1 or m.out_features < 1:
+            raise ValueError(f"{name}: expected in_features >= 1 and out_features >= head_dim = {D} (one head or "
+                             f"more), got {m.in_features} and {m.out_features}")
         if m.out_features % D:
             raise ValueError(f"{name}: expected out_features a multiple of head_dim = {D}, got {m.out_features}")
     if v.out_features != k.out_features:
@@ -356,6 +369,11 @@ def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
         return (H, Hk), bias, (None, None), EPS
     weights, eps = [], []
     for name, n, heads in ((nq_name, norms[0], H), (nk_name, norms[1], Hk)):
+        if isinstance(n, nn.Module) and not is_rms_norm(n):
+            raise ValueError(f"{name}: expected an RMSNorm (torch's, or diffusers' without bias) or its weight tensor, "
+                             f"got {type(n).__name__}: the projection computes RMSNorm only (models with other q/k "
+                             "norms: diffusers' processor with the attention backend, as enable_fused_projection "
+                             "routes them)")
         t = n.weight if isinstance(n, nn.Module) else n
         size = heads * D if across_heads else D
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (size,) or t.device != w.device:
@@ -370,6 +388,15 @@ def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
     if eps[0] != eps[1]:
         raise ValueError(f"{nk_name}: expected {nq_name}'s eps {eps[0]}, got {eps[1]}")
     return (H, Hk), bias, tuple(weights), eps[0]
+
+
+def is_rms_norm(n) -> bool:
+    """Whether module n is an RMSNorm the projection's epilogue computes (its weight and eps checked
+    apart): torch's nn.RMSNorm, or diffusers' RMSNorm without bias (diffusers is not imported here)."""
+    if isinstance(n, nn.RMSNorm):
+        return True
+    cls = type(n)
+    return cls.__name__ == "RMSNorm" and cls.__module__.startswith("diffusers.") and getattr(n, "bias", None) is None
 
 
 def _stand_in(x: torch.Tensor, rows: int, heads: int, D: int) -> torch.Tensor:
@@ -452,8 +479,7 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
         if s.x.shape[0] != x0.shape[0] or s.x.dtype != x0.dtype or s.x.device != x0.device:
             raise ValueError(f"{xn}: expected [{x0.shape[0]}, rows, C] {x0.dtype} on {x0.device} like {names[0][0]}, "
                              f"got {tuple(s.x.shape)} {s.x.dtype} on {s.x.device}")
-    if impl not in KERNEL_IMPLS:
-        raise ValueError(f"impl: expected one of {KERNEL_IMPLS} for the block, got {impl!r}")
+    split_impl(impl, BLOCK_IMPLS)
     D, (H, Hk) = p0.head_dim, p0.head_map[:2]
     jq = None
     if joint is not None:
@@ -472,7 +498,7 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
             and isinstance(shard_rows[rank], int) and rows != shard_rows[rank]:
         raise ValueError(f"{name}: expected shard_rows[{rank}] = {shard_rows[rank]} rows on rank {rank}, got {rows}")
     problem, _ = check_call(_stand_in(x0, rows, H, D), _stand_in(x0, rows, Hk, D), _stand_in(x0, rows, Hk, D), jq,
-                            impl, causal, softmax_scale, seq_len, P, shard_rows, rank, pace)
+                            impl, causal, softmax_scale, seq_len, P, shard_rows, rank, pace, stand_ins=True)
     lay = problem.layout
     for s, (_, pn, _) in zip(segs, names):
         _check_proj(s.proj, pn, lay, P)
@@ -702,7 +728,8 @@ class _RankBlock:
             windows = in_windows(lambda n: torch.empty(1, n, dtype=p.dtype, device=device), lay, p.batch, p.head_dim)
         else:
             self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-            self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace)  # compiles before the 1st barrier
+            # compiles before the 1st barrier
+            self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace, p.o_store)
             windows = (plan.dq, plan.dk, plan.dv)
         self.windows = windows
         self.rows = sum(s[0].shape[1] for s in segs)
@@ -795,13 +822,78 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
             for stale in [k for k, c in prepared.items() if c.closed]:
                 del prepared[stale]
         transport = None if P == 1 else get_transport(group)
+        if transport is not None and problem.impl == "auto":
+            def build(p):
+                return _RankBlock(transport, p, rank, segs, joint, joint_proj, joint_rotary, config, one_launch)
+
+            problem = _auto_block_problem(problem, transport, segs[0][0], build,
+                                          lambda b: b(segs, joint, joint_rotary, joint_proj))
         call = calls[local] = _RankBlock(transport, problem, rank, segs, joint, joint_proj, joint_rotary, config,
                                          one_launch)
     return call
 
 
+def _auto_block_problem(problem, transport, x, build, run):
+    """impl "auto" of the block (fa_a2a.autotune; candidates fused TMA / st and serial, the projection
+    fused in each): the problem with the decided path. build(problem) -> the prepared call(s) of a
+    candidate (collective: every rank builds the same candidates in the same order); run(prepared)
+    makes one whole call of them on this call's inputs."""
+    from fa_a2a import autotune
+    from fa_a2a.forward import fused_tile_m
+
+    prepared: dict = {}
+
+    def time_one(label):
+        if label not in prepared:
+            prepared[label] = build(autotune.concrete(problem, label))
+        run(prepared[label])
+
+    tile_m, seq_loc = fused_tile_m(problem, x), problem.layout.seq_loc
+    choice = autotune.decide(problem, transport, time_one, autotune.candidates(seq_loc, tile_m, False),
+                             autotune.static_label(seq_loc, tile_m), entry="ulysses_qkv_attention")
+    return autotune.concrete(problem, choice.label)
+
+
+def _named_inputs(x, joint, name: str = "x") -> list:
+    """(name, tensor, or anything else: the checks skip it) of a block call's hidden states (x, or each
+    Segment's x) and joint rows, as its refusals name them."""
+    if isinstance(x, (list, tuple)):
+        xs = [getattr(s, "x", None) for s in x]
+        named = [(f"{name}[{i}].x" if len(xs) > 1 else name, t) for i, t in enumerate(xs)]
+    else:
+        named = [(name, x)]
+    return named + [("joint", joint)]
+
+
+def _output_likes(x, proj, joint) -> list:
+    """Tensors shaped like a block call's outputs, [B, rows, H, D] (and [B, J, H, D] with joint), where x
+    (a tensor) and proj say them, else like x: stand-ins while tracing a refused call."""
+    like = x if isinstance(x, torch.Tensor) else torch.empty(0)
+    if like.dim() == 3 and getattr(proj, "head_map", None) is not None:
+        like = like.new_empty(like.shape[0], like.shape[1], proj.head_map[0], proj.head_dim)
+    if joint is None:
+        return [like]
+    rows = joint.shape[1] if isinstance(joint, torch.Tensor) and joint.dim() == 3 and like.dim() == 4 else 0
+    return [like, like.new_empty(like.shape[0], rows, *like.shape[2:])]
+
+
+def _block_stand_ins(refused, x, proj=None, *args, joint=None, **kwargs):
+    outs = refused(_output_likes(x, proj, joint))
+    return outs[0] if joint is None else tuple(outs)
+
+
+def _emulated_block_stand_ins(refused, xs, proj=None, *args, joint=None, **kwargs):
+    xs = list(xs) if isinstance(xs, (list, tuple)) else []
+    likes = [_output_likes(x, proj, joint) for x in xs]
+    outs = refused([t for rank in likes for t in rank])
+    if joint is None:
+        return outs
+    return outs[0::2], outs[1::2]
+
+
+@traced_refusals(_block_stand_ins)
 def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optional[torch.Tensor] = None,
-                          joint_proj=None, joint_rotary=None, impl: str = "fused", causal: bool = False,
+                          joint_proj=None, joint_rotary=None, impl: str = "auto", causal: bool = False,
                           softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                           shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False,
                           pace="auto"):
@@ -814,7 +906,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     weights and rotary (proj and rotary None then): Flux's sharded text and image rows; the output
     has their rows in the same order. joint: the replicated
     text rows [B, J, C_j] (every rank the same), projected with joint_proj (default proj), RoPE
-    joint_rotary [J, D]. impl: "fused" (FA4 with the post-A2A in its epilogue) or "serial" (FA4,
+    joint_rotary [J, D]. impl: "auto" (default: the fastest of fused with TMA or st O-stores and
+    serial, timed on this machine at the signature's first call: fa_a2a.autotune), "fused" (FA4 with
+    the post-A2A in its epilogue; "fused:tma" / "fused:st" force its O-store path) or "serial" (FA4,
     then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
     causal / softmax_scale / pace as in fa_a2a.ulysses_attention. config / one_launch: the projection's
     tile configuration and launch split (cute_kernels.qkv_a2a_sm90); config "auto" (default) picks
@@ -829,16 +923,23 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
     collective = P > 1 and group is not None
 
-    def checks():  # once per signature; grad every call
+    def checks():  # once per signature; memory and grad every call (strides are not in the key)
+        check_no_overlap(_named_inputs(x, joint))
         hashable, entry = lookup(_resolved, key)
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank, pace=pace)
-            fields = signature_fields(problem, "ulysses_qkv_attention", group_name, None) if collective else None
+            fields = None
+            if collective:
+                fields = signature_fields(problem, "ulysses_qkv_attention", group_name,
+                                          None if joint is None else (joint,))
             entry = (problem, fields, fields and signature_word(fields), {})  # {}: its prepared calls (_rank_block)
             if hashable is not None:
                 _resolved[hashable] = entry
         problem, fields, word, calls = entry
+        if collective and "joint_data" in fields:  # FA_A2A_CHECK_JOINT=1: this call's joint rows
+            fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
+            word = signature_word(fields)
         segs = _rank_segments(x, proj, rotary)
         _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
                        + [("joint", joint)])
@@ -863,9 +964,10 @@ def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
 _resolved_emulated: dict = {}  # the P ranks' signatures -> (Problem, {(device, rows per rank): their _RankBlocks})
 
 
+@traced_refusals(_emulated_block_stand_ins)
 def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
-                                   impl: str = "fused", causal: bool = False, softmax_scale: Optional[float] = None,
+                                   impl: str = "auto", causal: bool = False, softmax_scale: Optional[float] = None,
                                    seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
                                    config="auto", one_launch: bool = False, pace="auto"):
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
@@ -880,6 +982,8 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
+    check_no_overlap([n for r, x in enumerate(xs) for n in _named_inputs(x, None, f"xs[{r}]")[:-1]]
+                     + [("joint", joint)])
     keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
     keys, entry = lookup(_resolved_emulated, None if None in keys else keys)
     if entry is None:
@@ -898,8 +1002,21 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
         from fa_a2a.forward import emulated_transport
 
         transport = emulated_transport(P, device)
-        blocks = prepared[local] = [_RankBlock(transport, p, r, segs[r], joint, joint_proj, joint_rotary, config,
-                                               one_launch) for r in range(P)]
+
+        def build(p):
+            return [_RankBlock(transport, p, r, segs[r], joint, joint_proj, joint_rotary, config, one_launch)
+                    for r in range(P)]
+
+        if p.impl == "auto":
+            p = _auto_block_problem(p, transport, segs[0][0][0], build,
+                                    lambda b: _emulated_blocks_call(b, segs, joint, joint_rotary, joint_proj))
+        blocks = prepared[local] = build(p)
+    return _emulated_blocks_call(blocks, segs, joint, joint_rotary, joint_proj)
+
+
+def _emulated_blocks_call(blocks, segs, joint, joint_rotary, joint_proj):
+    """One emulated call of the P ranks' prepared blocks: every projection, barrier, every attention,
+    barrier, every rank's outputs."""
     for b, rank_segs in zip(blocks, segs):
         b.launch_projection(rank_segs, joint, joint_rotary, joint_proj)
     transport = blocks[0].transport
@@ -944,7 +1061,7 @@ class UlyssesQKVAttention(nn.Module):
     """
 
     def __init__(self, chain: Optional[TorchQKV] = None, *, joint_chain: Optional[TorchQKV] = None, proj=None,
-                 joint_proj=None, group=None, world_size: Optional[int] = None, impl: str = "fused",
+                 joint_proj=None, group=None, world_size: Optional[int] = None, impl: str = "auto",
                  causal: bool = False, softmax_scale: Optional[float] = None, config="auto",
                  one_launch: bool = False, pace="auto"):
         super().__init__()
@@ -955,8 +1072,7 @@ class UlyssesQKVAttention(nn.Module):
         if (chain is None) == (proj is None):
             raise ValueError(f"chain, proj: expected exactly one (a TorchQKV, or a QKVWeights from block_weights), "
                              f"got {type(chain).__name__} and {type(proj).__name__}")
-        if impl not in KERNEL_IMPLS:
-            raise ValueError(f"impl: expected one of {KERNEL_IMPLS}, got {impl!r}")
+        split_impl(impl, BLOCK_IMPLS)
         self.group = group
         self.world_size = _world_size(group, world_size)
         self.impl, self.causal, self.softmax_scale, self.pace = impl, causal, softmax_scale, check_pace(pace)

@@ -87,7 +87,7 @@ from typing import Optional
 
 import numpy as np
 
-from fa_a2a.cli import MAX_WORLD_SIZE, float_in, int_in
+from fa_a2a.cli import MAX_WORLD_SIZE, float_in, int_in, no_gpu
 from fa_a2a.xstage import (
     GB,
     KiB,
@@ -782,9 +782,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             parser.error(str(e))
     if not torch.cuda.is_available():
-        print(f"fa_a2a.calibrate: no CUDA GPU found; the X-Stage microbenchmarks (--dest {args.dest}) need one. "
-              "Nothing measured.", file=sys.stderr)
-        return 2
+        return no_gpu("python -m fa_a2a.calibrate", f"the X-Stage microbenchmarks (--dest {args.dest})")
     t_start = time.time()
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     device = torch.device("cuda", torch.cuda.current_device())

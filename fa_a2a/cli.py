@@ -1,16 +1,28 @@
-"""Bounded numeric argument types for the command-line tools (argparse only: no torch, so a bad
-flag is refused at once, with argparse's usage line and exit status 2).
+"""What the command-line tools share (argparse only at import: no torch, so a bad flag is refused
+at once, with argparse's usage line and exit status 2).
+
+Bounded numeric argument types:
 
     ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
     ap.add_argument("--fa-tflops", type=float_in(0, 1e5), default=...)   # positive, finite, <= 1e5
 
 A value out of range reads "argument --world-size: expected an integer in [1, 1024], got '0'".
+
+Sequence lengths, the same way in every tool: `--seqlens` parsed by SEQLEN (the range), then
+check_seqlens (multiples of what the tool needs, no repeats), whose ValueError the tool hands to
+`ap.error`: "argument --seqlens: expected multiples of 8 (the world size P), got 100".
+
+No GPU: a tool that needs one prints one line (no_gpu) and exits with NO_GPU_EXIT; only
+`python -m fa_a2a.bench` runs without one (it prints the model's predictions and exits 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
+from typing import Iterable
 
 from cute_kernels.limits import HEAD_DIMS as KERNEL_HEAD_DIMS  # the fused kernels' head dims (torch-free)
 
@@ -20,6 +32,10 @@ MAX_WORLD_SIZE = 1024
 MAX_HEADS = 1024
 MAX_HIDDEN = 1 << 16
 MAX_REPEATS = 100_000  # trials, calls, steps
+
+# Exit status of a tool that cannot run on this machine (a GPU-only tool without a CUDA GPU, a
+# missing extra): argparse's status for a command line that cannot run, as for a bad flag; 0 = it ran.
+NO_GPU_EXIT = 2
 
 
 def int_in(lo: int, hi: int):
@@ -54,9 +70,48 @@ def float_in(lo: float, hi: float, *, lo_inclusive: bool = False):
     return parse
 
 
+SEQLEN = int_in(1, MAX_SEQLEN)  # argparse type of every --seqlens entry
+
+
+def check_seqlens(values: Iterable, multiple: int = 1, of: str = "", *, flag: str = "--seqlens") -> tuple:
+    """The tools' one check of a list of sequence lengths, after argparse: each an integer in
+    [1, MAX_SEQLEN] (as SEQLEN says it; a parser that must raise ValueError instead of exiting
+    takes the flag's text, type=str, and leaves it all to this), a multiple of `multiple` (`of` says
+    what it is, e.g. "the world size P"), no value twice. Returns them as a tuple of ints;
+    ValueError "argument --seqlens: ..." otherwise (hand it to ap.error)."""
+    values = tuple(values)
+    for v in values:
+        text = v if isinstance(v, str) else str(v) if type(v) is int else repr(v)
+        try:
+            SEQLEN(text)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"argument {flag}: {e}") from None
+    values = tuple(int(v) for v in values)
+    for v in values:
+        if v % multiple:
+            raise ValueError(f"argument {flag}: expected multiples of {multiple}{f' ({of})' if of else ''}, got {v}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"argument {flag}: expected distinct values, got {list(values)}")
+    return values
+
+
+def no_gpu(tool: str, what: str = "it", needs: str = "a CUDA GPU (SM90)") -> int:
+    """A GPU-only tool on a machine without one: prints its one line to stderr (under torchrun rank 0
+    only) and returns NO_GPU_EXIT, for `return no_gpu(...)` / `raise SystemExit(no_gpu(...))`."""
+    return cannot_run(tool, f"no CUDA GPU found; {what} needs {needs}")
+
+
+def cannot_run(tool: str, reason: str) -> int:
+    """A tool that cannot run on this machine (no GPU, a missing extra, too little memory): one line
+    "<tool>: <reason>. Nothing measured, nothing written." on stderr (rank 0 only), NO_GPU_EXIT."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{tool}: {reason}. Nothing measured, nothing written.", file=sys.stderr, flush=True)
+    return NO_GPU_EXIT
+
+
 def add_block_shape_args(ap) -> None:
     """The projection/block benchmarks' shape and repeat flags (Flux shapes by default, emulated P = 8)."""
-    ap.add_argument("--seqlens", type=int_in(1, MAX_SEQLEN), nargs="+", default=[576, 1024, 4096],
+    ap.add_argument("--seqlens", type=SEQLEN, nargs="+", default=[576, 1024, 4096],
                     help="S_loc values")
     ap.add_argument("--world-size", type=int_in(1, MAX_WORLD_SIZE), default=8)
     ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24, help="a multiple of --world-size")

@@ -7,10 +7,10 @@ call to the backend chosen by `model.set_attention_backend(name)`: q/k/v [B, S_l
 layout) plus `_parallel_config`. `register_diffusers_backend()` makes fa-a2a such a backend, so a
 model with a plan gets the fused kernel without a line of model code:
 
-    register_diffusers_backend("fa_a2a", impl="fused")
+    register_diffusers_backend("fa_a2a")          # impl "auto": the fastest path, timed once
     model.set_attention_backend("fa_a2a")
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P))
-    # or, the three steps in one call:  enable_ulysses(model, impl="fused")
+    # or, the three steps in one call:  enable_ulysses(model)
 
 Routing of one call (every rank decides alike: the facts below are the same on all ranks):
   no parallel config (e.g. Wan's cross-attention)      -> local attention: FA4 (fa_a2a.fused.
@@ -36,9 +36,9 @@ cache-dit is installed, registration adds the name there too (its dispatcher pas
 `_cp_config`; cache-dit's config answers `.context_parallel_config` with itself), so
 `ParallelismConfig(ulysses_size=P, attention_backend="fa_a2a")` works.
 
-Inference only: no backward. Tested with diffusers 0.42.1 and cache-dit 1.5.3 on CPU (gloo, 2 and
-3 ranks; fp32 Flux, Wan, QwenImage equal the single-device model to 1e-5, both routes) and on one
-H200 (2026-12-03, bf16, 2 processes sharing the GPU; tests/gpu/test_dit.py): tiny Flux (4 x 128
+Inference only: inputs that require grad are refused. Tested with diffusers 0.42.1 and cache-dit
+1.5.3 on CPU (gloo, 2 and 3 ranks; fp32 Flux, Wan, QwenImage equal the single-device model to 1e-5,
+both routes) and on one H200 (2026-12-03, bf16, 2 processes sharing the GPU; tests/gpu/test_dit.py): tiny Flux (4 x 128
 heads, 2+2 blocks, 1024 image + 64 text tokens) and Wan (2 blocks, 1024 tokens), impl "fused" ==
 "serial" bit for bit; max error against the fp32 single-device model 0.0245 (Flux) and 0.0253
 (Wan), the same as the single-device bf16 model's (SDPA).
@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from fa_a2a.problem import IMPLS
+from fa_a2a.problem import split_impl
 
 __all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "backend_pace",
            "rows_per_rank"]
@@ -137,24 +137,90 @@ def rows_per_rank(q_rows: int, k_rows: int, group, *, ulysses_anything: bool = F
     at the same call, even where their shards happen to be equal. Unchecked, such ranks return
     from attention and then run different collectives in diffusers' output gather (an all_gather
     of the shard sizes against one of the output; see _attention), which gloo ends in SIGABRT.
+
+    The counts must be shards of one input, as diffusers splits it (every rank is fed the same
+    tokens): equal without ulysses_anything (EquipartitionSharder), the longer shards first with it
+    (tensor_split, for each sharded input: so their sums too). Otherwise (ranks fed different token
+    counts) every rank raises the same ValueError: the op would attend over the union of the ranks'
+    rows and diffusers' output gather return it. With ulysses_anything, counts that do fall in
+    that order (rank 0 fed more tokens than rank 1) pass here: enable_ulysses' check of the model's
+    inputs (_agree_model_call) sees them.
     """
+    import torch.distributed as dist
+
     from ulysses.channel import get_channel
 
     for name, rows in (("query", q_rows), ("key", k_rows)):
         if not 0 <= rows < 1 << 23:
             raise ValueError(f"{name}: expected fewer than 2**23 rows per rank, got {rows}")
-    words = get_channel(group).exchange(bool(ulysses_anything) << 46 | q_rows << 23 | k_rows)
+    try:
+        words = get_channel(group).exchange(bool(ulysses_anything) << 46 | q_rows << 23 | k_rows)
+    except TimeoutError as e:
+        if not ulysses_anything:
+            raise
+        raise TimeoutError(f"{e}; this rank runs with ContextParallelConfig(ulysses_anything=True): a rank without it "
+                           "raises in diffusers' split of tokens that its ranks do not divide (an AssertionError, "
+                           "before any attention call) and never arrives here (enable_ulysses on every rank checks "
+                           "ulysses_anything before the split)") from None
     flags = [w >> 46 for w in words]
     if any(f != flags[0] for f in flags):
-        import torch.distributed as dist
+        raise _anything_mismatch(dist.get_process_group_ranks(group), flags)
+    rows = [((w >> 23) & ((1 << 23) - 1), w & ((1 << 23) - 1)) for w in words]
+    for i, name in enumerate(("query", "key")):
+        counts = [r[i] for r in rows]
+        if any(a < b if ulysses_anything else a != b for a, b in zip(counts, counts[1:])):
+            split = "the longer shards first (tensor_split)" if ulysses_anything else "equal shards"
+            raise ValueError(f"hidden_states: expected every rank to feed the model the same tokens (diffusers' "
+                             f"split of one input gives {split}), got {name} shards of {counts} rows on group ranks "
+                             f"{dist.get_process_group_ranks(group)}")
+    return rows
 
-        ranks = dist.get_process_group_ranks(group)
-        on = [g for g, f in zip(ranks, flags) if f]
-        off = [g for g, f in zip(ranks, flags) if not f]
-        raise ValueError(f"ulysses_anything: rank(s) {on} of group ranks {ranks} run with ContextParallelConfig("
-                         f"ulysses_anything=True), rank(s) {off} without; every rank must enable_parallelism with "
-                         "the same config")
-    return [((w >> 23) & ((1 << 23) - 1), w & ((1 << 23) - 1)) for w in words]
+
+def _anything_mismatch(ranks: list, flags: list) -> ValueError:
+    on = [g for g, f in zip(ranks, flags) if f]
+    off = [g for g, f in zip(ranks, flags) if not f]
+    return ValueError(f"ulysses_anything: rank(s) {on} of group ranks {ranks} run with ContextParallelConfig("
+                      f"ulysses_anything=True), rank(s) {off} without; every rank must enable_parallelism with "
+                      "the same config")
+
+
+def _agree_model_call(model, args, kwargs) -> None:
+    """enable_ulysses' forward pre-hook on the model, which runs before diffusers' split of its inputs:
+    the ranks of the Ulysses group call the model alike (the same ulysses_anything, the same shape of
+    every tensor input) or every rank raises the same ValueError, naming the first difference and
+    every rank's value. Without it, ranks that differ in ulysses_anything part ways in diffusers'
+    split (an AssertionError on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output
+    gather, and ranks fed different token counts can return wrong rows (rows_per_rank sees some).
+    One word per rank per model call through the group's host channel; the inputs' data is not
+    compared."""
+    import torch.distributed as dist
+
+    from fa_a2a.problem import signature_word
+    from ulysses.channel import get_channel
+
+    config = getattr(model, "_parallel_config", None)
+    cp = config.context_parallel_config if config is not None else None
+    if cp is None or cp.ulysses_degree == 1:
+        return
+    fields = {"ulysses_anything": bool(cp.ulysses_anything)}
+    for name, value in (*((f"args[{i}]", a) for i, a in enumerate(args)), *kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            fields[name] = tuple(value.shape)
+    group = cp._ulysses_mesh.get_group()
+    channel = get_channel(group)
+    if len(set(channel.exchange(signature_word(fields)))) == 1:
+        return
+    everyone = channel.gather_messages(fields)
+    ranks = dist.get_process_group_ranks(group)
+    names = list(dict.fromkeys(name for f in everyone for name in f))  # ulysses_anything first
+    for name in names:
+        values = [f.get(name) for f in everyone]
+        if any(v != values[0] for v in values[1:]):
+            if name == "ulysses_anything":
+                raise _anything_mismatch(ranks, values)
+            shown = ", ".join(f"rank {g}: {v}" for g, v in zip(ranks, values))
+            raise ValueError(f"{name}: expected the same shape on every rank (diffusers' context parallelism splits "
+                             f"one input over the ranks), got {shown}")
 
 
 def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
@@ -169,7 +235,7 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
         return "attention mask"
     if return_lse:
         return "return_lse"
-    kernels = impl in ("fused", "serial") or (impl == "nccl" and q.is_cuda)
+    kernels = split_impl(impl)[0] in ("fused", "serial") or (impl in ("nccl", "auto") and q.is_cuda)
     if kernels and not q.is_cuda:
         return f"CPU tensors (impl {impl!r} runs CUDA kernels)"
     if kernels and q.dtype not in KERNEL_DTYPES:
@@ -219,6 +285,12 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
                parallel_config):
     if dropout_p:
         raise ValueError(f"dropout_p: the {name!r} attention backend is inference-only, expected 0.0, got {dropout_p}")
+    if torch.is_grad_enabled():
+        for arg, t in (("query", query), ("key", key), ("value", value)):
+            if t.requires_grad:
+                raise ValueError(f"{arg}: requires grad, but the {name!r} attention backend has no backward yet (its "
+                                 "local and templated routes): run the model under torch.no_grad() / "
+                                 "torch.inference_mode(); fa_a2a.ulysses_attention itself is differentiable")
     if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
         attn_mask = attn_mask[:, None, None, :]  # [B, S_k] -> [B, 1, 1, S_k], as diffusers' native backend
     cp = parallel_config.context_parallel_config if parallel_config is not None else None
@@ -309,12 +381,13 @@ def _foreign_backend(name: str) -> Optional[str]:
     return None
 
 
-def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused", pace="auto") -> str:
+def register_diffusers_backend(name: str = "fa_a2a", impl: str = "auto", pace="auto") -> str:
     """Register the fa-a2a attention backend with diffusers (and cache-dit, if installed); returns name.
 
     name: the backend name for `model.set_attention_backend(name)` (lower case; not a backend that
     diffusers or cache-dit already has, such as "native", "sage3", "ffpa"). impl: the Ulysses op's
-    impl, "fused" | "serial" | "nccl" | "reference". pace: the fused kernel's store pacing, "auto",
+    impl, "auto" (default) | "fused" | "fused:tma" | "fused:st" | "serial" | "nccl" | "reference"
+    (fa_a2a.ulysses_attention). pace: the fused kernel's store pacing, "auto",
     None or GB/s (fa_a2a.pacing). Idempotent: registering a name again with the same impl and pace
     does nothing more; another impl or pace under a registered name is refused (register a second
     name instead). Refused (RuntimeError) without a GPU: diffusers' enable_parallelism needs one.
@@ -325,8 +398,7 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused", pace="
 
     if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
         raise ValueError(f"name: expected a lower-case identifier such as 'fa_a2a', got {name!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    split_impl(impl)
     pace = check_pace(pace)
     if name in _registered:
         if _registered[name][0] != impl:
@@ -352,16 +424,18 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "fused", pace="
     return name
 
 
-def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "fused", name: Optional[str] = None,
+def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "auto", name: Optional[str] = None,
                    ulysses_anything: bool = False, mesh=None, pace="auto"):
     """Run a diffusers model under Ulysses with the fa-a2a backend: register, set, enable.
 
     ulysses_degree: P (default: the world size). ulysses_anything=True: any sequence length (uneven
     shards, passed to the op as shard_rows). mesh: a
     diffusers-style ("ring", "ulysses") DeviceMesh when the model's ranks are not the whole world.
-    name: backend name (default "fa_a2a" for impl "fused", else "fa_a2a_<impl>"). pace: as
+    name: backend name (default "fa_a2a" for impl "auto", else "fa_a2a_<impl>", ":" as "_"). pace: as
     register_diffusers_backend's. Returns the model.
-    Refused (ValueError) when the model already runs under context parallelism.
+    Refused (ValueError) when the model already runs under context parallelism. Every model call
+    then first checks that the ranks agree on ulysses_anything and on every tensor input's shape
+    (_agree_model_call: the same ValueError on every rank otherwise, before diffusers' split).
     """
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -379,11 +453,12 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
     if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
         raise ValueError(f"ulysses_degree: expected an int >= 1, got {ulysses_degree!r}")
     if name is None:
-        name = "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}"
+        name = "fa_a2a" if impl == "auto" else f"fa_a2a_{impl}".replace(":", "_")
     register_diffusers_backend(name, impl, pace)
     model.set_attention_backend(name)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses_degree,
                                                           ulysses_anything=ulysses_anything, mesh=mesh))
+    model.register_forward_pre_hook(_agree_model_call, with_kwargs=True)
     return model
 
 

@@ -7,7 +7,7 @@ model instead, which hands the hidden states to fa_a2a.block: the QKV projection
 pre-A2A in its GEMM epilogue (bias, per-head RMSNorm, RoPE), then FA4 with the post-A2A in its
 epilogue, both A2As inside the two compute kernels.
 
-    enable_ulysses(model, impl="fused")   # fa_a2a.diffusers_backend: backend + diffusers' CP
+    enable_ulysses(model)                 # fa_a2a.diffusers_backend: backend + diffusers' CP
     enable_fused_projection(model)        # this module (before or after enable_ulysses)
 
 QwenImage's and Flux2's processors (fa_a2a.dit_blocks) share this module's glue (_FusedBlockProcessor:
@@ -28,10 +28,10 @@ single-stream block gets the attention output as diffusers' processor returns it
 
 Fallback: diffusers' own FluxAttnProcessor (projection in torch, then the registered backend) when
 the fused block cannot run: no context parallelism or ring degree > 1; the attention backend not a
-registered fa-a2a backend with impl "fused" or "serial" (impl "reference" / "nccl" run no kernels);
+registered fa-a2a backend with impl "auto", "fused" or "serial" (impl "reference" / "nccl" run no kernels);
 CPU tensors; not SM90 (the projection kernel is SM90's); dtype not bfloat16/float16, or weights of
 another dtype/device than the hidden states; head dim not 64/128; an attention mask; autograd
-(hidden states that require grad: fa-a2a has no backward); fused to_qkv projections; q/k norms
+(hidden states that require grad: the fused block has no backward); fused to_qkv projections; q/k norms
 that are not RMSNorm with weight and eps 1e-6 (the epilogue's); channels not a multiple of 8; heads
 split by tensor parallelism. Every fact is the same on all ranks, so all ranks take the same path;
 each reason is logged once and the calls per path are counted
@@ -64,8 +64,8 @@ from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAt
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from fa_a2a import diffusers_backend
-from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, ulysses_qkv_attention
-from fa_a2a.problem import KERNEL_IMPLS
+from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention
+from fa_a2a.problem import BLOCK_IMPLS, split_impl
 
 __all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "ROUTE_NAME"]
 
@@ -97,16 +97,9 @@ def _head_dim(attn) -> int:
 
 def _norm_ok(norm, head_dim: int) -> bool:
     """A per-head RMSNorm the epilogue computes: torch's RMSNorm or diffusers' (no bias), with a weight
-    of [head_dim] and eps 1e-6."""
-    from diffusers.models.normalization import RMSNorm
-
-    if isinstance(norm, torch.nn.RMSNorm):
-        ok = norm.weight is not None
-    elif type(norm) is RMSNorm:
-        ok = norm.weight is not None and norm.bias is None
-    else:
-        return False
-    return ok and norm.eps == EPS and tuple(norm.weight.shape) == (head_dim,)
+    of [head_dim] and eps 1e-6 (anything else, LayerNorm included: diffusers' processor)."""
+    return (is_rms_norm(norm) and norm.weight is not None and norm.eps == EPS
+            and tuple(norm.weight.shape) == (head_dim,))
 
 
 def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_mask) -> Optional[str]:
@@ -118,9 +111,9 @@ def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_m
     if cp.ring_degree > 1:
         return "ring degree > 1"
     impl = _backend_impl(proc._attention_backend)
-    if impl not in KERNEL_IMPLS:
+    if impl is None or split_impl(impl)[0] not in BLOCK_IMPLS:
         return (f"attention backend {getattr(proc._attention_backend, 'value', proc._attention_backend)!r} is not "
-                f"an fa-a2a backend with impl in {KERNEL_IMPLS} (impl {impl!r})")
+                f"an fa-a2a backend with impl in {BLOCK_IMPLS} (impl {impl!r})")
     x = hidden_states
     if not x.is_cuda:
         return "CPU tensors"
@@ -134,7 +127,7 @@ def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_m
         return "attention mask"
     if torch.is_grad_enabled() and (x.requires_grad or (encoder_hidden_states is not None
                                                         and encoder_hidden_states.requires_grad)):
-        return "autograd (fa-a2a has no backward)"
+        return "autograd (the fused block has no backward)"
     return None
 
 
@@ -235,7 +228,7 @@ class FusedFluxAttnProcessor(_FusedBlockProcessor, FluxAttnProcessor):
     """FluxAttnProcessor whose attention under diffusers' Ulysses context parallelism is the fused
     block (fa_a2a.block: projection + pre-A2A fused, attention + post-A2A fused); diffusers' own
     processor (projection in torch, then the backend) where the block cannot run: no context
-    parallelism or ring degree > 1, a backend other than fa-a2a's "fused"/"serial" (impl
+    parallelism or ring degree > 1, a backend other than fa-a2a's "auto"/"fused"/"serial" (impl
     "reference" / "nccl"), CPU tensors, not SM90, dtype not bf16/fp16, head dim not 64/128, an
     attention mask, autograd, fused to_qkv, q/k norms other than RMSNorm(eps 1e-6) with weight,
     tensor parallelism (the module docstring). Install with enable_fused_projection(model)."""

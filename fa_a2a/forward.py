@@ -9,6 +9,8 @@ impl (one rank r of P; rows and heads as in ulysses/layout.py):
   "nccl"       permute + torch.distributed.all_to_all_single around the local attention: the
                baseline users run today (yunchang, xDiT, DeepSpeed-Ulysses).
   "reference"  the same pipeline with the fp32 reference attention (any device).
+  "auto"       one of fused (TMA or st O-stores), serial or nccl, timed on this machine at the
+               first call of the signature (fa_a2a.autotune; `_auto_problem`).
 One rank (P = 1) needs no communication: every impl runs the local attention on the whole input.
 The local attention is chosen in one place (`local_attention`): FA4 on CUDA tensors, the fp32
 reference (ulysses.reference) on CPU tensors and for impl "reference".
@@ -19,7 +21,7 @@ Output rows >= seq_len (padding of an uneven S) are zero in every impl.
 
 Delivery (real ranks): the call's output stays in the out-window its O tiles were stored into, with
 no copy, when every rank has a free one. Besides the staging window each (layout's) out shape has
-up to OUT_SLOTS more (FA_A2A_OUT_SLOTS, 0-16), each allocated when first chosen (by an eager call: a
+up to ulysses.env.OUT_SLOTS more (FA_A2A_OUT_SLOTS, 0-16), each allocated when first chosen (by an eager call: a
 capture uses only allocated slots). Slot j is free on a rank when no output lent out of it
 (Transport.lend: a tensor of its own storage) is alive there and no other CUDA graph owns it (a
 graph owns every slot its capture chose: its replays store into it).
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 from typing import Optional
 
 import torch
@@ -47,22 +48,7 @@ from ulysses.reference import local_attention as reference_attention
 from .problem import Problem
 
 __all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan",
-           "OUT_SLOTS", "common_slot"]
-
-OUT_SLOTS = 8  # out-windows an output may stay in, besides the staging window (FA_A2A_OUT_SLOTS overrides)
-MAX_OUT_SLOTS = 16
-
-
-def out_slots_setting(env=None) -> int:
-    """FA_A2A_OUT_SLOTS as an int in [0, MAX_OUT_SLOTS] (default OUT_SLOTS; 0: always copy out)."""
-    text = (os.environ if env is None else env).get("FA_A2A_OUT_SLOTS", str(OUT_SLOTS))
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= MAX_OUT_SLOTS:
-        raise ValueError(f"FA_A2A_OUT_SLOTS: expected an int in [0, {MAX_OUT_SLOTS}], got {text!r}")
-    return n
+           "common_slot"]
 
 
 def common_slot(masks) -> int:
@@ -166,7 +152,9 @@ class WindowPlan:
             from ulysses.channel import get_channel
 
             self._slot_channel = get_channel(group)
-        self.out_slots = out_slots_setting() if group is not None and transport.lends_outputs else 0
+        from ulysses.env import out_slots
+
+        self.out_slots = out_slots() if group is not None and transport.lends_outputs else 0
         self._slot_address = {0: self.out_w[transport.local_ranks[0]].data_ptr()}  # slot -> this rank's
         # window address, once allocated
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
@@ -213,14 +201,16 @@ class WindowPlan:
             self._launches["pre", rank] = self._pre_launch(rank)
         return self._launches["pre", rank]
 
-    def attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace=None):
+    def attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace=None, o_store=None):
         """-> attend(): launches rank's attention and post-A2A ("fused" or "serial") from the
         in-windows. The attention kernels compile at the first request: a rank that asks before its
         first barrier keeps its JIT compiles out of the other ranks' barrier waits.
-        pace: the fused kernel's store pacing, as fa_a2a.pacing.check_pace returns it."""
-        key = ("attend", rank, impl, causal, scale, pace if impl == "fused" else None)
+        pace: the fused kernel's store pacing, as fa_a2a.pacing.check_pace returns it; o_store: its
+        O-store path, "tma" | "st" | None (TMA where S_loc is a multiple of the tile's rows)."""
+        fused = impl == "fused"
+        key = ("attend", rank, impl, causal, scale, pace if fused else None, o_store if fused else None)
         if key not in self._launches:
-            self._launches[key] = self._attend_launch(rank, impl, causal, scale, key[-1])
+            self._launches[key] = self._attend_launch(rank, impl, causal, scale, key[-2], key[-1])
             self.transport.host_barrier()  # every rank asks for the same key at the same call
         return self._launches[key]
 
@@ -249,21 +239,22 @@ class WindowPlan:
 
         return pre
 
-    def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace):
+    def _attend_launch(self, rank: int, impl: str, causal: bool, scale: float, pace, o_store):
         pacer = self.pacer(rank, causal, pace) if impl == "fused" else None
-        per_slot = {0: self._attend_steps(rank, impl, causal, scale, pacer, self.out_w)}
+        per_slot = {0: self._attend_steps(rank, impl, causal, scale, pacer, self.out_w, o_store)}
 
         def attend(slot: int = 0) -> None:
             """Launch into out-slot `slot` (complete's choice; 0: the staging window)."""
             steps = per_slot.get(slot)
             if steps is None:
-                steps = per_slot[slot] = self._attend_steps(rank, impl, causal, scale, pacer, self.slot_window(slot))
+                steps = per_slot[slot] = self._attend_steps(rank, impl, causal, scale, pacer, self.slot_window(slot),
+                                                            o_store)
             for step in steps:
                 step()
 
         return attend
 
-    def _attend_steps(self, rank: int, impl: str, causal: bool, scale: float, pacer, out_w) -> list:
+    def _attend_steps(self, rank: int, impl: str, causal: bool, scale: float, pacer, out_w, o_store=None) -> list:
         from cute_kernels.a2a import post_a2a_launcher
         from fa_a2a.fused import fa4_a2a_launcher, fa4_launcher
 
@@ -273,7 +264,7 @@ class WindowPlan:
         steps = []
         if impl == "fused":
             steps.append(fa4_a2a_launcher(q[:, :lay.seq_pad], k, v, out_w, rank, causal=causal,
-                                          softmax_scale=scale, seqused_k=seqused, pacer=pacer))
+                                          softmax_scale=scale, seqused_k=seqused, pacer=pacer, o_store=o_store))
             if lay.joint_len:
                 jo = self.scratch("joint", rank, lay.joint_len)
                 steps.append(fa4_launcher(q[:, lay.seq_pad:], k, v, jo, causal=False, softmax_scale=scale,
@@ -330,8 +321,8 @@ class WindowPlan:
     def pre(self, rank: int, q, k, v, joint) -> None:
         self.pre_launch(rank)(q, k, v, joint)
 
-    def attend(self, rank: int, impl: str, causal: bool, scale: float, pace=None) -> None:
-        self.attend_launch(rank, impl, causal, scale, pace)()
+    def attend(self, rank: int, impl: str, causal: bool, scale: float, pace=None, o_store=None) -> None:
+        self.attend_launch(rank, impl, causal, scale, pace, o_store)()
 
     def complete(self, rank: int, rows: int, attend, out=None, joint_out=None):
         """The rest of rank's call once its pre-A2A is launched (the op's pre-A2A kernel, the block's
@@ -417,7 +408,7 @@ def _rank_call(p: Problem, group, rank: int):
         transport = get_transport(group)
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         call = _rank_calls[key] = (transport, plan, plan.pre_launch(rank),
-                                   plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace))
+                                   plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace, p.o_store))
     return call
 
 
@@ -427,6 +418,8 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
     rows = q.shape[1]
     if p.world_size == 1:
         return _deliver(p.layout, 0, _single_rank(p, q, k, v, joint), rows, out, joint_out)
+    if p.impl == "auto":
+        p = _auto_problem(p, q, k, v, joint, group, rank)
     if p.impl in ("nccl", "reference"):
         return _deliver(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), rows, out, joint_out)
     _, plan, pre, attend = _rank_call(p, group, rank)
@@ -434,6 +427,90 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
     pre(q, k, v, joint)
     return plan.complete(rank, rows, attend, out, joint_out)
+
+
+# ---- impl "auto": the signature's fastest path, decided once (fa_a2a.autotune) ---------------------
+# (auto Problem, group name or "emulated", rank, device) -> the decided Problem; looked up first by the
+# Problem's identity (_auto_by_id), as the per-signature caches hand out the same Problem every call
+# (hashing one costs ~0.7 us of host time)
+_auto: dict = {}
+_auto_by_id: dict = {}  # id(auto Problem) -> (that Problem, where, the decided Problem)
+
+
+def _decided(p: Problem, where: tuple) -> Optional[Problem]:
+    hit = _auto_by_id.get(id(p))
+    if hit is not None and hit[0] is p and hit[1] == where:
+        return hit[2]
+    decided = _auto.get((p, *where))
+    if decided is not None:
+        if len(_auto_by_id) > 1024:  # Problems built afresh every call (no signature cache): keep it bounded
+            _auto_by_id.clear()
+        _auto_by_id[id(p)] = (p, where, decided)
+    return decided
+
+
+def _keep_decision(p: Problem, where: tuple, decided: Problem) -> Problem:
+    _auto[(p, *where)] = decided
+    _auto_by_id[id(p)] = (p, where, decided)
+    return decided
+
+
+def fused_tile_m(p: Problem, q) -> int:
+    """Rows of the fused kernel's output tile for p on q's device."""
+    from fa_a2a.fused import device_arch, tile_m_for
+
+    return tile_m_for(p.head_dim, p.causal, device_arch(q))
+
+
+def _nccl_runs(group, transport) -> bool:
+    """Whether impl "nccl" runs over group: an NCCL backend and one rank per GPU (NCCL refuses more)."""
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(group)).lower() and transport.ranks_per_gpu == 1
+
+
+def _auto_problem(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
+    """p (impl "auto") with this machine's fastest path in its place, decided at the signature's first
+    call (collective; fa_a2a.autotune.decide times each candidate on this call's inputs)."""
+    from fa_a2a import autotune
+
+    where = (group.group_name, rank, q.device)
+    hit = _decided(p, where)
+    if hit is None:
+        if not q.is_cuda:
+            choice = autotune.static_choice("nccl", "CPU tensors: nccl (the collective pipeline) is the one "
+                                            "candidate without CUDA kernels")
+        else:
+            from ulysses.transport import get_transport
+
+            transport = get_transport(group)
+            tile_m = fused_tile_m(p, q)
+            labels = autotune.candidates(p.layout.seq_loc, tile_m, _nccl_runs(group, transport))
+            choice = autotune.decide(
+                p, transport, lambda label: forward(autotune.concrete(p, label), q, k, v, joint, group, rank),
+                labels, autotune.static_label(p.layout.seq_loc, tile_m))
+        hit = _keep_decision(p, where, autotune.concrete(p, choice.label))
+    return hit
+
+
+def _auto_problem_emulated(p: Problem, qs, ks, vs, joint) -> Problem:
+    """_auto_problem for P emulated ranks (candidates: fused TMA / st, serial; CPU tensors: reference)."""
+    from fa_a2a import autotune
+
+    where = ("emulated", 0, qs[0].device)
+    hit = _decided(p, where)
+    if hit is None:
+        if not qs[0].is_cuda:
+            choice = autotune.static_choice("reference", "CPU tensors, emulated ranks: reference is the one "
+                                            "candidate without CUDA kernels")
+        else:
+            tile_m = fused_tile_m(p, qs[0])
+            choice = autotune.decide(
+                p, emulated_transport(p.world_size, qs[0].device),
+                lambda label: forward_emulated(autotune.concrete(p, label), qs, ks, vs, joint),
+                autotune.candidates(p.layout.seq_loc, tile_m, False), autotune.static_label(p.layout.seq_loc, tile_m))
+        hit = _keep_decision(p, where, autotune.concrete(p, choice.label))
+    return hit
 
 
 # ---- P emulated ranks in one process --------------------------------------------------------------
@@ -457,6 +534,8 @@ def emulated_transport(world_size: int, device):
 def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
     """All P ranks' calls in one process (the real kernels and barriers over one local buffer) ->
     (list of P outputs, list of P joint outputs or None); into outs / joint_outs when given."""
+    if p.impl == "auto":
+        p = _auto_problem_emulated(p, qs, ks, vs, joint)
     P = p.world_size
     rows = [q.shape[1] for q in qs]
     outs = outs or [None] * P
@@ -474,7 +553,7 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
         plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
-        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale, p.pace) for r in range(P)]
+        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale, p.pace, p.o_store) for r in range(P)]
         for r in range(P):
             plan.pre(r, qs[r], ks[r], vs[r], joint)
         transport.barrier()

@@ -228,8 +228,8 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
                 has_seqused_k: bool, has_lse: bool, timestamps: bool = False, rotate: bool = False,
                 sm100: Optional[Sm100Config] = None, extra_options: str = ""):
     """The compiled attention kernel of one key (the arguments are the key): kind "fa4" (FA4's own
-    forward), "a2a-tma" / "a2a-st" (the rank-window subclass and its O path) or "a2a-paced" (its
-    TMA path with the store pacer, SM90: cute_kernels.fa4_a2a_paced_sm90); for SM90, or for
+    forward), "a2a-tma" / "a2a-st" (the rank-window subclass and its O path) or "a2a-paced" /
+    "a2a-paced-st" (its TMA / st path with the store pacer, SM90: cute_kernels.fa4_a2a_paced_sm90); for SM90, or for
     SM100 when `sm100` (FA4's SM100 configuration of the call) is given. timestamps: SM90's stamped
     debug build. rotate: the fused kernels' rank-rotated tile order (launched with the rank after
     the optional tensors). Compiled as FA4 compiles ahead of time, from fake tensors of the key's
@@ -242,7 +242,7 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
     from flash_attn.cute.testing import active_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    paced = kind == "a2a-paced"
+    paced = kind.startswith("a2a-paced")
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         example = _example_tensors(kind, dtype, head_dim, qhead_per_kvhead, has_seqused_k, has_lse, timestamps)
         tq, tk, tv, to = [to_cute_tensor(t) for t in example[:4]]
@@ -283,8 +283,12 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
     else:
         kernel_cls = FlashAttentionA2AForwardSm90
     fa = _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal,
-                      o_store="tma" if paced else kind.removeprefix("a2a-"), timestamps=timestamps, rotate=rotate)
+                      o_store=PACED_O_STORE[kind] if paced else kind.removeprefix("a2a-"), timestamps=timestamps,
+                      rotate=rotate)
     return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, tpace, stream=stream, options=options)
+
+
+PACED_O_STORE = {"a2a-paced": "tma", "a2a-paced-st": "st"}  # the paced kernel's compile kinds -> O path
 
 
 def _address(t: torch.Tensor) -> int:
@@ -442,10 +446,9 @@ def fa4_a2a_launcher(
         from cute_kernels.pacer import check_pacer
 
         check_pacer(pacer, q.device)
-        if arch != 90 or o_store != "tma" or lse_dst is not None or rotate:
-            raise ValueError(f"pacer: the paced kernel is SM90's TMA path (S_loc a multiple of "
-                             f"{tile_m_for(D, causal)} rows, o_store 'tma') without lse_windows or rotate")
-        kind = "a2a-paced"
+        if arch != 90 or lse_dst is not None or rotate:
+            raise ValueError("pacer: the paced kernel is SM90's, without lse_windows or rotate")
+        kind = "a2a-paced" if o_store == "tma" else "a2a-paced-st"
     key = (kind, q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
     if arch == 100:
         if lse_dst is not None and not aligned:
@@ -498,7 +501,7 @@ def fa4_a2a_forward(
     only, ValueError otherwise): see cute_kernels.fa4_a2a_sm90.
     pacer: every O tile's store paced grid-wide by this state (cute_kernels.pacer.make_pacer, for the
     O tile's bytes; shared by every launch that gets it; the kernel: cute_kernels.fa4_a2a_paced_sm90):
-    SM90's TMA path, no LSE, no rotation.
+    SM90, either O path, no LSE, no rotation.
     """
     fa4_a2a_launcher(q, k, v, out_windows, rank, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
                      lse_windows=lse_windows, o_store=o_store, timestamps=timestamps, rotate=rotate, pacer=pacer)()

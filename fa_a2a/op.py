@@ -11,10 +11,13 @@ across ranks). The impls are described in fa_a2a.forward.
 Eager calls go straight to the forward: torch.library's dispatch costs ~0.5 ms of host time per
 call with list arguments (H200 host, 2026-12-03), more than the kernels of a small problem. Under
 torch.compile the public functions call the custom ops instead, so the graph holds one opaque op.
+Calls with inputs that require grad (grad mode on) go to fa_a2a.backward: eagerly an
+autograd.Function, under torch.compile its functional custom op with a registered backward.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -22,9 +25,10 @@ import torch
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES
 from ulysses.layout import check_rank
 
+from .backward import wants_grad
 from .forward import contiguous16, forward, forward_emulated, head_maps
 from .pacing import check_pace, decode_pace, encode_pace
-from .problem import EMULATED_IMPLS, IMPLS, check_call, check_no_grad, check_tensor, resolve, resolve_emulated
+from .problem import EMULATED_IMPLS, IMPLS, check_call, check_tensor, resolve, resolve_emulated
 
 __all__ = [
     "IMPLS",
@@ -121,6 +125,48 @@ def _(o, out_windows, rank, broadcast):
     return None
 
 
+@torch.library.custom_op("fa_a2a::refusal", mutates_args=())
+def _refusal_op(message: str, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise ValueError(message)
+
+
+@_refusal_op.register_fake
+def _(message, likes):
+    return [torch.empty_like(t) for t in likes]
+
+
+def traced_refusals(stand_ins):
+    """Decorator of a public function that cannot pass its refusal into a custom op as ulysses_attention
+    does: under torch.compile a ValueError raised while tracing it would reach the caller only as the
+    __cause__ of dynamo's "Observed exception". Instead the graph gets an op raising the plain
+    ValueError when it runs; while tracing the call returns stand_ins(likes_op, *args, **kwargs),
+    where likes_op(likes) gives that op's stand-in outputs, shaped like the tensors `likes` (never
+    read: the op raises first). Eager calls go straight to the function."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            if not torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except ValueError as e:
+                message = str(e)
+                # detached: the stand-ins never reach a backward (the op raises first)
+                return stand_ins(lambda likes: _refusal_op(message, [t.detach() for t in likes]), *args, **kwargs)
+        return traced
+    return wrap
+
+
+def _emulated_stand_ins(refused, qs, *args, joint=None, **kwargs):
+    """ulysses_attention_emulated's outputs as refused(likes) stand-ins: like each q (and joint[0])."""
+    qs = list(qs) if isinstance(qs, (list, tuple)) and all(isinstance(q, torch.Tensor) for q in qs) else []
+    given_joint = joint is not None
+    jq = joint[0] if given_joint and isinstance(joint, (list, tuple)) and len(joint) == 3 else None
+    jq = [jq] * len(qs) if isinstance(jq, torch.Tensor) else []
+    outs = refused(qs + jq)
+    return (outs[:len(qs)], outs[len(qs):]) if given_joint else outs
+
+
 # ---- public functions ------------------------------------------------------------------------------
 def ulysses_attention(
     q: torch.Tensor,
@@ -128,7 +174,7 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group=None,
-    impl: str = "fused",
+    impl: str = "auto",
     joint: Optional[Sequence[torch.Tensor]] = None,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
@@ -150,14 +196,23 @@ def ulysses_attention(
     Every argument except the tensors' data must be the same on every rank, and joint's data too:
     every call checks the arguments across ranks before any data moves (every rank raises the
     same ValueError otherwise; fa_a2a.problem says how, FA_A2A_CHECK_JOINT=1 checks joint's data).
+    impl: "auto" (default: the fastest of fused with TMA or st O-stores, serial and nccl, timed on
+    this machine at the signature's first call, kept on disk; fa_a2a.autotune), "fused",
+    "fused:tma" / "fused:st" (fused with that O-store path), "serial", "nccl" or "reference"
+    (fa_a2a.forward describes each). Every impl but reference gives the same bits.
     pace: the fused kernel's O-store pacing for slow links: "auto" (decided from the transport's
     measured link and FA4's tiles, logged once), None / "off", or a rate in GB/s (fa_a2a.pacing).
     The first call per shape allocates the rank windows (collective, host-synchronous; with
-    pace="auto" it also times the link once per transport): make it before CUDA-graph capture.
-    No backward: inputs that require grad are refused under grad mode.
+    pace="auto" it also times the link once per transport, with impl="auto" its candidates):
+    make it before CUDA-graph capture.
+    Differentiable (fa_a2a.backward): with grad mode on and an input that requires grad, the call
+    keeps its heads-layout q, k, v (and FA4's O and LSE) for a backward that every rank must run,
+    as it runs the forward; whether a call requires grad must be the same on every rank. Joint
+    inputs get the grads of this rank's heads (summed over the ranks: the full gradient).
     """
     group, group_name, P, rank = _group(group)
     given_joint = joint is not None
+    grad = wants_grad(q, k, v, joint)
     tracing = torch.compiler.is_compiling()
     if tracing:
         # The op's body checks and agrees at run time. A bad call is not refused while tracing:
@@ -168,31 +223,42 @@ def ulysses_attention(
             problem, joint = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank,
                                         pace)
             softmax_scale = problem.softmax_scale
-            check_no_grad(q, k, v, *(joint or ()))  # the op's body no longer sees grad mode / requires_grad
         except ValueError as e:
             refusal = str(e)
             joint = tuple(joint) if isinstance(joint, (tuple, list)) and len(joint) == 3 else None
-        out, joint_out = _outputs(q, joint)
-        jq, jk, jv = joint if joint is not None else (None, None, None)
         try:
             pace = encode_pace(check_pace(pace))
         except ValueError as e:
             refusal, pace = refusal or str(e), "off"
-        _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal,
-                              softmax_scale, seq_len, None if shard_rows is None else list(shard_rows), refusal, pace)
-    else:  # checks (grad included) and the agreement of this call with every rank
+        if grad and refusal is None:  # the functional op with its backward (torch.library.register_autograd)
+            from .backward import traced_attention_with_grad
+
+            out, joint_out = traced_attention_with_grad(q, k, v, joint, group_name, impl, causal, softmax_scale,
+                                                        seq_len, shard_rows, pace)
+        else:
+            out, joint_out = _outputs(q, joint)
+            jq, jk, jv = joint if joint is not None else (None, None, None)
+            _ulysses_attention_op(q, k, v, out, jq, jk, jv, joint_out, group_name, impl, causal, softmax_scale,
+                                  seq_len, None if shard_rows is None else list(shard_rows), refusal, pace)
+    else:  # checks and the agreement of this call (requires_grad included) with every rank
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
-                                 rank=rank, group=group, group_name=group_name, pace=pace)
-        out, joint_out = forward(problem, q, k, v, joint, group, rank)
+                                 rank=rank, group=group, group_name=group_name, pace=pace, grad=grad)
+        if grad:
+            from .backward import attention_with_grad
+
+            out, joint_out = attention_with_grad(problem, q, k, v, joint, group, rank)
+        else:
+            out, joint_out = forward(problem, q, k, v, joint, group, rank)
     return _result(out, joint_out, given_joint)
 
 
+@traced_refusals(_emulated_stand_ins)
 def ulysses_attention_emulated(
     qs: Sequence[torch.Tensor],
     ks: Sequence[torch.Tensor],
     vs: Sequence[torch.Tensor],
     *,
-    impl: str = "fused",
+    impl: str = "auto",
     joint: Optional[Sequence[torch.Tensor]] = None,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
@@ -203,14 +269,24 @@ def ulysses_attention_emulated(
     """One process plays all P ranks: lists of P shards (as ulysses_attention takes) -> P outputs.
 
     Windows are P slices of one local buffer (ulysses.transport.EmulatedTransport); the kernels
-    and barriers are the real ones. impl: "fused", "serial" or "reference". pace: as
+    and barriers are the real ones. impl: "auto" (default; its candidates fused TMA / st and
+    serial), "fused", "fused:tma", "fused:st", "serial" or "reference". pace: as
     ulysses_attention's (the emulated ranks' attentions run in turn, each alone on the link).
     Returns the list of outputs, or (list, list of P joint outputs) with joint.
+    Differentiable eagerly, as ulysses_attention (the one joint tuple gets the full gradient);
+    under torch.compile inputs that require grad are refused.
     """
     given_joint = joint is not None
     problem, joint = resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows, pace)
-    check_no_grad(*qs, *ks, *vs, *(joint or ()))
-    if torch.compiler.is_compiling():
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs, *(joint or ())))
+    if grad and torch.compiler.is_compiling():
+        raise ValueError("qs: inputs that require grad: emulated ranks are differentiable eagerly only, call "
+                         "ulysses_attention_emulated outside torch.compile or under torch.no_grad()")
+    if grad:
+        from .backward import attention_emulated_with_grad
+
+        outs, joint_outs = attention_emulated_with_grad(problem, qs, ks, vs, joint)
+    elif torch.compiler.is_compiling():
         pairs = [_outputs(q, joint) for q in qs]
         outs, joint_outs = [o for o, _ in pairs], [j for _, j in pairs if j is not None]
         _ulysses_attention_emulated_op(list(qs), list(ks), list(vs), outs, list(joint or ()), joint_outs, impl,

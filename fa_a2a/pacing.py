@@ -11,7 +11,7 @@ the same on every rank and is agreed with the call):
   "auto"        (default) decided once per call signature by the rule below, logged once;
   None / "off"  never paced;
   a number      pace at that many GB/s (this rank's stores, grid-wide), refused where the paced
-                kernel cannot run (not SM90's TMA path: S_loc not a multiple of the tile rows).
+                kernel cannot run (not SM90).
 
 The automatic rule (`decide`), from two facts:
   link R     GB/s at which this rank's post-A2A kernel alone stores 32 MiB into the transport's
@@ -28,7 +28,7 @@ The automatic rule (`decide`), from two facts:
     stalls every SM's loads while it drains), more than pacing costs.
   - ranks sharing one GPU (P processes under MPS): pace only where this rank's kernel makes O at
     most SHARED_GPU_MAX_LOAD of the paced rate (O bytes / (waves x G) / rate), see below.
-Paths the paced kernel does not have (SM100, S_loc not a multiple of the tile rows) stay unpaced.
+The paced kernel is SM90's (both O paths): SM100 stays unpaced.
 
 Measured (one H200, 2026-12-03, rank 0's work of emulated P = 8, H_loc = 3, D = 128, bf16, windows
 in pinned host memory, A2A kernel alone 52 GB/s): paced at 44-48 GB/s (85-92% of it) hid 60-87% of
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 from typing import Callable, Optional, Union
 
@@ -76,6 +75,9 @@ SHARED_GPU_MAX_LOAD = 0.25  # ranks sharing a GPU: pace only kernels making O be
 BURST_TILES = 8  # the pacer's burst tolerance (the probe's setting)
 LINK_PROBE_BYTES = 32 << 20  # smaller probes under-read fast links (8 MiB on HBM: launch cost ~ store time)
 MAX_RATE_GBPS = 1e6
+# 1 MB/s, below any link: the pacer holds at most 1 s per tile (cute_kernels.pacer.MAX_DT_NS), and the
+# largest it paces, FA4's 192 x 128 O tile or the projection's UNIT_BYTES, is far under 1 MB
+MIN_RATE_GBPS = 1e-3
 
 Pace = Union[None, str, float]
 
@@ -86,9 +88,10 @@ def check_pace(pace) -> Pace:
         return None
     if pace == "auto":
         return "auto"
-    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not (
-            math.isfinite(pace) and 0 < pace <= MAX_RATE_GBPS):
-        raise ValueError(f"pace: expected 'auto', None/'off' or a rate in (0, {MAX_RATE_GBPS:g}] GB/s, got {pace!r}")
+    if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not MIN_RATE_GBPS <= pace <= MAX_RATE_GBPS:
+        # (the comparisons refuse NaN, inf and ints past float range, where a float conversion overflows)
+        raise ValueError(f"pace: expected 'auto', None/'off' or a rate in [{MIN_RATE_GBPS:g}, {MAX_RATE_GBPS:g}] GB/s, "
+                         f"got {pace!r}")
     return float(pace)
 
 
@@ -110,8 +113,8 @@ class Pacing:
 
 
 def _check_link(link) -> None:
-    if not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
-        raise ValueError(f"link: expected a positive rate in GB/s, got {link!r}")
+    if isinstance(link, bool) or not isinstance(link, (int, float)) or not 0 < link <= MAX_RATE_GBPS:
+        raise ValueError(f"link: expected a positive rate in GB/s, at most {MAX_RATE_GBPS:g}, got {link!r}")
 
 
 def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[int] = None,
@@ -212,16 +215,13 @@ def sm_count(device) -> int:
 
 def pace_path(q: torch.Tensor, seq_loc: int, head_dim: int, causal: bool) -> tuple:
     """(rows of the fused kernel's output tile for this call, None where the paced kernel can run
-    it, else why not, in words)."""
+    it, else why not, in words). The paced kernel has both O paths (TMA and st), so any S_loc."""
     from fa_a2a.fused import device_arch, tile_m_for
 
     arch = device_arch(q)
     tile_m = tile_m_for(head_dim, causal, arch)
     if arch != 90:
         return tile_m, f"the paced kernel is SM90's (this GPU is SM{arch})"
-    if seq_loc % tile_m:
-        return tile_m, (f"S_loc {seq_loc} is not a multiple of the tile's {tile_m} rows (the paced kernel is "
-                        "the TMA path)")
     return tile_m, None
 
 

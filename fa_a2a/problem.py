@@ -4,17 +4,24 @@
 fact the ranks must share). A new signature is checked in full locally and cached, so a
 steady-state call pays a dict lookup for its checks. Then, on a group of several ranks, EVERY
 call is agreed before any data moves (`agree_call`): each rank publishes one word, a hash of its
-signature (cached with it) or ERROR_WORD when its own checks refused the call (a bad argument,
-inputs that require grad), through the group's host channel (ulysses.channel: a shared-memory
+signature (cached with it) or ERROR_WORD when its own checks refused the call (a bad argument),
+through the group's host channel (ulysses.channel: a shared-memory
 slot per rank, ~1 us, no collective). Equal words: the call goes on. Otherwise every
 rank sends its signature fields (or its error) to all, and every rank raises the same ValueError
 naming the first argument that differs and each rank's value - never a wrong answer, never a
 hang. A rank that stops calling makes the others raise TimeoutError after FA_A2A_TIMEOUT_S.
 CUDA-graph replays never reach Python: they replay the signature agreed at capture.
+Whether a call requires grad (grad mode on and q, k, v or joint requiring grad) is part of its
+signature: such a call keeps tensors for a backward that is collective too (fa_a2a.backward).
 
-Joint (text) tokens must hold the same data on every rank (they are replicated, not sent):
-FA_A2A_CHECK_JOINT=1 adds a checksum of their data to the word (a device synchronization per
-call: a debugging aid, off by default).
+Joint (text) tokens must hold the same data on every rank (they are replicated, not sent); by
+default only their shapes are agreed: FA_A2A_CHECK_JOINT=1 adds a checksum of their data to the
+word every call (a debugging aid: host time 7-10 ms per call for Flux's 512 text rows on a 2-core
+CPU, and a device synchronization). A default check would pay that on every call of a DiT, whose
+joint q/k/v are new tensors every call (keyed by data_ptr and _version, the lookup alone took
+0.6-0.9 us, and inference tensors have no _version).
+Local checks also read every FA_A2A_* variable (check_settings) and refuse inputs whose elements
+share memory (check_no_overlap), both once per signature: the key holds every stride.
 
 Error grammar, here and in the kernels' launch checks: "arg: what was expected, got what came".
 """
@@ -24,28 +31,42 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
+import sys
 from typing import Optional
 
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from ulysses import channel as host_channel
+from ulysses import channel as host_channel, env
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
-           "check_joint", "check_no_grad", "agree_call", "checked_and_agreed", "signature_fields",
-           "signature_word"]
+           "check_joint", "check_no_overlap", "check_settings", "agree_call", "checked_and_agreed",
+           "signature_fields", "signature_word"]
 
-IMPLS = ("fused", "serial", "nccl", "reference")
-EMULATED_IMPLS = ("fused", "serial", "reference")  # nccl needs one rank per GPU
+IMPLS = ("auto", "fused", "serial", "nccl", "reference")
+EMULATED_IMPLS = ("auto", "fused", "serial", "reference")  # nccl needs one rank per GPU
 KERNEL_IMPLS = ("fused", "serial")
+BLOCK_IMPLS = ("auto", "fused", "serial")  # the attention block's (its projection is always fused)
+# impl values that force the fused kernel's O-store path ("fused" alone: TMA where S_loc is a multiple
+# of the tile's rows, else st; fa_a2a.autotune times both)
+FUSED_PATHS = ("fused:tma", "fused:st")
+
+
+def split_impl(impl, allowed=IMPLS) -> tuple:
+    """impl as a call takes it -> (impl, o_store): o_store "tma" / "st" for FUSED_PATHS, else None."""
+    if impl in FUSED_PATHS:
+        return "fused", impl.split(":")[1]
+    if not isinstance(impl, str) or impl not in allowed:
+        raise ValueError(f"impl: expected one of {allowed + FUSED_PATHS}, got {impl!r}")
+    return impl, None
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One call's signature. Fields before `layout` must agree across ranks (their names say which
-    argument carries them); `layout` is derived from them."""
+    """One call's signature. Every field but `layout` must agree across ranks (_ARGUMENT says which
+    argument carries each); `layout` is derived from them. impl "auto" is resolved to a concrete
+    impl and o_store per signature by fa_a2a.autotune."""
 
     impl: str
     batch: int
@@ -63,6 +84,7 @@ class Problem:
     world_size: int
     pace: object  # fa_a2a.pacing.check_pace's value: None (off), "auto" or GB/s; None unless impl "fused"
     layout: UlyssesLayout = dataclasses.field(compare=False, repr=False)
+    o_store: Optional[str] = None  # impl "fused": the O-store path, "tma" | "st" (None: TMA where S_loc allows)
 
     @property
     def scale(self) -> float:
@@ -76,9 +98,11 @@ class Problem:
 
 # Argument that carries each agreed field, for the cross-rank error message (and the order of the check).
 _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size="world size", impl="impl",
+                 o_store="impl (O-store path)",
                  device_type="q (device type)", dtype="q (dtype)", shard_rows="shard_rows", seq_len="seq_len",
                  batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
+                 requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)")
 
 
@@ -88,6 +112,29 @@ def check_tensor(t, name: str, ndim: int = 4) -> None:
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of t may share memory, from its shape and strides: sorted by stride, each
+    dim of extent > 1 must step past the span of the smaller ones (exact for every dense layout,
+    permuted or not, and for views of them; an interleaving that does not overlap but fails this,
+    e.g. shape (3, 2) strides (2, 3), counts as overlapping)."""
+    span = 0
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def check_no_overlap(named) -> None:
+    """Refuse an input whose elements share memory (as_strided with overlapping strides, expand): the
+    kernels and transports read each element of their inputs as its own. named: (name, tensor or
+    anything else: skipped) pairs; a contiguous tensor costs one is_contiguous call."""
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and not t.is_contiguous() and overlaps(t):
+            raise ValueError(f"{name}: expected a tensor whose elements do not share memory, got shape "
+                             f"{tuple(t.shape)} with strides {t.stride()} (pass .contiguous())")
 
 
 def check_joint(joint) -> Optional[tuple]:
@@ -101,23 +148,11 @@ def check_joint(joint) -> Optional[tuple]:
     return tuple(joint)
 
 
-def check_no_grad(*tensors) -> None:
-    """There is no backward yet: refuse inputs that require grad under grad mode (never cut autograd silently)."""
-    if not torch.is_grad_enabled():
-        return
-    for name, t in zip(("q", "k", "v", "joint[0] (q)", "joint[1] (k)", "joint[2] (v)"), tensors):
-        if t is not None and t.requires_grad:
-            raise ValueError(f"{name}: requires grad, but fa-a2a has no backward yet: call it under "
-                             "torch.no_grad() / torch.inference_mode(), or pass detached tensors")
-
-
-def _check_scalar_args(impl, causal, softmax_scale, seq_len) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+                                      or not 0 < softmax_scale <= sys.float_info.max):  # NaN, inf, 10**400 fail
         raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
@@ -173,6 +208,15 @@ def _check_kernel_limits(q, k, v, impl) -> None:
             raise ValueError(f"{name}: expected a contiguous head dim (stride 1), got stride {t.stride(-1)}")
 
 
+def check_settings() -> None:
+    """Every FA_A2A_* variable (ulysses.env's and FA_A2A_IMPL), read with each new signature: a bad
+    value is the call's ValueError, naming the variable, on every rank."""
+    from fa_a2a.autotune import forced_label
+
+    env.check_all()
+    forced_label()
+
+
 def _check_shard_rows(shard_rows, world_size: int, seq_len, rows_here: int, rank: int) -> tuple:
     from ulysses.layout import check_shard_rows
 
@@ -185,23 +229,31 @@ def _check_shard_rows(shard_rows, world_size: int, seq_len, rows_here: int, rank
 
 
 def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size: int, shard_rows=None,
-               rank: int = 0, pace=None):
-    """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError."""
+               rank: int = 0, pace=None, stand_ins: bool = False):
+    """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError.
+    stand_ins: q, k, v and joint stand for the shapes of a call (the block's, expanded from one row:
+    their memory is not checked)."""
     from fa_a2a.pacing import check_pace
 
-    _check_scalar_args(impl, causal, softmax_scale, seq_len)
+    check_settings()
+    impl, o_store = split_impl(impl)
+    _check_scalar_args(causal, softmax_scale, seq_len)
     pace = check_pace(pace)
-    if isinstance(pace, float) and impl != "fused":
+    if isinstance(pace, float) and impl not in ("fused", "auto"):
         raise ValueError(f"pace: a rate paces the fused kernel's stores, got {pace:g} GB/s with impl={impl!r}")
-    pace = pace if impl == "fused" else None
+    pace = pace if impl in ("fused", "auto") else None
     _check_qkv(q, k, v, empty_shard_ok=shard_rows is not None)
+    if not stand_ins:
+        check_no_overlap((("q", q), ("k", k), ("v", v)))
     if shard_rows is not None:
         shard_rows = _check_shard_rows(shard_rows, world_size, seq_len, q.shape[1], rank)
     joint = check_joint(joint)
     J = _check_joint_shapes(joint, q, k.shape[2], causal) if joint is not None else 0
+    if joint is not None and not stand_ins:
+        check_no_overlap(zip(("joint[0] (q)", "joint[1] (k)", "joint[2] (v)"), joint))
     if J == 0:
         joint = None
-    if impl in KERNEL_IMPLS or (impl == "nccl" and q.is_cuda):
+    if impl in KERNEL_IMPLS or (impl in ("nccl", "auto") and q.is_cuda):
         _check_kernel_limits(q, k, v, impl)
     B, S_loc, H, D = q.shape
     if shard_rows is None:
@@ -211,16 +263,23 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
         if causal and not layout.is_suffix_padded:
             raise ValueError(f"causal: expected False with uneven shard_rows (keys are compacted), got True "
                              f"with shard_rows={list(shard_rows)}")
+    if o_store == "tma" and world_size > 1:
+        from fa_a2a.fused import tile_m_for
+
+        tile_m = tile_m_for(D, causal)
+        if layout.seq_loc % tile_m:
+            raise ValueError(f"impl: 'fused:tma' needs S_loc a multiple of the tile's {tile_m} rows (TMA stores a "
+                             f"tile into one rank), got S_loc {layout.seq_loc}; use 'fused:st' or 'fused'")
     scale = None if softmax_scale is None else float(softmax_scale)
     problem = Problem(impl, B, layout.seq_loc, H, k.shape[2], D, q.dtype, q.device.type, J, causal, scale, seq_len,
-                      shard_rows, world_size, pace, layout)
+                      shard_rows, world_size, pace, layout, o_store)
     return problem, joint
 
 
 # ---- cross-rank agreement, every call ----------------------------------------------------------------
-def signature_fields(problem: Problem, entry: str, group_name: str, joint) -> dict:
-    fields = dict(problem.agreed_fields(), entry=entry, group=group_name)
-    if joint is not None and os.environ.get("FA_A2A_CHECK_JOINT", "0") not in ("", "0"):
+def signature_fields(problem: Problem, entry: str, group_name: str, joint, requires_grad: bool = False) -> dict:
+    fields = dict(problem.agreed_fields(), entry=entry, group=group_name, requires_grad=requires_grad)
+    if joint is not None and env.check_joint():
         digest = hashlib.blake2b(digest_size=8)
         for t in joint:
             digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
@@ -275,10 +334,11 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
                pace=None):
     """A hashable key of everything check_call looks at, or None when it cannot be built cheaply."""
     try:
-        facts = (q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device, k.stride(-1),
-                 v.shape, v.dtype, v.device, v.stride(-1))
+        # every stride: check_call's memory checks read them (stride() costs no more than stride(-1))
+        facts = (q.shape, q.dtype, q.device, q.stride(), k.shape, k.dtype, k.device, k.stride(),
+                 v.shape, v.dtype, v.device, v.stride())
         if joint is not None:
-            facts += tuple((t.shape, t.dtype, t.device, t.stride(-1)) for t in joint)
+            facts += tuple((t.shape, t.dtype, t.device, t.stride()) for t in joint)
         rows = tuple((type(n), n) for n in shard_rows) if isinstance(shard_rows, (list, tuple)) else shard_rows
         # typed: 1 == True == 1.0 in a dict key, but check_call refuses some of them
         scalars = (type(impl), impl, type(causal), causal, type(softmax_scale), softmax_scale, type(seq_len), seq_len,
@@ -308,14 +368,17 @@ def _remember(key, entry):
 
 
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
-            group=None, group_name: str = "", refusal: Optional[str] = None, pace=None):
-    """Validate (once per signature) and refuse inputs that require grad, then, on a group of
-    several ranks, agree this call with every rank (every call; see the module docstring).
-    refusal: a ValueError message the caller already found (raised like this rank's own).
+            group=None, group_name: str = "", refusal: Optional[str] = None, pace=None, grad: bool = False):
+    """Validate (once per signature), then, on a group of several ranks, agree this call with every
+    rank (every call; see the module docstring). refusal: a ValueError message the caller already
+    found (raised like this rank's own). grad: whether the call requires grad (agreed with the rest).
 
     Returns (Problem, joint tuple or None)."""
-    key, hit = lookup(_resolved, _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank,
-                                  group_name, pace))
+    sig = _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name,
+                     pace)
+    if grad and sig is not None:
+        sig = ("grad", sig)
+    key, hit = lookup(_resolved, sig)
     collective = world_size > 1 and group is not None
 
     def checks():
@@ -325,13 +388,12 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
         if entry is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank, pace)
-            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out) if collective else None
+            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out, grad) if collective else None
             entry = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
         problem, has_joint, fields, word = entry
         joint_out = tuple(joint) if has_joint else None
-        check_no_grad(q, k, v, *(joint_out or ()))
         if collective and "joint_data" in fields:  # debugging aid: this call's joint data
-            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out)
+            fields = signature_fields(problem, "ulysses_attention", group_name, joint_out, grad)
             word = signature_word(fields)
         return (problem, joint_out), fields, word
 
@@ -361,8 +423,7 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
     P = len(qs)
     if not len(ks) == len(vs) == P:
         raise ValueError(f"ks, vs: expected {P} tensors like qs, got {len(ks)} and {len(vs)}")
-    if impl not in EMULATED_IMPLS:
-        raise ValueError(f"impl: expected one of {EMULATED_IMPLS} for emulated ranks, got {impl!r}")
+    split_impl(impl, EMULATED_IMPLS)
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
                        "emulated", pace) for r in range(P)]
     key, hit = lookup(_resolved, None if None in keys else tuple(keys))

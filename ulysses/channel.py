@@ -47,6 +47,8 @@ import tempfile
 import time
 from typing import Optional
 
+from ulysses import env
+
 __all__ = ["ERROR_WORD", "WORD_BITS", "Channel", "get_channel", "close_channels"]
 
 WORD_BITS = 47
@@ -77,7 +79,7 @@ class Channel:
 
         self.group = group  # the all_gather fallback's group (several hosts)
         self.world_size, self.rank = group.size(), group.rank()
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = env.seconds(timeout_s, "timeout_s")
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.store = dist.distributed_c10d._get_default_store()
         self.prefix = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
@@ -102,31 +104,33 @@ class Channel:
         P, r, pre = self.world_size, self.rank, self.prefix
         self.store.set(f"{pre}/host/{r}", _host_id())
         path = ""
-        if r == 0:
-            self._wait([f"{pre}/host/{s}" for s in range(P)])
-            hosts = {self.store.get(f"{pre}/host/{s}") for s in range(P)}
-            if len(hosts) == 1:
-                fd, path = tempfile.mkstemp(prefix="fa_a2a_channel_", dir=_shm_dir())
-                os.ftruncate(fd, 2 * P * 8)
-                os.close(fd)
-            self.store.set(f"{pre}/path", path)
-        else:
-            self._wait([f"{pre}/path"])
-            path = self.store.get(f"{pre}/path").decode()
-        mm = None
-        if path:
-            try:
-                with open(path, "r+b") as f:
-                    mm = mmap.mmap(f.fileno(), 2 * P * 8)
-            except OSError:
-                mm = None
-        self.store.set(f"{pre}/opened/{r}", b"1" if mm is not None else b"0")
-        self._wait([f"{pre}/opened/{s}" for s in range(P)])
+        try:
+            if r == 0:
+                self._wait([f"{pre}/host/{s}" for s in range(P)])
+                hosts = {self.store.get(f"{pre}/host/{s}") for s in range(P)}
+                if len(hosts) == 1:
+                    fd, path = tempfile.mkstemp(prefix="fa_a2a_channel_", dir=_shm_dir())
+                    os.ftruncate(fd, 2 * P * 8)
+                    os.close(fd)
+                self.store.set(f"{pre}/path", path)
+            else:
+                self._wait([f"{pre}/path"])
+                path = self.store.get(f"{pre}/path").decode()
+            mm = None
+            if path:
+                try:
+                    with open(path, "r+b") as f:
+                        mm = mmap.mmap(f.fileno(), 2 * P * 8)
+                except OSError:
+                    mm = None
+            self.store.set(f"{pre}/opened/{r}", b"1" if mm is not None else b"0")
+            self._wait([f"{pre}/opened/{s}" for s in range(P)])
+        finally:
+            # every rank has mapped the file (or given up, or this wait ended): its mappings stay
+            # valid, and nothing is left behind in the file system, whichever way this ends
+            if r == 0 and path:
+                os.unlink(path)
         everyone = all(self.store.get(f"{pre}/opened/{s}") == b"1" for s in range(P))
-        self.store.set(f"{pre}/done/{r}", b"1")
-        if r == 0 and path:
-            self._wait([f"{pre}/done/{s}" for s in range(P)])
-            os.unlink(path)  # the mappings stay valid; nothing is left behind in the file system
         if not everyone:
             return None
         slots = memoryview(mm).cast("q")  # int64, native order; the views keep the mapping alive
@@ -211,7 +215,10 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
         ch = _channels.get(ranks_key)
         if ch is None:
             if timeout_s is None:
-                timeout_s = float(os.environ.get("FA_A2A_TIMEOUT_S", "30"))
+                try:
+                    timeout_s = env.timeout_s()
+                except ValueError:  # the call's own checks refuse it by name (fa_a2a.problem), over this channel
+                    timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
         _channels[key] = ch
     _group_channels[group] = ch

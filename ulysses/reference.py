@@ -28,6 +28,7 @@ from .layout import (UlyssesLayout, _check_rank_list, gather_heads, head_to_seq,
 
 __all__ = [
     "local_attention",
+    "local_attention_backward",
     "full_attention",
     "emulated_pre_a2a",
     "emulated_post_a2a",
@@ -73,8 +74,45 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
     q = q.transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale)
     # SDPA's CPU kernel turns a NaN query row into zeros (torch 2.13, fewer than 8 keys): add 0 * the
-    # row's sum, so that a NaN in q reaches its output row on every path (tests/cpu/test_reliability.py)
-    return o.add_(q.sum(-1, keepdim=True), alpha=0).transpose(1, 2)
+    # row's sum, so that a NaN in q reaches its output row on every path (tests/cpu/test_reliability.py);
+    # out of place under autograd (SDPA's backward reads its output)
+    nan_rows = q.sum(-1, keepdim=True)
+    o = o.add(nan_rows, alpha=0) if o.requires_grad else o.add_(nan_rows, alpha=0)
+    return o.transpose(1, 2)
+
+
+def local_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, seqused_k=None, dtype=None):
+    """(dq, dk, dv) of local_attention(q, k, v, ...) against its output's gradient `do` [B, Nq, Hq, D],
+    in the inputs' dtypes: the probabilities recomputed in `dtype` (default fp32, fp64 for fp64
+    inputs), then the softmax backward, dS = P * (dO V^T - rowsum(dO * O)). Keys >= seqused_k get
+    zeros; a KV head read by several query heads gets the sum of their parts. Explicit rather than
+    autograd: it also runs inside a custom op's body (fa_a2a.backward), where autograd is off."""
+    B, Nq, Hq, D = q.shape
+    Nk, Hk = k.shape[1], k.shape[2]
+    dtype = dtype or _compute_dtype(q.dtype)
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    used = Nk if seqused_k is None else seqused_k
+    qf, kf, vf, dof = (x.to(dtype).transpose(1, 2) for x in (q, k[:, :used], v[:, :used], do))  # [B, H, N, D]
+    group = Hq // Hk
+    if group > 1:
+        kf, vf = (x.repeat_interleave(group, dim=1) for x in (kf, vf))
+    s = qf @ kf.transpose(-1, -2) * scale
+    if causal:  # top-left aligned, as SDPA's is_causal
+        s = s.masked_fill(~torch.ones(Nq, used, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    dp = dof @ vf.transpose(-1, -2)
+    ds = p * (dp - (dof * (p @ vf)).sum(-1, keepdim=True))
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+    dv = p.transpose(-1, -2) @ dof
+    if group > 1:
+        dk, dv = (x.unflatten(1, (Hk, group)).sum(2) for x in (dk, dv))
+    grads = [dq.transpose(1, 2).to(q.dtype)]
+    for x, like in ((dk, k), (dv, v)):
+        full = x.new_zeros(B, Hk, Nk, D)
+        full[:, :, :used] = x
+        grads.append(full.transpose(1, 2).to(like.dtype))
+    return tuple(grads)
 
 
 def _check_joint(joint, B, D, H, Hkv, dtype, device):

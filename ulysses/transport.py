@@ -71,11 +71,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef  # imported by `import torch` already
+
+from ulysses import env
+from ulysses.env import DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, seconds as _positive_seconds  # noqa: F401 (vmm's)
 
 if TYPE_CHECKING:  # the backends' modules import this one: they load on first use (__getattr__ below)
     from ulysses.symm import SymmetricMemoryTransport, uniform_window_stride
@@ -96,8 +98,6 @@ __all__ = [
     "tensor_from_address",
 ]
 
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_SETUP_TIMEOUT_S = 300.0
 # the memory of transports closed while tensors lent out of their windows lived: kept until the process exits
 _KEPT: list = []
 
@@ -159,16 +159,6 @@ def _windows_view(flat: torch.Tensor, world_size: int, window_bytes: int, shape,
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
-
-
-def _positive_seconds(value, name: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-    return v
 
 
 def _reason(exc: BaseException) -> str:
@@ -383,7 +373,7 @@ class EmulatedTransport(Transport):
 
 
 _transports: dict = {}
-BACKENDS = ("vmm", "ipc", "host", "symm")
+BACKENDS = env.TRANSPORTS
 
 
 def get_transport(group=None, *, backend: str | None = None, timeout_s: float | None = None,
@@ -401,16 +391,15 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
     from ulysses.symm import SymmetricMemoryTransport
     from ulysses.vmm import HostTransport, VmmTransport
 
-    backend = backend or os.environ.get("FA_A2A_TRANSPORT", "vmm")
+    backend = backend or env.transport()
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS} ('ipc' is 'vmm'), got {backend!r}")
     backend = "vmm" if backend == "ipc" else backend
     explicit_timeout = timeout_s is not None
     if timeout_s is None:
-        timeout_s = _positive_seconds(os.environ.get("FA_A2A_TIMEOUT_S", DEFAULT_TIMEOUT_S), "FA_A2A_TIMEOUT_S")
+        timeout_s = env.timeout_s()
     if setup_timeout_s is None:
-        setup_timeout_s = _positive_seconds(os.environ.get("FA_A2A_SETUP_TIMEOUT_S", DEFAULT_SETUP_TIMEOUT_S),
-                                            "FA_A2A_SETUP_TIMEOUT_S")
+        setup_timeout_s = env.setup_timeout_s()
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized")
     if group is None:

@@ -104,12 +104,14 @@ def _one_rank_changes(rank, P, group, impl):
 
 
 def _one_rank_refuses_locally(rank, P, group, impl):
-    """A rank's own ValueError (inputs that require grad; grad mode on) reaches every rank."""
+    """A rank's own ValueError reaches every rank; so does a rank whose inputs alone require grad
+    (grad mode on: requires_grad is part of the agreed signature, the backward is collective)."""
     qkv = _qkv(rank)
     _call(group, impl, qkv)
     grad = [t.clone().requires_grad_(rank == 1) for t in qkv]
-    msg = _refused("requires grad", lambda: ulysses_attention(*grad, group=group, impl=impl))
-    assert msg.startswith("q: requires grad" if rank == 1 else f"rank 1 of {P}: q: requires grad")
+    msg = _refused("requires_grad", lambda: ulysses_attention(*grad, group=group, impl=impl))
+    assert msg.startswith("requires_grad (grad mode on and q, k, v or joint requiring grad): expected the same "
+                          "value on every rank"), msg
     bad = _qkv(rank, S_loc=S_LOC) if rank else [qkv[0], qkv[1], qkv[2][..., :D // 2]]
     _refused(r"v: expected k's shape", lambda: _call(group, impl, bad))
     _call(group, impl, qkv)

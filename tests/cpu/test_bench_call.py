@@ -117,12 +117,26 @@ def test_nccl_is_skipped_with_the_reason_when_ranks_share_a_gpu():
     assert not bc.ranks_share_gpu(2, 2) and not bc.ranks_share_gpu(4, 8)
     keys, status = bc.select_methods(shared_gpu=True)
     assert "nccl" not in keys and "Duplicate GPU detected" in status["nccl"] and status["nccl"].startswith("skipped")
-    assert keys == ("fa4_local", "fa4_aligned", "pre_a2a", "serial", "fused", "fused_unpaced", "qkv_gemm", "block")
+    assert keys == ("fa4_local", "fa4_aligned", "pre_a2a", "serial", "fused", "fused_unpaced", "fused_st", "auto",
+                    "qkv_gemm", "block")
     keys, status = bc.select_methods(shared_gpu=False)
     assert keys == tuple(m.key for m in bc.CALL_METHODS) and status == {}
 
 
 # ------------------------------------------------------------------------------ report
+def test_auto_over_the_best_candidate():
+    med = {"fused": 100.0, "fused_st": 98.0, "serial": 120.0, "auto": 99.0}
+    raw = {"fused": [100.0, 101.0, 99.0], "fused_st": [98.0, 97.0, 99.0], "serial": [120.0] * 3,
+           "auto": [99.0, 96.0, 99.0]}
+    r = bc.ratios(med, raw)
+    assert r["auto_over_best"] == 99.0 / 98.0
+    assert r["auto_over_best_paired"] == sorted([99 / 98, 96 / 97, 99 / 99])[1]
+    assert bc.ratios({"fused": 1.0})["auto_over_best"] is None
+    point = dict(bc.new_point(8192, 4096, 12, {}), median_us=med, ratios=r, auto="fused:st, measured")
+    table = bc.format_call_table([point])
+    assert "auto/best paired" in table and "impl='auto' at M = 8192: fused:st, measured" in table
+
+
 def test_ratios_medians_and_paired():
     med = {"fa4_local": 1000.0, "pre_a2a": 50.0, "fused": 1071.0, "serial": 1150.0, "qkv_gemm": 300.0,
            "block": 1400.0}

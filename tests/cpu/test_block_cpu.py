@@ -3,6 +3,8 @@ makes for each rank (row offsets of q and k/v, padding rows, joint rows into the
 the sm_90a compile of those launches against fake tensors, the torch chain's RoPE against
 diffusers', and the argument checks ("arg: expected, got")."""
 
+import functools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -366,7 +368,7 @@ class _FakePlan:
         self.dq, self.dk, self.dv = _windows(lay.world_size, B, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D,
                                              device, dtype)
 
-    def attend_launch(self, rank, impl, causal, scale, pace):
+    def attend_launch(self, rank, impl, causal, scale, pace, o_store=None):
         return lambda slot=0: setattr(self, "attends", self.attends + 1)
 
     def choose_slot(self):
@@ -444,7 +446,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     P, rank, D, J = 2, 1, 64, 5
     lay = UlyssesLayout.from_shard_rows([36, 33], 4, 4, P, joint_len=J)  # rank 1: 33 valid rows + 3 padding
     p = types.SimpleNamespace(layout=lay, batch=1, head_dim=D, dtype=torch.bfloat16, impl="fused", causal=False,
-                              scale=0.125, pace=None)
+                              scale=0.125, pace=None, o_store=None)
     transport = _FakeTransport()
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: _FakePlan(t, lay, B, D, dtype, "cpu"))
     sliced = []
@@ -515,7 +517,7 @@ def test_rank_block_paces_its_projection_as_pace_says(monkeypatch, pace, split, 
     P, D, C, S_loc = 2, 64, 4096, 64
     lay = UlyssesLayout.from_shard(S_loc, 4, 4, P)
     p = types.SimpleNamespace(layout=lay, batch=1, head_dim=D, dtype=torch.bfloat16, impl="fused", causal=False,
-                              scale=0.125, pace=pace)
+                              scale=0.125, pace=pace, o_store=None)
     transport = _FakeTransport()
     transport.split_links = split
     if in_link is not None:
@@ -593,6 +595,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
     and each rank's delivery. Other rows per rank are a new signature; a bad rotary of a known one
     is still refused by name."""
     seen, made, checked = [], [], []
+    emulated = functools.partial(block.ulysses_qkv_attention_emulated, impl="fused")  # the prepared path, not auto
     monkeypatch.setattr(block, "_resolved_emulated", {})
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
         lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs))))
@@ -613,7 +616,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         for _ in range(3):
             xs, rots = call_args()
             seen.clear()
-            assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S), ("out", 1, S)]
+            assert emulated(xs, proj, rotary=rots) == [("out", 0, S), ("out", 1, S)]
             assert [s[0] for s in seen] == xs  # rank 0's projection, then rank 1's, each with its own x
             assert [s[2] for s in seen] == rots
         transport = made[0]
@@ -622,9 +625,9 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         with pytest.raises(ValueError, match=r"rotary: expected a contiguous float32 \[32, 64\] table"):
             xs, rots = call_args()
             strided = torch.empty_strided((S, D), (1, S), device="cuda")  # a known signature, not contiguous
-            block.ulysses_qkv_attention_emulated(xs, proj, rotary=[rots[0], strided])
+            emulated(xs, proj, rotary=[rots[0], strided])
         xs, rots = call_args(S - 8)  # other rows: checked and prepared again
-        assert block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots) == [("out", 0, S - 8), ("out", 1, S - 8)]
+        assert emulated(xs, proj, rotary=rots) == [("out", 0, S - 8), ("out", 1, S - 8)]
         assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
 
         sliced = []  # joint rows: each rank's own slice of the joint weights, sliced once per rank
@@ -634,7 +637,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
             xs, rots = call_args()
             joint, jrot = torch.empty(1, J, C, dtype=torch.bfloat16, device="cuda"), torch.empty(J, D, device="cuda")
             seen.clear()
-            outs = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rots, joint=joint, joint_rotary=jrot)
+            outs = emulated(xs, proj, rotary=rots, joint=joint, joint_rotary=jrot)
             assert outs == ([("out", 0, S), ("out", 1, S)], [("joint out", 0), ("joint out", 1)])
             assert [(s[0] is joint, s[2] is jrot) for s in seen] == [(False, False), (True, True)] * 2
         assert sliced == [(proj, 0), (proj, 1)] and checked == ["xs[0]", "xs[1]"] * 3

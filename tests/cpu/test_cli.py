@@ -15,7 +15,8 @@ from fa_a2a import cli
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = {"calibrate": "fa_a2a.calibrate", "bench_block": "fa_a2a.bench_block"}
 EXAMPLES = {name: os.path.join("examples", f"{name}.py") for name in
-            ("fused_speed", "qkv_speed", "host_window_hiding", "dit_inference")}
+            ("fused_speed", "qkv_speed", "host_window_hiding", "dit_inference", "pipeline", "eager_host_cost",
+             "first_call_time", "flux_block_memory")}
 HEAVY = ("torch", "cutlass", "quack", "diffusers")
 # Runs a tool as `python -m MODULE` / `python FILE` would, then prints which heavy packages it loaded.
 WRAPPER = """
@@ -59,6 +60,10 @@ BAD = [
     ("dit_inference", ["--impls", "fused,magic"], "--impls"),
     ("dit_inference", ["--device", "cpu", "--impls", "fused"], "--impls"),
     ("dit_inference", ["--model", "flux", "--frames", "2"], "--frames"),
+    ("pipeline", ["--model", "x", "--steps", "0"], "--steps"),
+    ("pipeline", ["--model", "x", "--impl", "magic"], "--impl"),
+    ("pipeline", ["--steps", "2"], "--model"),
+    ("flux_block_memory", ["--device", "tpu"], "--device"),
 ]
 
 
@@ -125,3 +130,120 @@ def test_readme_dit_snippet_names_what_exists():
         if isinstance(node, ast.ImportFrom):
             module = importlib.import_module(node.module)
             assert all(hasattr(module, a.name) for a in node.names), node.module
+
+
+# ---- one exit code without a GPU ------------------------------------------------------------------
+# Every tool that needs a GPU: (tool, argv). CUDA_VISIBLE_DEVICES="" hides any GPU of the machine.
+GPU_ONLY = [
+    ("calibrate", ["--quick"]),
+    ("bench_block", []),
+    ("fused_speed", []),
+    ("qkv_speed", []),
+    ("host_window_hiding", ["out.json"]),
+    ("eager_host_cost", []),
+    ("first_call_time", []),
+]
+
+
+def _no_gpu_env(**extra):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, **extra)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(var, None)
+    return env
+
+
+def _tool_cmd(tool, argv):
+    if tool in MODULES:
+        return [sys.executable, "-m", MODULES[tool], *argv]
+    if tool == "bench":
+        return [sys.executable, "-m", "fa_a2a.bench", *argv]
+    return [sys.executable, os.path.join(ROOT, EXAMPLES[tool]), *argv]
+
+
+@pytest.mark.parametrize("tool, argv", GPU_ONLY, ids=[t for t, _ in GPU_ONLY])
+def test_gpu_only_tools_without_a_gpu_print_one_line_and_exit_with_the_one_code(tool, argv, tmp_path):
+    res = subprocess.run(_tool_cmd(tool, argv), cwd=tmp_path, env=_no_gpu_env(FA_A2A_CACHE_DIR=str(tmp_path / "c")),
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert res.returncode == cli.NO_GPU_EXIT, (res.returncode, res.stderr)
+    assert len(lines) == 1 and "no CUDA GPU found" in lines[0], res.stderr
+    assert lines[0].endswith("Nothing measured, nothing written."), lines[0]
+    name = MODULES[tool].replace(".", "/") if tool in MODULES else EXAMPLES[tool]
+    assert lines[0].startswith((f"python -m {MODULES.get(tool)}:", f"{EXAMPLES.get(tool)}:")), (name, lines[0])
+    assert res.stdout == "" and sorted(os.listdir(tmp_path)) == [], (res.stdout, os.listdir(tmp_path))
+
+
+def test_bench_without_a_gpu_exits_0_and_writes_nothing_anywhere(tmp_path):
+    cache = tmp_path / "cache"
+    res = subprocess.run(_tool_cmd("bench", ["--quick", "--out", str(tmp_path / "res")]), cwd=tmp_path,
+                         env=_no_gpu_env(FA_A2A_CACHE_DIR=str(cache)), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].startswith("No CUDA GPU: nothing was measured")
+    assert "Nothing written to" in res.stdout.splitlines()[-1] and "nor to the compile cache" in res.stdout
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # neither --out nor the cache folder
+
+
+# ---- --seqlens read one way -----------------------------------------------------------------------
+SEQLENS = [
+    ("bench", ["--seqlens", "0"], "expected an integer in [1, 4194304], got '0'"),
+    ("bench", ["-M", "x"], "expected an integer in [1, 4194304], got 'x'"),
+    ("bench", ["--seqlens", "100"], "expected multiples of 8 (the world size P), got 100"),
+    ("bench", ["--seqlens", "8192", "8192"], "expected distinct values, got [8192, 8192]"),
+    ("bench_block", ["--seqlens", "0"], "expected an integer in [1, 4194304], got '0'"),
+    ("bench_block", ["--seqlens", "x"], "expected an integer in [1, 4194304], got 'x'"),
+    ("bench_block", ["--seqlens", "576", "576"], "expected distinct values, got [576, 576]"),
+    ("qkv_speed", ["--seqlens", "0"], "expected an integer in [1, 4194304], got '0'"),
+    ("qkv_speed", ["--seqlens", "576", "576"], "expected distinct values, got [576, 576]"),
+    ("fused_speed", ["--seqlens", "x"], "expected an integer in [1, 4194304], got 'x'"),
+    ("fused_speed", ["--seqlens", "100"], "expected multiples of 8 (--world-size), got 100"),
+    ("fused_speed", ["--seqlens", "8192", "8192"], "expected distinct values, got [8192, 8192]"),
+    ("host_window_hiding", ["out.json", "--seqlens", "0"], "expected an integer in [1, 4194304], got '0'"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, message", SEQLENS, ids=[f"{t}-{' '.join(a)}" for t, a, _ in SEQLENS])
+def test_seqlens_are_refused_in_one_wording(tool, argv, message, tmp_path):
+    res = subprocess.run(_tool_cmd(tool, argv), cwd=tmp_path, env=_no_gpu_env(), capture_output=True, text=True,
+                         timeout=120)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.endswith(f"error: argument --seqlens: {message}"), res.stderr
+
+
+def test_check_seqlens():
+    assert cli.check_seqlens(["8", 16], 8) == (8, 16)
+    whole = r"an integer in \[1, 4194304\], got "
+    for values, match in (([0], whole + "'0'"), ([1.5], whole + "'1.5'"), ([True], whole + "'True'"),
+                          ([12], r"multiples of 8 \(P\), got 12"), ([8, 8], r"distinct values, got \[8, 8\]")):
+        with pytest.raises(ValueError, match=r"^argument --seqlens: expected " + match):
+            cli.check_seqlens(values, 8, "P")
+
+
+# ---- examples/flux_block_memory.py says what it needs ---------------------------------------------
+def test_flux_block_memory_says_what_it_needs_up_front(tmp_path):
+    res = subprocess.run(_tool_cmd("flux_block_memory", ["--help"]), env=_no_gpu_env(), capture_output=True,
+                         text=True, timeout=60)
+    text = " ".join(res.stdout.split())
+    assert res.returncode == 0 and '[dit] extra' in text and "~24 GB" in text and "--attention-only ~5 GB" in text
+    # without diffusers: one line, the exit code of a tool that cannot run here, nothing loaded
+    code = "import sys; sys.modules['diffusers'] = None; sys.argv = ['x']; import runpy; " \
+           f"runpy.run_path({os.path.join(ROOT, EXAMPLES['flux_block_memory'])!r}, run_name='__main__')"
+    res = subprocess.run([sys.executable, "-c", code], env=_no_gpu_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == cli.NO_GPU_EXIT and res.stdout == "", res.stderr
+    assert res.stderr.strip() == ('examples/flux_block_memory.py: needs diffusers, the [dit] extra '
+                                  '(pip install -e ".[dit]"). Nothing measured, nothing written.'), res.stderr
+
+
+def test_flux_block_memory_refuses_a_model_larger_than_the_free_memory(monkeypatch, capsys):
+    pytest.importorskip("diffusers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flux_block_memory", os.path.join(ROOT, EXAMPLES["flux_block_memory"]))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "free_bytes", lambda device: 10 ** 9)
+    monkeypatch.setattr(mod, "measure", lambda args: pytest.fail("measured although the model does not fit"))
+    assert mod.main(["--device", "cpu"]) == cli.NO_GPU_EXIT
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("examples/flux_block_memory.py: the Flux.1 transformer needs ~23.8 GB on cpu, 1.0 GB free")
+    assert "--attention-only" in err and len(err.splitlines()) == 1
+    assert mod.model_bytes(mod._parse(["--attention-only"])) == pytest.approx(5.022e9, rel=1e-3)  # the docstring's

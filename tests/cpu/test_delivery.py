@@ -4,7 +4,8 @@ and the transport's lent tensors. The kernels' side (real ranks on a GPU) is tes
 import pytest
 import torch
 
-from fa_a2a.forward import MAX_OUT_SLOTS, OUT_SLOTS, WindowPlan, common_slot, out_slots_setting
+from fa_a2a.forward import WindowPlan, common_slot
+from ulysses.env import MAX_OUT_SLOTS, OUT_SLOTS, out_slots as out_slots_setting
 from ulysses.transport import EmulatedTransport
 
 SHAPE = (1, 4, 2, 8)  # B, S_loc, H_pad, D

@@ -323,11 +323,13 @@ def test_table_shows_only_measured_numbers():
     # methods that apply nowhere go to a note; Serial-NCCL keeps its column
     keys = [m.key for m in bench_methods.METHODS]
     na = {m.key: why for m in bench_methods.METHODS if (why := bench_methods.not_applicable(m, False, "hbm"))}
-    assert set(na) == {"a2a_nccl", "serial_nccl", "layer_fused", "layer_nccl"}
+    assert set(na) == {"a2a_nccl", "serial_nccl", "layer_fused", "layer_fused_st", "layer_serial", "layer_nccl",
+                       "layer_auto"}
     table = bench_report.format_table([_point(8192, {"fa": 1.0}, na)], keys)
     assert table.splitlines()[0].startswith("| M | FA4-only (us) | A2A-only (us) | Serial (us) | Serial-NCCL (us) |")
     assert "Layer" not in table.splitlines()[0] and "windows" not in table.splitlines()[0]
-    assert table.splitlines()[-1] == "Not run: A2A-only NCCL, Layer fused, Layer NCCL (needs real ranks)."
+    assert table.splitlines()[-1] == ("Not run: A2A-only NCCL, Layer fused, Layer fused st, Layer serial, Layer NCCL, "
+                                      "Layer auto (needs real ranks).")
     # host windows: a windows column, and the op's own HBM windows do not apply there
     host = {m.key: why for m in bench_methods.METHODS if (why := bench_methods.not_applicable(m, False, "host"))}
     assert host["op_emulated"] == bench_methods.NA_HOST

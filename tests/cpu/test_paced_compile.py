@@ -37,6 +37,23 @@ def test_paced_compiles(D, dtype, stamps, monkeypatch):
     assert kinds == ["a2a-paced"]
 
 
+def test_paced_st_path_compiles_for_straddling_tiles(monkeypatch):
+    """S_loc not a multiple of the tile rows: the paced kernel's per-thread store path."""
+    kinds, compile_fa4 = [], fused.compile_fa4
+
+    def spy(kind, *key, **kw):
+        kinds.append(kind)
+        return compile_fa4(kind, *key, **kw)
+
+    monkeypatch.setattr(fused, "compile_fa4", spy)
+    with FakeTensorMode():
+        q, windows, pacer = _inputs(S_loc=fused.tile_m_for(128) + 64)
+        fused.fa4_a2a_forward(q, q, q, windows, 1, pacer=pacer)
+        q, windows, pacer = _inputs()
+        fused.fa4_a2a_forward(q, q, q, windows, 1, pacer=pacer, o_store="st")
+    assert kinds == ["a2a-paced-st", "a2a-paced-st"]
+
+
 def test_ptx_has_the_pacer(tmp_path):
     key = ("a2a-paced", torch.bfloat16, 128, 1, False, False, False)
     ptx = fused.compile_fa4(*key, extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
@@ -45,6 +62,10 @@ def test_ptx_has_the_pacer(tmp_path):
     assert "cp.async.bulk.tensor" in ptx  # the TMA store it paces
     plain = fused.compile_fa4("a2a-tma", *key[1:], extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
     assert "%globaltimer" not in plain  # the unpaced build stays without the pacer
+    st = fused.compile_fa4("a2a-paced-st", *key[1:], extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert "atom.relaxed.gpu.global.add.u64" in st and "st.global" in st  # paced per-thread stores,
+    assert ".global.shared::cta" not in st  # and no TMA store (its TMA loads go shared::cta.global)
+    assert ".global.shared::cta" in ptx
 
 
 def test_refusals():
@@ -56,19 +77,16 @@ def test_refusals():
                 fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=bad)
         with pytest.raises(ValueError, match="pacer: expected the state make_pacer returned"):
             fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=torch.zeros(3, dtype=torch.int64, device="cuda"))
-        q2, w2, _ = _inputs(S_loc=fused.tile_m_for(128) + 64)
-        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
-            fused.fa4_a2a_forward(q2, q2, q2, w2, 0, pacer=pacer)
-        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
+        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's, without lse_windows or rotate"):
             fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=pacer, rotate=True)
         P, B, S_loc, H, _ = windows.shape
         lse = torch.empty(P, B, H, S_loc, dtype=torch.float32, device="cuda")
-        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's TMA path"):
+        with pytest.raises(ValueError, match="pacer: the paced kernel is SM90's, without lse_windows or rotate"):
             fused.fa4_a2a_forward(q, q, q, windows, 0, pacer=pacer, lse_windows=lse)
     with pytest.raises(ValueError, match="kind: the paced kernel is SM90 only"):
         fused.compile_fa4("a2a-paced", torch.bfloat16, 128, 1, False, False, False, rotate=True)
     with pytest.raises(ValueError, match="o_store"):
-        fused._make_kernel(paced_kernel.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, o_store="st")
+        fused._make_kernel(paced_kernel.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, o_store="x")
     with pytest.raises(ValueError, match="rotate"):
         fused._make_kernel(paced_kernel.FlashAttentionA2APacedForwardSm90, torch.bfloat16, 128, 1, False, rotate=True)
 

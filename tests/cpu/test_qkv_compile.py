@@ -12,7 +12,10 @@ from cute_kernels import qkv_a2a_sm90_device as Dv
 
 def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True, B=1, S_loc=200, C=256,
                   bias_dtype=None):
-    """Fake CUDA tensors (call inside FakeTensorMode): QKVWeights, x, windows (one allocation each)."""
+    """Fake CUDA tensors (call inside FakeTensorMode): QKVWeights, x, windows (one allocation each).
+    Views of fake CUDA tensors are taken with narrow / as_strided, not Python indexing (t[a:b]): on
+    torch's CPU build indexing asks for a CUDA device guard ("PyTorch is not linked with support for
+    cuda devices"); narrow gives the same view on both builds."""
     H_loc = H_loc or 256 // D
     H_kv_loc = H_kv_loc or H_loc
     n = P * (H_loc + 2 * H_kv_loc) * D
@@ -375,9 +378,9 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(ValueError, match=r"rope_cs: float32 \[200, 128\]"):
             K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=cs.half())
         with pytest.raises(ValueError, match=r"rope_cs\[1\] \(sin\): float32"):
-            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(cs, cs[:100]))
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(cs, cs.narrow(0, 0, 100)))
         with pytest.raises(ValueError, match=r"rope_cs\[0\] \(cos\): contiguous rows, a 16-byte aligned base"):
-            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(torch.empty(200 * 128 + 1, device="cuda")[1:].view(200, 128), cs))
+            K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(torch.empty(200 * 128 + 1, device="cuda").narrow(0, 1, 200 * 128).view(200, 128), cs))
         with pytest.raises(ValueError, match="rope_cs: a float32 table or a"):
             K.qkv_a2a_projection(x, proj, windows, 0, rope_cs=(cs,))
         with pytest.raises(ValueError, match="row0: rows"):
@@ -424,7 +427,7 @@ def test_diffusers_pairs_of_row_views_compile_the_pair_epilogue(record_compiles)
         proj, x, windows, cs = _fake_problem(torch.bfloat16, 128)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=cs)
         table_keys = list(record_compiles)
-        cos, sin = (torch.empty(600, 128, device="cuda")[100:300] for _ in range(2))
+        cos, sin = (torch.empty(600, 128, device="cuda").narrow(0, 100, 200) for _ in range(2))
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs=(cos, sin))
         pair_keys = [k[:5] + (("pair",) if k[5] == "table" else k[5:6]) + k[6:] for k in table_keys]
         assert record_compiles[len(table_keys):] == pair_keys and any(k[5] == "pair" for k in pair_keys)

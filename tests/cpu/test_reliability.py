@@ -1,4 +1,4 @@
-"""Calls that must fail loudly: ranks that disagree, inputs that require grad, NaN inputs.
+"""Calls that must fail loudly: ranks that disagree, NaN inputs (requires_grad: tests/cpu/test_backward_cpu.py).
 
 Mismatch tests run on 2 and 3 gloo processes; every rank must raise the same ValueError naming
 the argument that differs, for impls "nccl" and "reference" (the fused path: tests/gpu). The
@@ -64,21 +64,6 @@ def _check_mismatches(P, group, rank):
 
 def test_ranks_that_disagree_all_raise_the_same_error():
     run_on_gloo_groups(_check_mismatches, (2, 3), timeout_s=20)
-
-
-def test_inputs_that_require_grad_are_refused():
-    lin = torch.nn.Linear(8, 8)
-    x = torch.randn(1, 4, 2, 8)
-    q = lin(x)
-    with pytest.raises(ValueError, match="q: requires grad"):
-        ulysses_attention(q, x, x, impl="reference")
-    with pytest.raises(ValueError, match="requires grad"):
-        ulysses_attention_emulated([q, q], [x, x], [x, x], impl="reference")
-    with pytest.raises(ValueError, match=r"joint\[1\] \(k\): requires grad"):
-        ulysses_attention(x, x, x, impl="reference", joint=(x.detach(), q, x))
-    with torch.no_grad():
-        out = ulysses_attention(lin(x), x, x, impl="reference")
-    assert out.grad_fn is None and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

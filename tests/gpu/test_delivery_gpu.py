@@ -17,7 +17,7 @@ def _same(got, want, what):
 
 def _delivery(P, group, rank):
     from fa_a2a import ulysses_attention
-    from fa_a2a.forward import OUT_SLOTS
+    from ulysses.env import OUT_SLOTS
     from ulysses.transport import close_transports
 
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
