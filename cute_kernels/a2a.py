@@ -72,7 +72,7 @@ def _aligned(t, name: str):
 def pre_a2a_launcher(dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, key_rows, has_joint: bool):
     """PreA2A into these windows, checked and compiled once -> launch(q, k, v, joint=None) on the
     current stream. The sources q, k, v (and joint) change per call and are not checked there:
-    the caller passes 16-byte-aligned tensors (fa_a2a.forward.contiguous16 makes them so)."""
+    the caller passes 16-byte-aligned tensors (fa_a2a.engine.forward.contiguous16 makes them so)."""
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
         _aligned(t, name)
     compiled = compile_pre_a2a(dq.dtype, dq.shape[-1], dq.shape[0], has_joint)

@@ -24,7 +24,7 @@ What is ours is the key and the switch:
   CUTE_DSL_* variables: the target arch, the compiler options, debug/lineinfo, ...; without
   CUTE_DSL_ARCH the GPU's compute capability), FA4's FLASH_ATTENTION_* variables, and a
   fingerprint of everything else that changes the generated code: the Python code that runs while
-  compiling (cute_kernels, fa_a2a/fused.py and fa_a2a/xstage.py, FA4's
+  compiling (cute_kernels, whose fa4.py holds the attention kernels' compile functions, FA4's
   CuTe package, quack), the versions of the CuTe DSL, TVM-FFI, FA4, quack and torch, and the
   Python version. A change to any of them is a miss (old entries stay on disk under the old
   fingerprint's folder and can be deleted).
@@ -93,13 +93,12 @@ def _package_dir(name: str) -> Path:
 
 
 def _source_roots() -> tuple:
-    """The Python code that runs while compiling: this package (the kernels), fa_a2a's compile
-    functions (fused.py) and what they import from fa_a2a (xstage.py: FA4's tile geometry), FA4's
-    CuTe package and quack. A compile function that starts using another fa_a2a module must add
-    it here."""
+    """The Python code that runs while compiling: this package (the kernels and their compile
+    functions: fa4.py, a2a.py, qkv_a2a_sm90.py, ...; kernel sources only, so an edit elsewhere in the
+    tree keeps every cached kernel), FA4's CuTe package and quack. A compile function that starts
+    using code outside them must add it here."""
     here = Path(__file__).resolve().parent
-    return (here, here.parent / "fa_a2a" / "fused.py", here.parent / "fa_a2a" / "xstage.py",
-            _package_dir("flash_attn.cute"), _package_dir("quack"))
+    return (here, _package_dir("flash_attn.cute"), _package_dir("quack"))
 
 
 @functools.cache

@@ -22,7 +22,7 @@ only until it has read shared memory. Values are the parent's bit for bit; both 
 (S_loc a multiple of the tile rows) and "st" (the per-thread stores, any S_loc: every epilogue
 thread waits for the slot at the epilogue's first barrier, which warp 4 reaches after it); no LSE
 output, no rank rotation. The pacer rides last in the parent's aux tensors (its `mPace`
-argument). Launch: fa_a2a.fused.fa4_a2a_forward(..., pacer=cute_kernels.pacer.make_pacer(...))
+argument). Launch: cute_kernels.fa4.fa4_a2a_forward(..., pacer=cute_kernels.pacer.make_pacer(...))
 (compile kinds "a2a-paced" for the TMA path, "a2a-paced-st").
 
 Measured (H200, 2026-12-03, bf16, D=128, H_loc=3, emulated P=8, rank 0; `examples/

@@ -25,7 +25,7 @@ kernel launched after this one (cute_kernels/signal.py).
 
 The log-sum-exp (optional, fp32 windows (P, B, H, S_loc)) is written by FA4's correction warps in
 128-row tiles of the row mode; the row mode here is (S_loc, P) with strides (1, window stride),
-which FA4's tiling addresses correctly only when S_loc % 128 == 0, so fa_a2a.fused refuses LSE
+which FA4's tiling addresses correctly only when S_loc % 128 == 0, so cute_kernels.fa4 refuses LSE
 windows for other S_loc on SM100 (ValueError) rather than writing wrong rows.
 
 Rank-rotated tile order (compile-time `rotate`, as in the SM90 file; __call__ then takes the
@@ -105,7 +105,7 @@ class FlashAttentionA2AForwardSm100(FlashAttentionForwardSm100):
     """FA4's SM100 forward whose epilogue warp routes each O stage to its Ulysses rank.
 
     Everything but the epilogue warp's store is FA4's (warp roles, TMEM, pipelines, schedulers,
-    the correction warps' LSE). Tile configuration: FA4's own (see fa_a2a.fused).
+    the correction warps' LSE). Tile configuration: FA4's own (see cute_kernels.fa4).
     rotate: the rank-rotated tile order (see the module docstring); __call__ then takes `rank`.
     """
 

@@ -16,7 +16,7 @@ Two O paths (compile-time `o_store`):
 - "st": FA4's per-thread 16-byte stores from smem (its non-TMA epilogue), issued once per rank
   the tile touches with each row predicated on 0 <= local row < S_loc: straddling tiles and
   S_loc < tile_m are written exactly once.
-fa_a2a.fused picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
+cute_kernels.fa4 picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
 
 The log-sum-exp rows (optional, fp32 windows (P, B, H, S_loc)) take the same route, one scalar
 store per row, from the thread that owns the row.
@@ -299,7 +299,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     """FA4's SM90 forward whose output epilogue routes each O tile to its Ulysses rank.
 
     Everything but the output path is FA4's (mainloop, softmax, scheduler, pipelines). The
-    tile configuration is FA4's own choice for the head dim (see fa_a2a.fused).
+    tile configuration is FA4's own choice for the head dim (see cute_kernels.fa4).
     timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
     rotate: the rank-rotated tile order (see the module docstring); __call__ then takes `rank`.
     """

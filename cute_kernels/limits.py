@@ -1,7 +1,7 @@
 """What the kernels take: the one home of their dtype and head-dim limits (and the projection's norm eps).
 
-The SM90 / SM100 attention kernels (fa_a2a.fused) and the QKV projection GEMM (qkv_a2a_sm90) take
-these; fa_a2a.problem, the diffusers backend and the Flux processor check or route calls on them,
+The SM90 / SM100 attention kernels (cute_kernels.fa4) and the QKV projection GEMM (qkv_a2a_sm90) take
+these; fa_a2a.engine.problem, the diffusers backend and the Flux processor check or route calls on them,
 and the command lines offer HEAD_DIMS. Importing this module loads neither torch nor the CuTe DSL
 (the command lines refuse a bad flag before torch loads): DTYPES imports torch on first use.
 """

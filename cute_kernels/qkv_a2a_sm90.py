@@ -7,7 +7,7 @@ projection y = x W^T (+ bias) (+ per-head RMSNorm with weight on q and k) (+ int
 q and k) as quack's SM90 GEMM whose output tensor D *is* those P destination windows, so the
 epilogue's TMA store of each output tile is the pre-A2A (a peer store when window d is remote).
 
-Window layout written (the op layer's in-windows, fa_a2a.forward.WindowPlan): per destination rank
+Window layout written (the op layer's in-windows, fa_a2a.engine.forward.WindowPlan): per destination rank
 d a window holding q [B, N, H_loc, D], then k [B, N, H_kv_loc, D], then v (same), each
 contiguous; the P windows sit at one uniform stride W in this process's address space (VMM peer
 mapping, or P local buffers when ranks are emulated). Element (b, m, column n) of the GEMM goes to
@@ -52,7 +52,7 @@ kernel launched after this one on the same stream (cute_kernels/signal.py): kern
 orders every store of this grid before that barrier's release. With a pacer (qkv_a2a_launcher's
 pacer, qkv_a2a_sm90_device.StorePacer) each epilogue subtile's store waits for a slot of the
 grid-wide pacer before it issues; the ordering is the same. Where that pays over a slow link:
-fa_a2a.pacing.decide_projection.
+fa_a2a.engine.pacing.decide_projection.
 
 Measured (H200, 2026-12-03, bf16, C = 3072, N = 9216, H = 24, D = 128, emulated P = 8 windows,
 source rank 3; examples/qkv_speed.py: CUDA-graph replays of 20 calls, medians of 11 trials, us).

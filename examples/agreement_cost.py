@@ -1,4 +1,4 @@
-"""What the per-call agreement of the ranks costs (fa_a2a.problem.agree_call, ulysses.channel).
+"""What the per-call agreement of the ranks costs (fa_a2a.engine.problem.agree_call, ulysses.channel).
 
 P gloo rank processes on this machine's CPU: the channel's word exchange alone, then the whole
 agreement (agree_call: the channel's lookup, the exchange, the verdict), each as median host time
@@ -39,7 +39,7 @@ def _worker(rank, P, impl, S_loc, heads, head_dim, calls, init_file, results):
     import torch
     import torch.distributed as dist
 
-    import fa_a2a.problem as problem
+    import fa_a2a.engine.problem as problem
     from fa_a2a import ulysses_attention
     from ulysses.channel import get_channel
 

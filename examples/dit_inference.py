@@ -23,7 +23,7 @@ How the P ranks run:
   python examples/dit_inference.py --device cpu --nproc 2
                                      a CPU smoke test of the wiring (fp32, gloo, impls reference,
                                      nccl, diffusers): what runs by default on a machine without a
-                                     CUDA GPU (fa_a2a.diffusers_backend.cpu_testbed() lets diffusers'
+                                     CUDA GPU (fa_a2a.models.diffusers_backend.cpu_testbed() lets diffusers'
                                      context parallelism run there, --ulysses-anything included).
 On ranks sharing one GPU the latencies are those of time-shared kernels: they check the code
 path, they do not predict multi-GPU speed. --ulysses-anything lets P not divide the token
@@ -217,14 +217,14 @@ def denoise(model, latents, cond, t_scale, steps, dtype, *, sync=None):
 def run(rank, world_size, args, device, group_backend):
     from diffusers import ContextParallelConfig
 
-    from fa_a2a.diffusers_backend import register_diffusers_backend, route_counts
+    from fa_a2a.models.diffusers_backend import register_diffusers_backend, route_counts
 
     if device.type == "cpu":
-        from fa_a2a.diffusers_backend import cpu_testbed
+        from fa_a2a.models.diffusers_backend import cpu_testbed
 
         cpu_testbed()  # diffusers' CP assumes a GPU; this answers it as a CPU run needs (no arithmetic changes)
     if device.type == "cuda" and group_backend == "gloo":
-        from fa_a2a.diffusers_backend import gather_cuda_over_gloo
+        from fa_a2a.models.diffusers_backend import gather_cuda_over_gloo
 
         gather_cuda_over_gloo()
 

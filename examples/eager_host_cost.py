@@ -130,7 +130,7 @@ def one_process_cases(n: int) -> list[dict]:
     from fa_a2a import ulysses_attention, ulysses_attention_emulated
     from fa_a2a.block import ONE_LAUNCH_ROWS, ulysses_qkv_attention, ulysses_qkv_attention_emulated
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
 
     q, k, v = _inputs(1, 128, 1, 0)[0]
     o = torch.empty_like(q)
@@ -203,7 +203,7 @@ def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
     from fa_a2a.mps import mps_reachable
     from ulysses.transport import close_transports
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
 
     rank = dist.get_rank()
     proj = _block_weights(P)

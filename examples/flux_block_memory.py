@@ -6,8 +6,8 @@ Flux.1 transformer (the default) is ~24 GB of bf16 weights, in GPU memory or, wi
 The model's size is worked out before anything is allocated: where it does not fit in the free
 memory, the script says so in one line and exits with status 2.
 
-fa_a2a.flux_block's processor gathers each FluxAttention's q/k/v weights in destination order at
-the module's first fused call (flux_block.attention_weights), and the module's Linears become
+fa_a2a.models.flux's processor gathers each FluxAttention's q/k/v weights in destination order at
+the module's first fused call (fused_base.attention_weights), and the module's Linears become
 views of them. This builds a Flux.1-size transformer (19 double- + 38 single-stream blocks, 24
 heads x 128, random bf16 weights), installs the processor (enable_fused_projection) and gathers
 every module's weights as that first call does, for P = --world-size ranks, then prints:
@@ -150,14 +150,16 @@ def measure(args) -> dict:
     import torch
     from diffusers.models.transformers.transformer_flux import FluxAttention
 
-    from fa_a2a import flux_block
+    from fa_a2a.models import flux as flux_block
+    from fa_a2a.models import base as fused_base
+    from fa_a2a.models import registry
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _build(args, device)
     if not args.attention_only:
-        flux_block.enable_fused_projection(model)
+        registry.enable_fused_projection(model)
     attns = [m for m in model.modules() if isinstance(m, FluxAttention)]
-    qkv = [lin.weight for a in attns for layers, _ in flux_block._layers(a) for lin in layers]
+    qkv = [lin.weight for a in attns for layers, _ in fused_base._layers(a) for lin in layers]
     r = dict(device=str(device), world_size=args.world_size, attention_only=args.attention_only, copy=args.copy,
              attention_modules=len(attns), qkv_bytes=storage_bytes(qkv))
     r["before"] = storage_bytes(held_tensors(model, []))
@@ -172,7 +174,7 @@ def measure(args) -> dict:
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with torch.no_grad():  # each module's first fused call, for P = world_size ranks
-        gathered = [flux_block.attention_weights(a, share_weights=not args.copy, world_size=args.world_size)
+        gathered = [fused_base.attention_weights(a, share_weights=not args.copy, world_size=args.world_size)
                     for a in attns]
     r["after"] = storage_bytes(held_tensors(model, gathered))
     r["extra"] = r["after"] - r["before"]
@@ -186,7 +188,7 @@ def measure(args) -> dict:
     else:
         r["cpu_peak_rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     shared = all(lin.weight.untyped_storage().data_ptr() == mod.proj.weight.untyped_storage().data_ptr()
-                 for a, mod in zip(attns, gathered) for lin in flux_block._layers(a)[0][0])
+                 for a, mod in zip(attns, gathered) for lin in fused_base._layers(a)[0][0])
     r["linears_are_views"] = shared
     return r
 

@@ -46,7 +46,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from fa_a2a.fused import fa4_a2a_forward, fa4_forward  # noqa: E402
+from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward  # noqa: E402
 from graphs import median, time_graphs  # noqa: E402
 
 

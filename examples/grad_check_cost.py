@@ -1,6 +1,6 @@
 """Host cost of the op's one requires_grad check (issue 39), against the check it replaced.
 
-An eager ulysses_attention call without inputs that require grad pays fa_a2a.backward.wants_grad
+An eager ulysses_attention call without inputs that require grad pays fa_a2a.engine.backward.wants_grad
 once (then today's forward); before issue 39 it paid problem.check_no_grad (HEAD 08cc0e5, copied
 below). Both timed with timeit on the calling thread, best of 7 x 200k calls, the cost of calling
 an empty lambda subtracted. Measured on the 2-core CPU dev machine (2026-12-04), three runs (its
@@ -14,11 +14,11 @@ import timeit
 
 import torch
 
-from fa_a2a.backward import wants_grad
+from fa_a2a.engine.backward import wants_grad
 
 
 def check_no_grad(*tensors) -> None:
-    """fa_a2a.problem.check_no_grad before issue 39 (its refusal message shortened)."""
+    """fa_a2a.engine.problem.check_no_grad before issue 39 (its refusal message shortened)."""
     if not torch.is_grad_enabled():
         return
     for name, t in zip(("q", "k", "v", "joint[0] (q)", "joint[1] (k)", "joint[2] (v)"), tensors):

@@ -97,7 +97,7 @@ import torch  # noqa: E402
 
 from cute_kernels.pacer import make_pacer  # noqa: E402
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS  # noqa: E402
-from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
+from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
 from fa_a2a.op import post_a2a  # noqa: E402
 from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual  # noqa: E402
 from graphs import capture, input_sets_needed, median, round_up, time_graphs  # noqa: E402

@@ -17,14 +17,14 @@ and runs the whole pipeline (text encoders, denoising loop, VAE) once per --impl
 
 Each impl runs once to compile and warm up (--warmup-steps), then timed: the table gives the
 median time of a denoising step (max over ranks; the first step, which also encodes the prompt,
-left out), seconds per image, which path each attention call took (fa_a2a.diffusers_backend.
+left out), seconds per image, which path each attention call took (fa_a2a.models.diffusers_backend.
 route_counts) and the image rank 0 saved (--out with the impl before the extension).
 
 Every rank builds the same pipeline and passes the same seed, as diffusers' context parallelism
 expects. One GPU per rank: an NCCL group. Ranks sharing a GPU (P processes on one GPU, under
 `python -m fa_a2a.mps`): a gloo group, where nccl and native are skipped (NCCL refuses two ranks
 on one GPU). Without a GPU: CPU ranks over gloo, fp32, impls reference and native (a test of the
-wiring, fa_a2a.diffusers_backend.cpu_testbed; fused and serial need an SM90 GPU).
+wiring, fa_a2a.models.diffusers_backend.cpu_testbed; fused and serial need an SM90 GPU).
 """
 
 from __future__ import annotations
@@ -105,11 +105,11 @@ def setup(ap, args):
     os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")  # first calls compile kernels while the peers wait
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     if device.type == "cpu":
-        from fa_a2a.diffusers_backend import cpu_testbed
+        from fa_a2a.models.diffusers_backend import cpu_testbed
 
         cpu_testbed()  # diffusers' context parallelism assumes a GPU; this lets it run on CPU ranks
     elif backend == "gloo":
-        from fa_a2a.diffusers_backend import gather_cuda_over_gloo
+        from fa_a2a.models.diffusers_backend import gather_cuda_over_gloo
 
         gather_cuda_over_gloo()  # diffusers' output gather through host memory (no NCCL on a shared GPU)
     return dist.get_rank(), world, device, backend
@@ -163,7 +163,7 @@ def max_over_ranks(values, device, backend):
 
 def route_summary(pipe, names) -> dict:
     """Calls per path since the last reset: of the fa-a2a backend and of each fused processor."""
-    from fa_a2a.diffusers_backend import route_counts
+    from fa_a2a.models.diffusers_backend import route_counts
 
     procs = {getattr(type(getattr(m, "processor", None)), "ROUTE_NAME", None) for m in pipe.transformer.modules()}
     return {n: c for n in [*names, *sorted(p for p in procs if p)] if (c := route_counts(n, reset=True))}
@@ -179,7 +179,7 @@ def main(ap, args):
     from diffusers import ContextParallelConfig, DiffusionPipeline
 
     import fa_a2a
-    from fa_a2a.diffusers_backend import register_diffusers_backend
+    from fa_a2a.models.diffusers_backend import register_diffusers_backend
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = DiffusionPipeline.from_pretrained(args.model, dtype=dtype).to(device)

@@ -20,7 +20,7 @@ the traffic, queue on a slow link as FA4's O bursts did). Then also timed: copy 
 bytes alone, the link's time) and plain-nr+copy (the unfused chain of fused-nr), and printed per
 S_loc the hiding H = 1 - (fused - plain) / (plain+copy - plain) of the projection's stores.
 --paced-gbps R ... adds fused / fused-nr with their stores paced at R GB/s (p<R>) and as
-fa_a2a.pacing's automatic rule decides from the windows' link, measured as the op measures it
+fa_a2a.engine.pacing's automatic rule decides from the windows' link, measured as the op measures it
 (pauto; the decision is printed), and their H.
 
     python examples/qkv_speed.py [--seqlens 576 1024 4096] [--configs 192x128c1x2] [--out DIR]
@@ -108,9 +108,9 @@ def hiding(medians, fused, plain, chain):
 
 
 def measured_link(P, dtype, dest):
-    """GB/s of the post-A2A kernel alone into P windows in `dest` (fa_a2a.pacing.measure_store_rate
+    """GB/s of the post-A2A kernel alone into P windows in `dest` (fa_a2a.engine.pacing.measure_store_rate
     of LINK_PROBE_BYTES, as the op measures a transport's link)."""
-    from fa_a2a.pacing import measure_store_rate, probe_shape
+    from fa_a2a.engine.pacing import measure_store_rate, probe_shape
 
     shape = (P, *probe_shape(P))
     numel = math.prod(shape)
@@ -170,7 +170,7 @@ def main(args):
             methods["copy"] = lambda: view.copy_(y5)
             methods["plain-nr+copy"] = lambda: (K.qkv_projection_plain(x, norm_w, y, rope_cs=cs), view.copy_(y5))
         if args.paced_gbps:
-            from fa_a2a.pacing import decide_projection, projection_pacer, Pacing
+            from fa_a2a.engine.pacing import decide_projection, projection_pacer, Pacing
 
             d = decisions[S_loc] = decide_projection(link, S_loc * 3 * H * D * x.element_size(),
                                                      2.0 * S_loc * C * 3 * H * D)
@@ -216,7 +216,7 @@ def main(args):
 
     card = torch.cuda.get_device_name()
     if args.paced_gbps:
-        print(f"\nlink (the post-A2A kernel alone into {args.dest} windows, as fa_a2a.pacing measures it): "
+        print(f"\nlink (the post-A2A kernel alone into {args.dest} windows, as fa_a2a.engine.pacing measures it): "
               f"{link:.1f} GB/s")
         for S_loc, d in decisions.items():
             print(f"S_loc {S_loc}: pace='auto': {d.reason}")

@@ -12,12 +12,12 @@ _EXPORTS = {
     "UlyssesAttention": "fa_a2a.attention",
     "UlyssesQKVAttention": "fa_a2a.block",
     "ulysses_qkv_attention": "fa_a2a.block",
-    "fa4_forward": "fa_a2a.fused",
-    "fa4_a2a_forward": "fa_a2a.fused",
+    "fa4_forward": "cute_kernels.fa4",
+    "fa4_a2a_forward": "cute_kernels.fa4",
     "PlatformModel": "fa_a2a.xstage",
-    "register_diffusers_backend": "fa_a2a.diffusers_backend",
-    "enable_ulysses": "fa_a2a.diffusers_backend",
-    "enable_fused_projection": "fa_a2a.flux_block",
+    "register_diffusers_backend": "fa_a2a.models.diffusers_backend",
+    "enable_ulysses": "fa_a2a.models.diffusers_backend",
+    "enable_fused_projection": "fa_a2a.models.registry",
 }
 
 __all__ = sorted(_EXPORTS)

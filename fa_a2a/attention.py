@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .op import ulysses_attention
-from .problem import check_joint, check_tensor, split_impl
+from fa_a2a.op import ulysses_attention
+from fa_a2a.engine.problem import check_joint, check_tensor, split_impl
 
 __all__ = ["UlyssesAttention"]
 
@@ -28,19 +28,19 @@ _LAYOUTS = ("bshd", "bhsd")
 class UlyssesAttention(nn.Module):
     """Ulysses sequence-parallel attention with a selectable implementation (see fa_a2a.op).
 
-    impl: "auto" (default: the fastest path, timed on this machine once: fa_a2a.autotune), "fused"
+    impl: "auto" (default: the fastest path, timed on this machine once: fa_a2a.engine.autotune), "fused"
     (FA4 with the post-A2A in its epilogue; "fused:tma" / "fused:st" force its O-store path),
     "serial", "nccl" (permute + all_to_all_single baseline) or "reference". causal / softmax_scale as in SDPA (scale
     default 1/sqrt(D)). seq_len (forward): valid rows of the full sequence when P does not
     divide it (the last shards end in padding rows; their outputs are zeros). pace: the fused
-    kernel's store pacing, "auto" (default), None or GB/s (fa_a2a.pacing). Differentiable, as
-    ulysses_attention (fa_a2a.backward): every rank runs the backward of every call with grad.
+    kernel's store pacing, "auto" (default), None or GB/s (fa_a2a.engine.pacing). Differentiable, as
+    ulysses_attention (fa_a2a.engine.backward): every rank runs the backward of every call with grad.
     """
 
     def __init__(self, group=None, *, impl: str = "auto", causal: bool = False,
                  softmax_scale: Optional[float] = None, layout: str = "bshd", pace="auto"):
         super().__init__()
-        from fa_a2a.pacing import check_pace
+        from fa_a2a.engine.pacing import check_pace
 
         split_impl(impl)
         if layout not in _LAYOUTS:

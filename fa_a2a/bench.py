@@ -360,7 +360,7 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
              "raw_us": {}, "median_us": {}, "eager_raw_us": {}, "eager_us": {}, "status": status, "finite": {},
              "clocks": {}, "auto": None}
     if "op_emulated_auto" in calls or "layer_auto" in calls:  # decided at its first call, above
-        from fa_a2a.autotune import decision_text
+        from fa_a2a.engine.autotune import decision_text
 
         point["auto"] = decision_text("ulysses_attention", M // P)
         log(f"  M={M} ({dest}): impl='auto': {point['auto']}")

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         return no_gpu("python -m fa_a2a.bench_block", "the block benchmark")
     from cute_kernels import qkv_a2a_sm90 as K
     from fa_a2a import block
-    from fa_a2a.forward import window_plan
+    from fa_a2a.engine.forward import window_plan
     from graphs import median, time_graphs
     from ulysses.layout import UlyssesLayout
     from ulysses.transport import EmulatedTransport

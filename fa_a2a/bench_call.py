@@ -12,12 +12,12 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
   pre_a2a    the pre-A2A kernel alone (the first step of forward._rank_call)
   serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, delivery
   fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
-             stores paced as pace="auto" decides (fa_a2a.pacing; the decision is logged per M)
+             stores paced as pace="auto" decides (fa_a2a.engine.pacing; the decision is logged per M)
   fused_unpaced  the same with pace=None (what the fused call did before pacing existed)
   fused_st   fa_a2a.ulysses_attention(impl="fused:st"): the fused call with per-thread O stores
              (where S_loc is a multiple of the tile's rows "fused" stores with TMA)
   nccl       fa_a2a.ulysses_attention(impl="nccl"): all_to_all_single around FA4 (one GPU per rank only)
-  auto       fa_a2a.ulysses_attention(impl="auto"): the path fa_a2a.autotune picked at its first call
+  auto       fa_a2a.ulysses_attention(impl="auto"): the path fa_a2a.engine.autotune picked at its first call
              (its decision, how it was reached and its candidates' times are printed per M)
   qkv_gemm   the attention block's QKV projection alone (Flux-style bias, per-head RMSNorm, RoPE; C = H*D)
              with a plain output: the same kernels, tiles and epilogue as the block, no rank windows
@@ -44,7 +44,7 @@ moves; the pre-A2A is in both calls).
 
 Breakdown of the fused call (eager, the steps of forward._rank_call with CUDA events between them,
 on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery (the output left in
-its out-slot, or the copy out of the staging window: fa_a2a.forward), and host = the
+its out-slot, or the copy out of the staging window: fa_a2a.engine.forward), and host = the
 GPU idle from the end of one call to the start of the next (the host had not launched it yet:
 wall time minus GPU time). Their sum over the eager fused call's time is the coverage (>= 90%
 expected: otherwise the public call does work the steps do not show). `launch` is the host time
@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fa_a2a.autotune import decision_text
+from fa_a2a.engine.autotune import decision_text
 from fa_a2a.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
 from fa_a2a.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
 
@@ -90,7 +90,7 @@ CALL_METHODS = (
     CallMethod("fused_unpaced", "fused unpaced", "ulysses_attention(impl='fused', pace=None)"),
     CallMethod("fused_st", "fused st", "ulysses_attention(impl='fused:st'), pace='auto'"),
     CallMethod("nccl", "NCCL call", "ulysses_attention(impl='nccl')", needs_nccl=True),
-    CallMethod("auto", "auto call", "ulysses_attention(impl='auto'): the path fa_a2a.autotune picked"),
+    CallMethod("auto", "auto call", "ulysses_attention(impl='auto'): the path fa_a2a.engine.autotune picked"),
     CallMethod("qkv_gemm", "QKV GEMM", "the block's QKV projection alone, plain output (qkv_projection_plain)"),
     CallMethod("block", "block call", "ulysses_qkv_attention(impl='fused') from the hidden states"),
 )
@@ -391,10 +391,10 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
 
     from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin, qkv_projection_plain
     from fa_a2a import block
-    from fa_a2a.forward import _rank_call
-    from fa_a2a.fused import fa4_forward
+    from fa_a2a.engine.forward import _rank_call
+    from cute_kernels.fa4 import fa4_forward
     from fa_a2a.op import ulysses_attention
-    from fa_a2a.problem import check_call
+    from fa_a2a.engine.problem import check_call
 
     P, B, H, D = cfg.world_size, cfg.batch, cfg.heads, cfg.head_dim
     rank, group, dev = ctx["rank"], ctx["group"], ctx["device"]
@@ -565,7 +565,7 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
         log(f"M={M}: {point['pacing']['transport']}, pace='auto': {plan.pacing.reason}")
     est, failed = {}, torch.zeros(len(keys))
     # First calls (compiles) in one order on every rank, each output kept until every method ran: each
-    # call leaves its own out-slot allocated (fa_a2a.forward's delivery), one for each method's CUDA
+    # call leaves its own out-slot allocated (fa_a2a.engine.forward's delivery), one for each method's CUDA
     # graph to own, and no timed call below allocates one. Then one timed call each.
     held = []
     for stage in ("first", "timed"):

@@ -73,7 +73,7 @@ class _Point:
 def _build_fa(pt, s):
     import torch
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
 
     o = torch.empty_like(s["q"])
     return (lambda: fa4_forward(s["q"], s["k"], s["v"], out=o, causal=pt.cfg.causal)), o
@@ -89,7 +89,7 @@ def _build_a2a(pt, s):
 def _build_serial(pt, s):
     import torch
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
     from fa_a2a.op import post_a2a
 
     o, w = torch.empty_like(s["q"]), pt.windows(f"serial.{s['i']}")
@@ -98,14 +98,14 @@ def _build_serial(pt, s):
 
 
 def _build_fused(pt, s):
-    from fa_a2a.fused import fa4_a2a_forward
+    from cute_kernels.fa4 import fa4_a2a_forward
 
     w = pt.windows(f"fused.{s['i']}")
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal)), pt.mine(w)
 
 
 def _build_fused_st(pt, s):
-    from fa_a2a.fused import fa4_a2a_forward
+    from cute_kernels.fa4 import fa4_a2a_forward
 
     w = pt.windows(f"fused_st.{s['i']}")
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal, o_store="st")), \
@@ -113,12 +113,12 @@ def _build_fused_st(pt, s):
 
 
 def _build_fused_auto(pt, s):
-    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.pacing.plan_pacing), decided
+    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.engine.pacing.plan_pacing), decided
     once per point: real ranks from their transport's link (link_gbps, as the op) and its ranks per
     GPU; emulated ranks (one kernel at a time, the whole GPU) from the link measured into windows
     where this point's windows are."""
-    from fa_a2a.fused import fa4_a2a_forward
-    from fa_a2a.pacing import launch_pacer, link_gbps, measure_store_rate, pace_path, plan_pacing, probe_shape
+    from cute_kernels.fa4 import fa4_a2a_forward
+    from fa_a2a.engine.pacing import launch_pacer, link_gbps, measure_store_rate, pace_path, plan_pacing, probe_shape
 
     cfg = pt.cfg
     tile_m, path = pace_path(s["q"], pt.S_loc, cfg.head_dim, cfg.causal)
@@ -161,7 +161,7 @@ def _build_a2a_nccl(pt, s):
 def _build_serial_nccl(pt, s):
     import torch
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
     from ulysses.reference import dist_head_to_seq
 
     bufs, o = _nccl_buffers(pt), torch.empty_like(s["q"])
@@ -201,23 +201,23 @@ class Method:
 
 
 METHODS = (
-    Method("fa", "FA4-only", "fa_a2a.fused.fa4_forward on q, k, v [B, M, H_loc, D]", _build_fa),
+    Method("fa", "FA4-only", "cute_kernels.fa4.fa4_forward on q, k, v [B, M, H_loc, D]", _build_fa),
     Method("a2a", "A2A-only", "our post-A2A kernel alone, fa_a2a.op.post_a2a(o, windows, rank)", _build_a2a),
     Method("a2a_nccl", "A2A-only NCCL", "permute + all_to_all_single + permute", _build_a2a_nccl, "real", True),
     Method("serial", "Serial", "FA4, then our post-A2A", _build_serial),
     Method("serial_nccl", "Serial-NCCL", "FA4, then permute + all_to_all_single (yunchang / xDiT / DeepSpeed)",
            _build_serial_nccl, "real", True),
-    Method("fused", "Fused", "FA4 with the post-A2A in its epilogue: fa_a2a.fused.fa4_a2a_forward", _build_fused),
+    Method("fused", "Fused", "FA4 with the post-A2A in its epilogue: cute_kernels.fa4.fa4_a2a_forward", _build_fused),
     Method("fused_st", "Fused st", "the fused kernel with per-thread O stores (o_store='st')", _build_fused_st),
     Method("fused_auto", "Fused auto-paced", "the fused kernel with its stores paced as pace='auto' decides "
-           "(fa_a2a.pacing: the link measured into this row's windows, FA4's tiles)", _build_fused_auto),
+           "(fa_a2a.engine.pacing: the link measured into this row's windows, FA4's tiles)", _build_fused_auto),
     Method("layer_fused", "Layer fused", "whole Ulysses layer (pre-A2A + attention + post-A2A), impl='fused'",
            _layer_builder("fused"), "real", True),
     Method("layer_fused_st", "Layer fused st", "the same layer with impl='fused:st'", _layer_builder("fused:st"),
            "real", True),
     Method("layer_serial", "Layer serial", "the same layer with impl='serial'", _layer_builder("serial"), "real", True),
     Method("layer_nccl", "Layer NCCL", "the same layer with impl='nccl'", _layer_builder("nccl"), "real", True),
-    Method("layer_auto", "Layer auto", "the same layer with impl='auto' (the path fa_a2a.autotune picked)",
+    Method("layer_auto", "Layer auto", "the same layer with impl='auto' (the path fa_a2a.engine.autotune picked)",
            _layer_builder("auto"), "real", True),
     Method("op_emulated", "Op emulated", "fa_a2a.ulysses_attention_emulated, impl='fused': all P ranks' work "
            "(pre-A2A, fused attention, barrier) in one process", _emulated_builder("fused"), "emulated", True),
@@ -225,7 +225,7 @@ METHODS = (
            "emulated", True),
     Method("op_emulated_serial", "Op emulated serial", "the same with impl='serial'", _emulated_builder("serial"),
            "emulated", True),
-    Method("op_emulated_auto", "Op emulated auto", "the same with impl='auto' (the path fa_a2a.autotune picked)",
+    Method("op_emulated_auto", "Op emulated auto", "the same with impl='auto' (the path fa_a2a.engine.autotune picked)",
            _emulated_builder("auto"), "emulated", True),
 )
 BY_KEY = {m.key: m for m in METHODS}

@@ -68,7 +68,7 @@ def derive(med: dict, raw: Optional[dict] = None) -> dict:
     return out
 
 
-# impl="auto" (fa_a2a.autotune) against its candidates timed in the same run: (auto, candidates)
+# impl="auto" (fa_a2a.engine.autotune) against its candidates timed in the same run: (auto, candidates)
 AUTO_ROWS = (("op_emulated_auto", ("op_emulated", "op_emulated_st", "op_emulated_serial")),
              ("layer_auto", ("layer_fused", "layer_fused_st", "layer_serial", "layer_nccl")))
 

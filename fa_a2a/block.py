@@ -8,7 +8,7 @@ One rank r of P holds x [B, S_loc, C] (its rows of the sequence, every channel).
     the destination rank's out-window (the post-A2A; plan.attend, impl "fused")  ->  barrier
     ->  out [B, S_loc, H, D] (this rank's rows, every head)
 
-on the window plan of fa_a2a.forward (the op's own windows, head maps and barriers), so the
+on the window plan of fa_a2a.engine.forward (the op's own windows, head maps and barriers), so the
 attention half is exactly the op's. The projection weights are QKVWeights gathered for the
 layout's head map (head padding, GQA replication; `block_weights`).
 
@@ -22,7 +22,7 @@ Segments: a rank's rows may come as consecutive row ranges with their own weight
 (Segment): Flux under diffusers' context parallelism shards its text rows too, and each rank
 holds [text shard (add_q/k/v_proj, norm_added_q/k); image shard (to_q/k/v, norm_q/k)]. Each
 segment's launches write at its row offset inside the rank's rows (q at r*S_loc + offset, k/v at
-key_rows(r)[0] + offset); to the attention they are one sequence (fa_a2a.flux_block).
+key_rows(r)[0] + offset); to the attention they are one sequence (fa_a2a.models.flux).
 Joint (text) rows, replicated on every rank, with their own weights (Flux's double-stream
 add_q/k/v_proj; the same weights for its single-stream blocks): rank r projects them with its own
 heads' weights (QKVWeights.rank_slice) into its own window only, q at S_pad and k/v at S;
@@ -39,12 +39,12 @@ one_launch) takes 118.4 / 268.2 / 2377.4 us at S_loc = 576 / 1024 / 4096 against
 and 176.6 / 373.5 / 2836.8 with that chain under torch.compile (0.67 / 0.72 / 0.84). At 1024 and
 4096 the two-launch default (block-fused) was faster: 261.9 / 2316.3 us.
 
-Argument checks: the attention facts through fa_a2a.problem (check_call on stand-in q/k/v of the
+Argument checks: the attention facts through fa_a2a.engine.problem (check_call on stand-in q/k/v of the
 block's shapes, agreed across ranks), the block's own (x, weights, rotary) before the agreement, so
 a bad argument on one rank makes every rank raise the same ValueError; x and joint whose elements
 share memory are refused every call (their strides are not in the signature). FA_A2A_CHECK_JOINT=1
 adds a checksum of the joint rows to the agreement, as the op's. After the agreement a rank's
-call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.forward._rank_call):
+call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.engine.forward._rank_call):
 transport, window plan, bound attention launch and the projection's routing and bound launches
 (cute_kernels.qkv_a2a_sm90.qkv_a2a_launcher).
 """
@@ -60,8 +60,8 @@ from torch import nn
 
 from cute_kernels.limits import EPS, tma_table
 
-from .op import traced_refusals
-from .problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
+from fa_a2a.op import traced_refusals
+from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
                       signature_fields, signature_word, split_impl)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
@@ -297,7 +297,7 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
 
 def _check_no_grad(named) -> None:
     """Refuse the block's inputs that require grad under grad mode (named (name, tensor or None) pairs):
-    the fused block has no backward yet (the op's is fa_a2a.backward); never cut autograd silently."""
+    the fused block has no backward yet (the op's is fa_a2a.engine.backward); never cut autograd silently."""
     if torch.is_grad_enabled():
         for name, t in named:
             if t is not None and t.requires_grad:
@@ -308,12 +308,12 @@ def _check_no_grad(named) -> None:
 
 def _world_size(group, world_size) -> int:
     """UlyssesQKVAttention's P: world_size, default the group's size (1 without a process group)."""
-    from fa_a2a.op import _group
+    from fa_a2a.engine.problem import group_facts
 
     from cute_kernels.limits import MAX_WORLD_SIZE
 
     if world_size is None:
-        return _group(group)[2]
+        return group_facts(group)[2]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int or None, got {world_size!r}")
     if world_size > MAX_WORLD_SIZE:  # the transports' bound (ulysses.transport), which the op meets with its group
@@ -697,7 +697,7 @@ def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
 
 
 class _RankBlock:
-    """One rank's block calls of one checked signature, prepared once (fa_a2a.forward._rank_call's
+    """One rank's block calls of one checked signature, prepared once (fa_a2a.engine.forward._rank_call's
     counterpart): the transport, the window plan, the bound attention launch, the routed projection
     (_Projection) and the rank's joint weight slice. With no transport (P = 1, no group) the
     projection writes into buffers of the in-windows' layout and FA4 runs on them as the op's P = 1
@@ -718,7 +718,7 @@ class _RankBlock:
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
         """segs: _rank_segments of the call; joint, joint_proj, joint_rotary: as the call has them."""
-        from fa_a2a.forward import in_windows, window_plan
+        from fa_a2a.engine.forward import in_windows, window_plan
 
         p, lay = problem, problem.layout
         self.transport, self.rank, self.head_dim, self.problem = transport, rank, p.head_dim, p
@@ -744,7 +744,7 @@ class _RankBlock:
         self.pacing = None if transport is None else self._projection_pacing(segs)
         pacer = None
         if self.pacing is not None:
-            from fa_a2a.pacing import projection_pacer
+            from fa_a2a.engine.pacing import projection_pacer
 
             pacer = projection_pacer(self.pacing, transport.device)
         self.project = _Projection(windows, lay, rank,
@@ -753,12 +753,12 @@ class _RankBlock:
                                    pacer=pacer)
 
     def _projection_pacing(self, segs):
-        """The projection's store pacing (fa_a2a.pacing.plan_projection_pacing) from the call's pace:
+        """The projection's store pacing (fa_a2a.engine.pacing.plan_projection_pacing) from the call's pace:
         "auto" decides from the input windows' link (collective the first time: every rank builds its
         _RankBlock at the same call); a rate paces at that rate where the input windows sit behind
         the attention's link, and decides as "auto" where they do not (Transport.split_links). The
         GEMM is estimated from all the rank's rows with the first segment's weights and width."""
-        from fa_a2a.pacing import link_gbps, plan_projection_pacing
+        from fa_a2a.engine.pacing import link_gbps, plan_projection_pacing
 
         t, p = self.transport, self.problem
         if p.pace is None:
@@ -800,7 +800,7 @@ class _RankBlock:
     def _local_attention(self):
         """P = 1: FA4 on the projected rows into a fresh output, as the op's P = 1 path runs it
         (forward._single_rank: the same kernel and values; no barrier, post-A2A or copy)."""
-        from fa_a2a.forward import _deliver, local_attention
+        from fa_a2a.engine.forward import _deliver, local_attention
 
         p, lay = self.problem, self.problem.layout
         q, k, v = (w[0] for w in self.windows)  # [B, N, h, D]: the sequence rows, then the joint rows
@@ -812,7 +812,7 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
                 one_launch: bool) -> _RankBlock:
     """The prepared _RankBlock of this call, from `calls` (its signature's, keyed there by the current
     device and the rank's segment rows; the signature holds the group name and the rank), built on
-    a miss; those of closed transports are dropped, as fa_a2a.forward._rank_call does."""
+    a miss; those of closed transports are dropped, as fa_a2a.engine.forward._rank_call does."""
     local = (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs))
     call = calls.get(local)
     if call is None or call.closed:
@@ -834,12 +834,12 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
 
 
 def _auto_block_problem(problem, transport, x, build, run):
-    """impl "auto" of the block (fa_a2a.autotune; candidates fused TMA / st and serial, the projection
+    """impl "auto" of the block (fa_a2a.engine.autotune; candidates fused TMA / st and serial, the projection
     fused in each): the problem with the decided path. build(problem) -> the prepared call(s) of a
     candidate (collective: every rank builds the same candidates in the same order); run(prepared)
     makes one whole call of them on this call's inputs."""
-    from fa_a2a import autotune
-    from fa_a2a.forward import fused_tile_m
+    from fa_a2a.engine import autotune
+    from fa_a2a.engine.forward import fused_tile_m
 
     prepared: dict = {}
 
@@ -907,7 +907,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     has their rows in the same order. joint: the replicated
     text rows [B, J, C_j] (every rank the same), projected with joint_proj (default proj), RoPE
     joint_rotary [J, D]. impl: "auto" (default: the fastest of fused with TMA or st O-stores and
-    serial, timed on this machine at the signature's first call: fa_a2a.autotune), "fused" (FA4 with
+    serial, timed on this machine at the signature's first call: fa_a2a.engine.autotune), "fused" (FA4 with
     the post-A2A in its epilogue; "fused:tma" / "fused:st" force its O-store path) or "serial" (FA4,
     then the post-A2A kernel); the projection is always the fused one. seq_len / shard_rows /
     causal / softmax_scale / pace as in fa_a2a.ulysses_attention. config / one_launch: the projection's
@@ -916,9 +916,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
     before graph capture).
     """
-    from fa_a2a.op import _group
+    from fa_a2a.engine.problem import group_facts
 
-    group, group_name, P, rank = _group(group)
+    group, group_name, P, rank = group_facts(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name, type(pace), pace)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
     collective = P > 1 and group is not None
@@ -956,7 +956,7 @@ def _joint_result(out, joint_out):
 
 def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     """The window plan the emulated block uses for (layout, B, D, dtype) (tests poison its windows)."""
-    from fa_a2a.forward import emulated_transport, window_plan
+    from fa_a2a.engine.forward import emulated_transport, window_plan
 
     return window_plan(emulated_transport(world_size, device), layout, B, D, dtype)
 
@@ -999,7 +999,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     local = (device, tuple(tuple(seg[0].shape[1] for seg in rank_segs) for rank_segs in segs))
     blocks = prepared.get(local)
     if blocks is None or blocks[0].closed:
-        from fa_a2a.forward import emulated_transport
+        from fa_a2a.engine.forward import emulated_transport
 
         transport = emulated_transport(P, device)
 
@@ -1065,7 +1065,7 @@ class UlyssesQKVAttention(nn.Module):
                  causal: bool = False, softmax_scale: Optional[float] = None, config="auto",
                  one_launch: bool = False, pace="auto"):
         super().__init__()
-        from fa_a2a.pacing import check_pace
+        from fa_a2a.engine.pacing import check_pace
 
         from cute_kernels.qkv_a2a_sm90 import QKVWeights
 
@@ -1124,7 +1124,7 @@ class UlyssesQKVAttention(nn.Module):
         share_weights (per-head norms only): the layers' weights and biases become views of the
         gathered weights (the same values, one copy in memory instead of two; their Parameter objects
         stay); a later in-place change of a layer's weight then reaches the module's weights too,
-        but a new tensor assigned to a layer does not (rebuild the module then: fa_a2a.flux_block
+        but a new tensor assigned to a layer does not (rebuild the module then: fa_a2a.models.flux
         does). Needs each of q/k/v's heads in order at the start of its destination block: no GQA
         replication (H_kv < H with H_kv not a multiple of the ranks)."""
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:

@@ -14,7 +14,7 @@ default), as in the paper's Section 3:
                                                knee; the HBM control gets its own knee fit)
 5. the design test for FA4 tiles (b_m = 128, d = 128, bf16, K = SM count): G*, capacity bound,
    M_ub* = b_n·G*/sigma, with sigma from --sigma-us or measured with FA4 (slope of per-wave
-   time against KV tiles between two sequence lengths; fa_a2a.fused.fa4_forward timed with
+   time against KV tiles between two sequence lengths; cute_kernels.fa4.fa4_forward timed with
    graphs.time_graphs, the project's one timing loop). FA4's tile shape: xstage.fa4_tile_shape.
 
 Destinations (--dest):
@@ -394,17 +394,17 @@ def measure_fa4_sigma(seqlens: tuple[int, int], n_sm: int, device, reps: int = 1
 
     B = 1, d = 128, bf16, non-causal; heads chosen so the output tiles fill whole waves
     (SingleTileScheduler: one tile per CTA); T_FA = median of 3 CUDA-graph replays of `reps`
-    back-to-back fa_a2a.fused.fa4_forward calls (graphs.time_graphs). Per-wave time
+    back-to-back cute_kernels.fa4.fa4_forward calls (graphs.time_graphs). Per-wave time
     t(M) = T_FA(M) / waves; sigma = (t(M2) - t(M1)) / (M2 - M1)·b_n; the intercept is the fixed
     per-tile part the bound drops.
     """
     import torch
 
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
     from graphs import median, time_graphs
 
     tile_m, tile_n = fa_tile()
-    out = {"method": "measured: FA4 forward (fa_a2a.fused.fa4_forward, CUDA-graph replays), slope of "
+    out = {"method": "measured: FA4 forward (cute_kernels.fa4.fa4_forward, CUDA-graph replays), slope of "
                      "per-wave time vs KV tiles", "points": []}
     for m in seqlens:
         if m % tile_m:

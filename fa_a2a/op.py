@@ -1,17 +1,17 @@
 """Ulysses attention as torch ops: the public functions and the torch.library custom ops behind them.
 
 Layers: kernel classes with their cached compiles and launches
-(cute_kernels/, fa_a2a.fused) -> the forwards of one rank or of P emulated ranks
-(fa_a2a.forward) -> torch.library custom ops that write preallocated outputs
+(cute_kernels/, cute_kernels.fa4) -> the forwards of one rank or of P emulated ranks
+(fa_a2a.engine.forward) -> torch.library custom ops that write preallocated outputs
 (`fa_a2a::ulysses_attention`, `fa_a2a::ulysses_attention_emulated`, `fa_a2a::post_a2a`; each has
 a fake implementation, so torch.compile traces through them) -> the public functions below and
-fa_a2a.attention. Arguments are checked in one place, fa_a2a.problem (once per signature, agreed
-across ranks). The impls are described in fa_a2a.forward.
+fa_a2a.attention. Arguments are checked in one place, fa_a2a.engine.problem (once per signature, agreed
+across ranks). The impls are described in fa_a2a.engine.forward.
 
 Eager calls go straight to the forward: torch.library's dispatch costs ~0.5 ms of host time per
 call with list arguments (H200 host, 2026-12-03), more than the kernels of a small problem. Under
 torch.compile the public functions call the custom ops instead, so the graph holds one opaque op.
-Calls with inputs that require grad (grad mode on) go to fa_a2a.backward: eagerly an
+Calls with inputs that require grad (grad mode on) go to fa_a2a.engine.backward: eagerly an
 autograd.Function, under torch.compile its functional custom op with a registered backward.
 """
 
@@ -25,10 +25,11 @@ import torch
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES
 from ulysses.layout import check_rank
 
-from .backward import wants_grad
-from .forward import contiguous16, forward, forward_emulated, head_maps
-from .pacing import check_pace, decode_pace, encode_pace
-from .problem import EMULATED_IMPLS, IMPLS, check_call, check_tensor, resolve, resolve_emulated
+from fa_a2a.engine.backward import wants_grad
+from fa_a2a.engine.forward import contiguous16, forward, forward_emulated, head_maps
+from fa_a2a.engine.pacing import check_pace, decode_pace, encode_pace
+from fa_a2a.engine.problem import (EMULATED_IMPLS, IMPLS, check_call, check_tensor, group_by_name, group_facts, resolve,
+                                   resolve_emulated)
 
 __all__ = [
     "IMPLS",
@@ -38,20 +39,6 @@ __all__ = [
     "pre_a2a",
     "post_a2a",
 ]
-
-
-def _group(group):
-    """(group, group name, world size, rank); group=None is the default group, or P = 1 without one."""
-    import torch.distributed as dist
-
-    if group is not None and not hasattr(group, "group_name"):
-        raise ValueError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, "", 1, 0
-        group = dist.group.WORLD
-    # the group's own size and rank (= dist.get_world_size / get_rank(group), without their lookups)
-    return group, group.group_name, group.size(), group.rank()
 
 
 def _outputs(q, joint):
@@ -79,11 +66,8 @@ def _ulysses_attention_op(
     refusal: Optional[str] = None, pace: str = "auto",
 ) -> None:
     """refusal: the ValueError the traced call found (raised here, on every rank of the group).
-    pace: fa_a2a.pacing.encode_pace's text."""
-    import torch.distributed as dist
-
-    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
-    group, group_name, P, rank = _group(group)
+    pace: fa_a2a.engine.pacing.encode_pace's text."""
+    group, group_name, P, rank = group_by_name(group_name)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                              rank=rank, group=group, group_name=group_name, refusal=refusal, pace=decode_pace(pace))
@@ -195,22 +179,22 @@ def ulysses_attention(
     group=None: the default group (a single process without torch.distributed is P = 1).
     Every argument except the tensors' data must be the same on every rank, and joint's data too:
     every call checks the arguments across ranks before any data moves (every rank raises the
-    same ValueError otherwise; fa_a2a.problem says how, FA_A2A_CHECK_JOINT=1 checks joint's data).
+    same ValueError otherwise; fa_a2a.engine.problem says how, FA_A2A_CHECK_JOINT=1 checks joint's data).
     impl: "auto" (default: the fastest of fused with TMA or st O-stores, serial and nccl, timed on
-    this machine at the signature's first call, kept on disk; fa_a2a.autotune), "fused",
+    this machine at the signature's first call, kept on disk; fa_a2a.engine.autotune), "fused",
     "fused:tma" / "fused:st" (fused with that O-store path), "serial", "nccl" or "reference"
-    (fa_a2a.forward describes each). Every impl but reference gives the same bits.
+    (fa_a2a.engine.forward describes each). Every impl but reference gives the same bits.
     pace: the fused kernel's O-store pacing for slow links: "auto" (decided from the transport's
-    measured link and FA4's tiles, logged once), None / "off", or a rate in GB/s (fa_a2a.pacing).
+    measured link and FA4's tiles, logged once), None / "off", or a rate in GB/s (fa_a2a.engine.pacing).
     The first call per shape allocates the rank windows (collective, host-synchronous; with
     pace="auto" it also times the link once per transport, with impl="auto" its candidates):
     make it before CUDA-graph capture.
-    Differentiable (fa_a2a.backward): with grad mode on and an input that requires grad, the call
+    Differentiable (fa_a2a.engine.backward): with grad mode on and an input that requires grad, the call
     keeps its heads-layout q, k, v (and FA4's O and LSE) for a backward that every rank must run,
     as it runs the forward; whether a call requires grad must be the same on every rank. Joint
     inputs get the grads of this rank's heads (summed over the ranks: the full gradient).
     """
-    group, group_name, P, rank = _group(group)
+    group, group_name, P, rank = group_facts(group)
     given_joint = joint is not None
     grad = wants_grad(q, k, v, joint)
     tracing = torch.compiler.is_compiling()
@@ -231,7 +215,7 @@ def ulysses_attention(
         except ValueError as e:
             refusal, pace = refusal or str(e), "off"
         if grad and refusal is None:  # the functional op with its backward (torch.library.register_autograd)
-            from .backward import traced_attention_with_grad
+            from fa_a2a.engine.backward import traced_attention_with_grad
 
             out, joint_out = traced_attention_with_grad(q, k, v, joint, group_name, impl, causal, softmax_scale,
                                                         seq_len, shard_rows, pace)
@@ -244,7 +228,7 @@ def ulysses_attention(
         problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                                  rank=rank, group=group, group_name=group_name, pace=pace, grad=grad)
         if grad:
-            from .backward import attention_with_grad
+            from fa_a2a.engine.backward import attention_with_grad
 
             out, joint_out = attention_with_grad(problem, q, k, v, joint, group, rank)
         else:
@@ -283,7 +267,7 @@ def ulysses_attention_emulated(
         raise ValueError("qs: inputs that require grad: emulated ranks are differentiable eagerly only, call "
                          "ulysses_attention_emulated outside torch.compile or under torch.no_grad()")
     if grad:
-        from .backward import attention_emulated_with_grad
+        from fa_a2a.engine.backward import attention_emulated_with_grad
 
         outs, joint_outs = attention_emulated_with_grad(problem, qs, ks, vs, joint)
     elif torch.compiler.is_compiling():

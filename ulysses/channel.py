@@ -1,6 +1,6 @@
 """One word per rank per call, exchanged among the ranks of a process group on the host.
 
-fa_a2a agrees every call's signature across the ranks through this (fa_a2a.problem.agree_call):
+fa_a2a agrees every call's signature across the ranks through this (fa_a2a.engine.problem.agree_call):
 each rank publishes a 47-bit word (a hash of its call's signature, or ERROR_WORD when its own
 checks refused the call) and reads every other rank's, before any data moves.
 
@@ -16,7 +16,7 @@ processes), "own cost of the rank that arrives last / per call over all ranks, t
 included", the version before in parentheses (runs alternated with it; both machines' speed varies
 by up to 2x between runs):
   this CPU-only dev machine (2 cores, shared with other jobs), P = 2, medians of 10 runs: the
-  exchange 0.78 / 0.84 us (0.89 / 0.95); the whole per-call agreement (fa_a2a.problem.agree_call:
+  exchange 0.78 / 0.84 us (0.89 / 0.95); the whole per-call agreement (fa_a2a.engine.problem.agree_call:
   get_channel, the exchange, the verdict) 1.61 / 1.67 us (5.1 / 5.3: an import and the default
   store's lookup on every call). One process, every other word already there (median of 21 runs):
   0.37 us per exchange at P = 2, 0.42 at P = 4 (0.39, 0.46).
@@ -52,7 +52,7 @@ from ulysses import env
 __all__ = ["ERROR_WORD", "WORD_BITS", "Channel", "get_channel", "close_channels"]
 
 WORD_BITS = 47
-ERROR_WORD = 0  # signature words are never 0 (see fa_a2a.problem)
+ERROR_WORD = 0  # signature words are never 0 (see fa_a2a.engine.problem)
 _WORDS = 1 << WORD_BITS
 _TAG = 0xFFFF  # tag << WORD_BITS | word < 2^63: a slot is a non-negative int64
 _SPINS = 64  # reads of the row (~20 us) before a waiting rank yields its core between reads
@@ -217,7 +217,7 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
             if timeout_s is None:
                 try:
                     timeout_s = env.timeout_s()
-                except ValueError:  # the call's own checks refuse it by name (fa_a2a.problem), over this channel
+                except ValueError:  # the call's own checks refuse it by name (fa_a2a.engine.problem), over this channel
                     timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
         _channels[key] = ch

@@ -2,7 +2,7 @@
 
 Each variable is read where it is used, through its parser here (a value set after import counts),
 and a bad value raises ValueError naming the variable: "FA_A2A_TIMEOUT_S: expected ..., got 'abc'".
-fa_a2a.problem.check_call reads every one (check_settings) with every new call signature, inside the
+fa_a2a.engine.problem.check_call reads every one (check_settings) with every new call signature, inside the
 call's local checks, so a bad value on one rank reaches every rank as the same ValueError before anything
 waits on it (ulysses.channel builds its channel with the default timeout then, to carry it).
 
@@ -10,7 +10,7 @@ waits on it (ulysses.channel builds its channel with the default timeout then, t
   FA_A2A_SETUP_TIMEOUT_S   seconds a transport's collective set-up waits: default 300
   FA_A2A_TRANSPORT         the transport's backend: vmm (default), ipc (= vmm), host, symm
   FA_A2A_OUT_SLOTS         out-windows an output may stay in besides the staging window: an int in [0, 16],
-                           default 8 (fa_a2a.forward's delivery)
+                           default 8 (fa_a2a.engine.forward's delivery)
   FA_A2A_CHECK_JOINT       1: the per-call agreement also checksums the joint rows' data (default 0)
   FA_A2A_CACHE             0: compiles are not cached on disk (default 1; cute_kernels.compile_cache.enabled)
   FA_A2A_CACHE_DIR         the compile cache's folder (any path; one that cannot be used is warned about)
@@ -90,7 +90,7 @@ def out_slots(env: Optional[dict] = None) -> int:
 
 def check_all() -> None:
     """Read every FA_A2A_* variable parsed here (ValueError naming a bad one); FA_A2A_IMPL is
-    fa_a2a's (fa_a2a.problem.check_settings reads it with these)."""
+    fa_a2a's (fa_a2a.engine.problem.check_settings reads it with these)."""
     from cute_kernels.compile_cache import enabled
 
     timeout_s(), setup_timeout_s(), transport(), check_joint(), out_slots(), enabled()

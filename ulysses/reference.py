@@ -86,7 +86,7 @@ def local_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, s
     in the inputs' dtypes: the probabilities recomputed in `dtype` (default fp32, fp64 for fp64
     inputs), then the softmax backward, dS = P * (dO V^T - rowsum(dO * O)). Keys >= seqused_k get
     zeros; a KV head read by several query heads gets the sum of their parts. Explicit rather than
-    autograd: it also runs inside a custom op's body (fa_a2a.backward), where autograd is off."""
+    autograd: it also runs inside a custom op's body (fa_a2a.engine.backward), where autograd is off."""
     B, Nq, Hq, D = q.shape
     Nk, Hk = k.shape[1], k.shape[2]
     dtype = dtype or _compute_dtype(q.dtype)

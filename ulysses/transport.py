@@ -42,7 +42,7 @@ Backends:
   HostTransport      VmmTransport's processes with the post-A2A's (output) windows in pinned host
                      memory (POSIX shared memory mapped by every rank at one stride, registered
                      with cuMemHostRegister): each store into them crosses PCIe. On one GPU, the
-                     slow link for real ranks (the store pacer's case, fa_a2a.pacing). Backend "host".
+                     slow link for real ranks (the store pacer's case, fa_a2a.engine.pacing). Backend "host".
 
   SymmetricMemoryTransport  ranks on distinct GPUs through torch symmetric memory
                      (torch.distributed._symmetric_memory, backend "symm", never chosen by
@@ -174,11 +174,11 @@ class Transport:
     local_ranks: Sequence[int]
     #: ranks of the group whose kernels run at once on this rank's GPU (1: emulated ranks run in turn)
     ranks_per_gpu: int = 1
-    #: whether a call's output may stay in its window (fa_a2a.forward's delivery): not where the
+    #: whether a call's output may stay in its window (fa_a2a.engine.forward's delivery): not where the
     #: windows are host memory, which every later read would cross PCIe for
     lends_outputs: bool = True
     #: whether the pre-A2A's (input) windows sit behind another link than the post-A2A's (output)
-    #: windows (fa_a2a.pacing.link_gbps measures each then)
+    #: windows (fa_a2a.engine.pacing.link_gbps measures each then)
     split_links: bool = False
 
     def __init__(self, world_size: int, device: torch.device, local_ranks: Sequence[int],
@@ -272,7 +272,7 @@ class Transport:
         """Every windows() tensor allocated so far ([P, *shape] each), the signal pad excluded."""
         return [w for (name, _, _), w in self._windows.items() if name != "__signal__"]
 
-    # ---- tensors lent out of windows (zero-copy delivery, fa_a2a.forward) ------------------------
+    # ---- tensors lent out of windows (zero-copy delivery, fa_a2a.engine.forward) ------------------------
     def lend(self, view: torch.Tensor) -> torch.Tensor:
         """A contiguous view into one of the windows as a tensor of its own storage, for the caller
         to hand out; lent(view.data_ptr()) then says whether it (or any view of it) is alive. The

@@ -492,9 +492,9 @@ class HostTransport(VmmTransport):
     device address (the uniform-stride layout of the other transports). The barrier's signal words
     stay in GPU memory too (a few bytes per call that would otherwise poll across PCIe). Linux
     only (memfd, mmap at a fixed address); backend "host" of get_transport.
-    Measured (one H200 under MPS, 2026-12-03): see fa_a2a.pacing and notes/measurements.md."""
+    Measured (one H200 under MPS, 2026-12-03): see fa_a2a.engine.pacing and notes/measurements.md."""
 
-    HOST_WINDOWS = ("ulysses.out:", "ulysses.joint_out:", "fa_a2a.pacing.link:")  # name prefixes
+    HOST_WINDOWS = ("ulysses.out:", "ulysses.joint_out:", "fa_a2a.engine.pacing.link:")  # name prefixes
     lends_outputs = False  # an output left in host memory would be read over PCIe by every consumer
     split_links = True  # the input windows are GPU memory
 

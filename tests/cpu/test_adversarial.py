@@ -43,7 +43,7 @@ def _worker(rank, case, P, init_file, args):
 # ---- from_linear with q/k norms the epilogue cannot compute -------------------------------------------------
 def test_norms_other_than_rmsnorm_are_refused_by_from_linear_and_routed_by_the_processors():
     diffusers = pytest.importorskip("diffusers")
-    from fa_a2a.flux_block import _norm_ok
+    from fa_a2a.models.flux import _norm_ok
 
     q, k, v = _linears()
     for name, norms in (("norm_q", (nn.LayerNorm(64, eps=1e-6), nn.RMSNorm(64, eps=1e-6))),
@@ -68,7 +68,7 @@ def test_norms_other_than_rmsnorm_are_refused_by_from_linear_and_routed_by_the_p
 
 # ---- inputs whose elements share memory -------------------------------------------------------------------
 def test_inputs_whose_memory_overlaps_are_refused_by_name():
-    from fa_a2a.problem import overlaps
+    from fa_a2a.engine.problem import overlaps
 
     base = torch.randn(4096)
     dense = torch.randn(1, 8, 4, 8)
@@ -126,7 +126,7 @@ def test_block_joint_rows_are_checked_with_check_joint():
 
 # ---- different token counts fed to a diffusers model -------------------------------------------------------
 def _token_counts(rank, P):
-    from fa_a2a import diffusers_backend as backend
+    from fa_a2a.models import diffusers_backend as backend
     from tests.cpu.test_dit_cpu import _cp_model, _flux, _flux_inputs
 
     os.environ["FA_A2A_TIMEOUT_S"] = "10"
@@ -166,7 +166,7 @@ def test_ranks_fed_different_token_counts_are_refused_on_every_rank():
 
 
 def _anything_on_one_rank(rank, P):
-    from fa_a2a import diffusers_backend as backend
+    from fa_a2a.models import diffusers_backend as backend
     from tests.cpu.test_dit_cpu import UNEVEN, _cp_model, _flux, _flux_inputs
 
     os.environ["FA_A2A_TIMEOUT_S"] = "3"
@@ -288,7 +288,7 @@ def test_from_linear_with_an_empty_linear_names_it():
 # ---- numbers beyond float range, rates below any link ---------------------------------------------------------
 def test_numbers_out_of_float_range_are_refused_by_name():
     from cute_kernels.pacer import make_pacer
-    from fa_a2a import pacing
+    from fa_a2a.engine import pacing
     from ulysses.transport import EmulatedTransport
 
     huge = 10**400

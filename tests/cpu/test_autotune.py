@@ -1,4 +1,4 @@
-"""impl="auto" (fa_a2a.autotune): the decision from injected timings, its agreement across ranks,
+"""impl="auto" (fa_a2a.engine.autotune): the decision from injected timings, its agreement across ranks,
 its record on disk, forcing it, and the op's default on CPU gloo ranks (the one candidate there)."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from fa_a2a import autotune
-from fa_a2a.problem import check_call, split_impl
+from fa_a2a.engine import autotune
+from fa_a2a.engine.problem import check_call, split_impl
 
 
 class FakeTransport:
@@ -117,7 +117,7 @@ def _decide(problem, transport, times, calls, labels=("fused:tma", "fused:st", "
 def test_measured_then_read_back_from_disk(cache, caplog):
     p, calls = _problem(), []
     t = FakeTransport({"fa_a2a impl auto times": [None, {"fused:tma": 2.0, "fused:st": 1.1, "serial": 1.5}]})
-    with caplog.at_level(logging.INFO, logger="fa_a2a.autotune"):
+    with caplog.at_level(logging.INFO, logger="fa_a2a.engine.autotune"):
         choice = _decide(p, t, {"fused:tma": 1.0, "fused:st": 1.0, "serial": 1.4}, calls)
     assert (choice.label, choice.source) == ("fused:st", "measured")  # tma's slow rank 1 decides
     assert choice.times == {"fused:tma": 2.0, "fused:st": 1.1, "serial": 1.5}

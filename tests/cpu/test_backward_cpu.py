@@ -1,4 +1,4 @@
-"""Gradients through the op on CPU (fa_a2a.backward): gloo ranks, emulated ranks, one rank.
+"""Gradients through the op on CPU (fa_a2a.engine.backward): gloo ranks, emulated ranks, one rank.
 
 The oracle is autograd through the full attention on the unsplit sequence in fp64 (the loss: every
 rank's outputs against its own random dO; joint outputs are replicated, so the oracle's joint dO is
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fa_a2a import backward as fab
+from fa_a2a.engine import backward as fab
 from fa_a2a.attention import UlyssesAttention
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
@@ -191,7 +191,7 @@ def test_gradcheck_emulated_ranks_fp64(kw):
 
 def test_no_grad_and_inference_mode_keep_the_forward_path(monkeypatch):
     """Under no_grad / inference_mode (or without inputs that require grad) the call takes today's
-    forward: nothing of fa_a2a.backward runs, nothing is saved; the grad path gives the same output."""
+    forward: nothing of fa_a2a.engine.backward runs, nothing is saved; the grad path gives the same output."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 6, 4, 8, generator=g).requires_grad_() for _ in range(3))
     with_grad = ulysses_attention(q, k, v, impl="reference")
@@ -253,7 +253,7 @@ def test_module_gradients_bhsd_layout():
 
 def test_diffusers_backend_refuses_inputs_that_require_grad():
     pytest.importorskip("diffusers")
-    from fa_a2a.diffusers_backend import _attention
+    from fa_a2a.models.diffusers_backend import _attention
 
     q = torch.randn(1, 4, 2, 8, requires_grad=True)
     with pytest.raises(ValueError, match="^query: requires grad"):

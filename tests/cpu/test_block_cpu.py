@@ -10,7 +10,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import qkv_a2a_sm90 as K
-from fa_a2a import block, forward
+from fa_a2a import block
+from fa_a2a.engine import forward
 from ulysses.layout import UlyssesLayout
 
 
@@ -504,7 +505,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     ("auto", True, 200.0, 170.0),  # a slower input link and a GEMM long enough beside it: paced at 85% of it
 ])
 def test_rank_block_paces_its_projection_as_pace_says(monkeypatch, pace, split, in_link, rate):
-    """_RankBlock binds one pacer (fa_a2a.pacing.plan_projection_pacing) to every projection launch."""
+    """_RankBlock binds one pacer (fa_a2a.engine.pacing.plan_projection_pacing) to every projection launch."""
     import types
 
     from cute_kernels.pacer import UNIT_BYTES

@@ -123,10 +123,12 @@ def test_fingerprint_follows_the_sources(tmp_path):
 
 
 def test_project_sources_are_in_the_fingerprint():
+    """The kernels' sources and compile functions (cute_kernels, fa4.py among them), FA4's and quack's:
+    nothing of fa_a2a, so an edit to its runtime or tools keeps every cached kernel."""
     roots = C._source_roots()
     names = {Path(r).name for r in roots}
-    assert {"cute_kernels", "fused.py", "xstage.py", "cute", "quack"} <= names
-    assert all(Path(r).exists() for r in roots)
+    assert names == {"cute_kernels", "cute", "quack"}
+    assert all(Path(r).exists() for r in roots) and (Path(roots[0]) / "fa4.py").exists()
 
 
 def test_entries_are_named_as_fa4s_store_names_them(tmp_path):
@@ -174,7 +176,7 @@ def test_disk_values_are_kept_beside_the_kernels(tmp_path, monkeypatch):
 def test_fa4_tile_table_is_fa4s_own(tmp_path, monkeypatch):
     from flash_attn.cute.interface import _tile_size_fwd_sm90
 
-    from fa_a2a.fused import fa4_sm90_config
+    from cute_kernels.fa4 import fa4_sm90_config
 
     monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
     fa4_sm90_config.cache_clear()
@@ -322,7 +324,7 @@ def test_the_launch_paths_import_no_cute_dsl():
     and pacing, the A2A and barrier launchers, FA4's launcher, the transports; the block and the
     QKV projection's launcher) imports neither the CuTe DSL nor FA4's package nor quack: with every
     kernel in the disk cache it never needs them."""
-    code = ("import sys, fa_a2a, fa_a2a.op, fa_a2a.forward, fa_a2a.pacing, fa_a2a.fused, cute_kernels.a2a, "
+    code = ("import sys, fa_a2a, fa_a2a.op, fa_a2a.engine.forward, fa_a2a.engine.pacing, cute_kernels.fa4, cute_kernels.a2a, "
             "cute_kernels.signal, ulysses.transport, ulysses.vmm, fa_a2a.block, cute_kernels.qkv_a2a_sm90\n"
             "print(','.join(m for m in ('cutlass', 'flash_attn.cute', 'quack') if m in sys.modules) or '-')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),

@@ -1,10 +1,10 @@
-"""The delivery of a real rank's output (fa_a2a.forward: out-slots instead of a copy), on CPU: the
+"""The delivery of a real rank's output (fa_a2a.engine.forward: out-slots instead of a copy), on CPU: the
 slot the ranks agree on, which slots a rank offers (lent outputs alive, CUDA graphs owning slots),
 and the transport's lent tensors. The kernels' side (real ranks on a GPU) is tests/gpu/test_delivery_gpu.py."""
 import pytest
 import torch
 
-from fa_a2a.forward import WindowPlan, common_slot
+from fa_a2a.engine.forward import WindowPlan, common_slot
 from ulysses.env import MAX_OUT_SLOTS, OUT_SLOTS, out_slots as out_slots_setting
 from ulysses.transport import EmulatedTransport
 

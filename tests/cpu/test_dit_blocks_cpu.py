@@ -1,5 +1,5 @@
-"""CPU tier of the fused Flux, QwenImage and Flux2 attention processors (fa_a2a.flux_block,
-fa_a2a.dit_blocks), no kernels.
+"""CPU tier of the fused Flux, QwenImage and Flux2 attention processors (fa_a2a.models.flux,
+fa_a2a.models.dit_blocks), no kernels.
 
 - q, k, v: what the block's segments give through the torch chain (Linear -> per-head RMSNorm ->
   RoPE, TorchQKV, with the segments' rotary as the block's fp32 table; heads, normed, rotated, rows
@@ -35,7 +35,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from fa_a2a import block, diffusers_backend as backend, dit_blocks, flux_block  # noqa: E402
+from fa_a2a import block  # noqa: E402
+from fa_a2a.models import (base as fused_base, diffusers_backend as backend, dit_blocks, flux as flux_block,  # noqa: E402
+                           registry)
 from tests.cpu.test_dit_cpu import ATOL, EVEN, UNEVEN, _flux, _flux_inputs, _qwen, _qwen_inputs  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
@@ -93,12 +95,12 @@ def _chain(q, k, v, nq, nk, heads, D):
 
 def _chains(self, attn, group):
     """The module's projections as torch chains (what the processor gathers as QKVWeights)."""
-    D = flux_block._head_dim(attn)
+    D = fused_base._head_dim(attn)
     if isinstance(attn, dit_blocks.Flux2ParallelSelfAttention):
         lin, n = attn.to_qkv_mlp_proj, attn.inner_dim
         q, k, v = (dit_blocks._row_linear(lin, t * n, n) for t in range(3))
         return types.SimpleNamespace(proj=_chain(q, k, v, attn.norm_q, attn.norm_k, attn.heads, D), joint_proj=None)
-    (layers, norms), *text = flux_block._layers(attn)
+    (layers, norms), *text = fused_base._layers(attn)
     joint = _chain(*text[0][0], *text[0][1], attn.heads, D) if text else None
     return types.SimpleNamespace(proj=_chain(*layers, *norms, attn.heads, D), joint_proj=joint)
 
@@ -211,7 +213,7 @@ def _diffusers_and_block_qkv(name, dtype, gathered):
         (theirs,) = rec.qkv
         if gathered:  # the weights the processor gathers for the block (P = 2), read as a chain
             mod = (dit_blocks.parallel_attention_weights(attn, world_size=2) if single
-                   else flux_block.attention_weights(attn, world_size=2))
+                   else fused_base.attention_weights(attn, world_size=2))
             chains = types.SimpleNamespace(proj=_gathered_chain(mod.proj, attn.heads),
                                            joint_proj=mod.joint_proj and _gathered_chain(mod.joint_proj, attn.heads))
             if single:  # a view of the fused Linear's q/k/v rows, not a copy
@@ -273,7 +275,7 @@ def _check(model_name, P, group, rank):
         ref = model(**x)[0]
         plain_model = copy.deepcopy(model)  # diffusers' processors throughout
         if anything:  # installed before diffusers' CP: the processors take the config when it comes
-            flux_block.enable_fused_projection(model)
+            registry.enable_fused_projection(model)
         for m in (model, plain_model):
             m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P, ulysses_anything=anything))
         model.set_attention_backend("native")
@@ -287,7 +289,7 @@ def _check(model_name, P, group, rank):
             rec.restore()
         model.set_attention_backend(name)
         if not anything:
-            flux_block.enable_fused_projection(model)
+            registry.enable_fused_projection(model)
         attns = [m for m in model.modules() if hasattr(m, "processor")]  # (in call order)
         found = {cls: sum(type(m.processor) is cls for m in attns) for cls in {type(m.processor) for m in attns}}
         assert found == procs, (what, found)
@@ -307,13 +309,13 @@ def _check(model_name, P, group, rank):
         whys = ((flux_block, "_why_not_fused"), (dit_blocks, "_why_not_qwen"), (dit_blocks, "_why_not_flux2"),
                 (dit_blocks, "_why_not_parallel"))
         saved = ([getattr(m, w) for m, w in whys], [cls.__dict__.get("_weights") for cls in procs],
-                 flux_block.ulysses_qkv_attention)
+                 fused_base.ulysses_qkv_attention)
         ref_block = _ReferenceBlock()
         for m, w in whys:
             setattr(m, w, lambda *a: None)
         for cls in procs:
             cls._weights = _chains
-        flux_block.ulysses_qkv_attention = ref_block
+        fused_base.ulysses_qkv_attention = ref_block
         try:
             for cls in procs:
                 backend.route_counts(cls.ROUTE_NAME, reset=True)
@@ -327,7 +329,7 @@ def _check(model_name, P, group, rank):
                     del cls._weights
                 else:
                     cls._weights = f
-            flux_block.ulysses_qkv_attention = saved[2]
+            fused_base.ulysses_qkv_attention = saved[2]
         err = (out - native).abs().max().item()
         assert err <= ATOL, f"{what} fused plumbing: max error {err:.3g} against diffusers' native CP"
         assert _counts(procs) == {cls: {"fused": n} for cls, n in procs.items()}, what
@@ -410,7 +412,7 @@ def test_fallback_reasons_shared(monkeypatch):
     fused = AttentionBackendName(backend.register_diffusers_backend("fa_a2a", "fused"))
     reference = AttentionBackendName(backend.register_diffusers_backend("fa_a2a_reference", "reference"))
     proc = flux_block.FusedFluxAttnProcessor()
-    why = lambda: flux_block._why_not_fused(proc, attn, x, e, None)  # noqa: E731
+    why = lambda: fused_base._why_not_fused(proc, attn, x, e, None)  # noqa: E731
     assert why() == "no context parallelism"
     proc._parallel_config = _config(1)
     assert why() == "no context parallelism"
@@ -487,11 +489,11 @@ def test_qwen_rotary_table_is_exact():
 def test_enable_fused_projection_installs_each_models_processors(model_name):
     build, _, procs, _ = _models()[model_name]
     model = build()
-    assert flux_block.enable_fused_projection(model) is model
+    assert registry.enable_fused_projection(model) is model
     found = [m.processor for m in model.modules() if hasattr(m, "processor")]
     assert {cls: sum(type(p) is cls for p in found) for cls in {type(p) for p in found}} == procs
-    flux_block.enable_fused_projection(model)  # again: the same processors
+    registry.enable_fused_projection(model)  # again: the same processors
     assert [m.processor for m in model.modules() if hasattr(m, "processor")] == found
-    assert all(issubclass(fused, base) for _, base, fused in flux_block._installs())
+    assert all(issubclass(fused, base) for _, base, fused in registry._installs())
     with pytest.raises(ValueError, match="model: expected FluxAttention modules"):
-        flux_block.enable_fused_projection(torch.nn.Linear(2, 2))
+        registry.enable_fused_projection(torch.nn.Linear(2, 2))

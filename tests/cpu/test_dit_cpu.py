@@ -11,7 +11,7 @@ parallelism_config=ParallelismConfig(ulysses_size=P, attention_backend=name))`) 
 installed; also ring degree P (diffusers' templated ring over the backend's local op) and
 enable_ulysses applied twice (refused).
 
-The spawned ranks call fa_a2a.diffusers_backend.cpu_testbed(), which lets diffusers' CP run on a
+The spawned ranks call fa_a2a.models.diffusers_backend.cpu_testbed(), which lets diffusers' CP run on a
 machine without a GPU, with either build of torch (CPU or CUDA), over gloo (it changes no
 arithmetic); the single-process tests answer torch.accelerator.device_count() with 1 the same way.
 Also: registration refused without a GPU, for a name another library registers, and for another
@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from fa_a2a import diffusers_backend as backend  # noqa: E402
+from fa_a2a.models import diffusers_backend as backend  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 ATOL = 1e-5

@@ -1,4 +1,4 @@
-"""The fused Flux processor's weights (fa_a2a.flux_block): one copy of the attention weights.
+"""The fused Flux processor's weights (fa_a2a.models.flux): one copy of the attention weights.
 
 The processor gathers a FluxAttention's q/k/v weights in destination order and makes the module's
 Linears views of them (UlyssesQKVAttention.from_linear(share_weights=True)): the model computes as
@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from fa_a2a import diffusers_backend as backend, flux_block  # noqa: E402
+from fa_a2a.models import base as fused_base, diffusers_backend as backend, flux as flux_block, registry  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "flux_block_memory", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "flux_block_memory.py"))
@@ -69,7 +69,7 @@ def _shares(proj, layers):
 
 @torch.no_grad()
 def test_processor_weights_are_the_linears_and_the_model_computes_as_before():
-    model = flux_block.enable_fused_projection(_model())
+    model = registry.enable_fused_projection(_model())
     x = _inputs()
     backend.route_counts(flux_block.ROUTE_NAME, reset=True)
     before = model(**x)[0]
@@ -79,7 +79,7 @@ def test_processor_weights_are_the_linears_and_the_model_computes_as_before():
     mods = []
     for attn in _attns(model):
         mod = attn.processor._weights(attn, None)  # what a fused call builds (group None: P = 1)
-        for (layers, _), proj in zip(flux_block._layers(attn), (mod.proj, mod.joint_proj)):
+        for (layers, _), proj in zip(fused_base._layers(attn), (mod.proj, mod.joint_proj)):
             assert _shares(proj, layers) and _gathered(attn, proj, layers)
         assert attn.processor._weights(attn, None) is mod  # built once
         mods.append(mod)
@@ -89,7 +89,7 @@ def test_processor_weights_are_the_linears_and_the_model_computes_as_before():
     assert torch.equal(after, before)
     assert backend.route_counts(flux_block.ROUTE_NAME) == {"fallback": 4}
     extra = memory.storage_bytes(memory.held_tensors(model, mods)) - held
-    qkv = sum(m.weight.nbytes for a in _attns(model) for layers, _ in flux_block._layers(a) for m in layers)
+    qkv = sum(m.weight.nbytes for a in _attns(model) for layers, _ in fused_base._layers(a) for m in layers)
     assert 0 < extra <= 0.05 * qkv, (extra, qkv)  # the fp32 norm vectors (and nothing of the weights' size)
 
 
@@ -115,23 +115,23 @@ def test_padding_heads_and_rebuilds():
     shared again."""
     model = _model()
     attn = _attns(model)[0]  # double-stream: image and text layers
-    mod = flux_block.attention_weights(attn, world_size=4)
-    for (layers, _), proj in zip(flux_block._layers(attn), (mod.proj, mod.joint_proj)):
+    mod = fused_base.attention_weights(attn, world_size=4)
+    for (layers, _), proj in zip(fused_base._layers(attn), (mod.proj, mod.joint_proj)):
         assert _shares(proj, layers) and _gathered(attn, proj, layers)
         assert proj.heads_loc == 2 and not proj.weight[HEADS * D:proj.column_range(1)[0]].any()
 
-    flux_block.enable_fused_projection(model)
+    registry.enable_fused_projection(model)
     proc = attn.processor
     first = proc._weights(attn, None)
     other = _model(seed=5)
     model.load_state_dict(other.state_dict())
     assert torch.equal(attn.to_k.weight, _attns(other)[0].to_k.weight)
     again = proc._weights(attn, None)
-    assert again is not first and _shares(again.proj, flux_block._layers(attn)[0][0])
+    assert again is not first and _shares(again.proj, fused_base._layers(attn)[0][0])
     assert torch.equal(again.proj.weight[HEADS * D:2 * HEADS * D], _attns(other)[0].to_k.weight)
     assert torch.equal(again.proj.norm_weight[:D], _attns(other)[0].norm_q.weight.float())
 
     model.to(torch.float16)
     half = proc._weights(attn, None)
-    assert half.proj.weight.dtype == torch.float16 and _shares(half.proj, flux_block._layers(attn)[0][0])
+    assert half.proj.weight.dtype == torch.float16 and _shares(half.proj, fused_base._layers(attn)[0][0])
     assert torch.equal(attn.add_v_proj.weight, _attns(other)[0].add_v_proj.weight.half())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fa_a2a import fused
+from cute_kernels import fa4 as fused
 
 B200_SMS = 148
 

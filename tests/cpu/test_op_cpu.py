@@ -332,7 +332,7 @@ def test_window_plan_compiles_its_kernels_before_the_first_barrier():
     it is built, so ranks do not meet their first in-stream barrier seconds apart."""
     from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
     from cute_kernels.signal import compile_barrier
-    from fa_a2a.forward import WindowPlan
+    from fa_a2a.engine.forward import WindowPlan
     from ulysses.transport import EmulatedTransport
 
     transport = EmulatedTransport(2, device="cpu")
@@ -352,8 +352,8 @@ def test_attention_launches_compile_before_the_first_barrier_and_line_ranks_up(m
     """A rank's attention step is checked and compiled when first asked for (forward asks before its
     first barrier), then the ranks meet on the host once; later calls reuse the bound launches."""
     import cute_kernels.a2a as a2a
-    import fa_a2a.fused as fused
-    from fa_a2a.forward import WindowPlan
+    import cute_kernels.fa4 as fused
+    from fa_a2a.engine.forward import WindowPlan
     from ulysses.transport import EmulatedTransport
 
     events = []
@@ -395,7 +395,7 @@ def test_group_size_and_rank_of_a_subgroup():
 
 
 def test_contiguous16_keeps_what_the_kernels_can_read():
-    from fa_a2a.forward import contiguous16
+    from fa_a2a.engine.forward import contiguous16
 
     x = torch.randn(2, 8, 4, 16)
     assert contiguous16(x) is x  # contiguous, 16-byte base and rows

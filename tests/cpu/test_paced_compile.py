@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import fa4_a2a_paced_sm90 as paced_kernel
 from cute_kernels import pacer as paced
-from fa_a2a import fused
+from cute_kernels import fa4 as fused
 
 
 def _inputs(P=4, B=1, H_loc=3, D=128, dtype=torch.bfloat16, S_loc=None):

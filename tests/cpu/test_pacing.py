@@ -1,5 +1,5 @@
 """The pace option without a GPU: its values and refusals, the automatic rule on given link and FA4
-rates, the per-launch plan (fa_a2a.pacing), and the host transport's shared mapping."""
+rates, the per-launch plan (fa_a2a.engine.pacing), and the host transport's shared mapping."""
 import ctypes
 import math
 import os
@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from fa_a2a import pacing
-from fa_a2a.pacing import (PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, launch_pacer, pace_path,
+from fa_a2a.engine import pacing
+from fa_a2a.engine.pacing import (PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, launch_pacer, pace_path,
                            plan_pacing)
-from fa_a2a.problem import check_call
+from fa_a2a.engine.problem import check_call
 from fa_a2a.xstage import FaTiles
 
 
@@ -102,7 +102,7 @@ def test_plan_pacing_follows_the_option_and_the_path(monkeypatch):
 
 
 def test_pace_path_names_why_the_paced_kernel_cannot_run(monkeypatch):
-    import fa_a2a.fused as fused
+    import cute_kernels.fa4 as fused
 
     q = torch.empty(0)
     monkeypatch.setattr(fused, "device_arch", lambda q: 90)
@@ -145,7 +145,7 @@ def test_pace_is_part_of_the_agreed_signature():
     CUDA tensors: check_call's kernel limits need CUDA)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fa_a2a.problem import _disagreement, signature_fields, signature_word
+    from fa_a2a.engine.problem import _disagreement, signature_fields, signature_word
 
     with FakeTensorMode():
         q, k, v = (torch.empty(1, 128, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -159,7 +159,7 @@ def test_pace_is_part_of_the_agreed_signature():
 def test_every_entry_refuses_a_bad_pace_by_name():
     pytest.importorskip("diffusers")
     from fa_a2a import UlyssesAttention
-    from fa_a2a.diffusers_backend import register_diffusers_backend
+    from fa_a2a.models.diffusers_backend import register_diffusers_backend
 
     for make in (lambda: UlyssesAttention(pace="fast"), lambda: register_diffusers_backend("fa_a2a_p", pace=-1),
                  lambda: check_call(*_qkv(), None, "fused", False, None, None, 2, pace=True)):

@@ -9,7 +9,7 @@ run shows. A barrier timeout makes the transport refuse later calls, naming the 
 import pytest
 import torch
 
-from fa_a2a.forward import head_maps as _head_maps
+from fa_a2a.engine.forward import head_maps as _head_maps
 from fa_a2a.op import post_a2a, pre_a2a
 from ulysses.layout import UlyssesLayout, head_to_seq, split_seq
 from ulysses.reference import emulated_pre_a2a

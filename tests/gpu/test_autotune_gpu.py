@@ -1,4 +1,4 @@
-"""impl="auto" on one GPU (fa_a2a.autotune): every candidate gives the same bits, the decision is one
+"""impl="auto" on one GPU (fa_a2a.engine.autotune): every candidate gives the same bits, the decision is one
 of the candidates and agreed by every rank, graph capture after a decision replays exactly, a second
 process reads the decision from disk; emulated ranks and 2 / 4 processes sharing the GPU.
 
@@ -7,7 +7,7 @@ poisoned (NaN) before each call, so an unwritten tile shows."""
 import pytest
 import torch
 
-from fa_a2a import autotune
+from fa_a2a.engine import autotune
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 
 from tests import helpers
@@ -30,7 +30,7 @@ def fresh_records():
 
 
 def _poison_emulated(case):
-    from fa_a2a.forward import _plans
+    from fa_a2a.engine.forward import _plans
 
     for plan in _plans.values():
         if plan.transport.world_size == case[0]:
@@ -101,7 +101,7 @@ def test_first_call_under_capture_takes_the_static_rule(fresh_records, caplog):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with caplog.at_level(logging.INFO, logger="fa_a2a.autotune"):
+    with caplog.at_level(logging.INFO, logger="fa_a2a.engine.autotune"):
         with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
             outs = ulysses_attention_emulated(*shards, impl="auto")
     torch.cuda.current_stream().wait_stream(s)

@@ -1,4 +1,4 @@
-"""Gradients through the op on one SM90 GPU (fa_a2a.backward): FA4's backward on the ranks' heads.
+"""Gradients through the op on one SM90 GPU (fa_a2a.engine.backward): FA4's backward on the ranks' heads.
 
 Rule (FA4's): every grad's max error against the fp64 oracle (autograd through the full attention
 on the unsplit sequence) <= 2x the error of FA4's own backward on the unsplit problem

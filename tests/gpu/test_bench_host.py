@@ -22,7 +22,7 @@ def test_host_buffer_receives_remote_store_bursts():
 
 
 def test_bench_host_windows_get_what_hbm_windows_get():
-    from fa_a2a.fused import fa4_a2a_forward, fa4_forward
+    from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward
     from fa_a2a.op import post_a2a
 
     cfg = bench.parse_args(["-M", "2048", "--dest", "hbm", "host"], env={})

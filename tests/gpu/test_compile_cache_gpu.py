@@ -20,7 +20,7 @@ _CHILD = """
 import sys, torch
 from fa_a2a import ulysses_attention, ulysses_attention_emulated
 from fa_a2a.block import TorchQKV, block_weights, ulysses_qkv_attention, ulysses_qkv_attention_emulated
-from fa_a2a.fused import compile_fa4
+from cute_kernels.fa4 import compile_fa4
 from cute_kernels.a2a import compile_post_a2a, compile_pre_a2a
 from cute_kernels.signal import compile_barrier
 g = torch.Generator(device="cuda").manual_seed(7)

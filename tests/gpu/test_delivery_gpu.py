@@ -1,4 +1,4 @@
-"""A real rank's output left in its out-slot (fa_a2a.forward's delivery), 2 processes sharing GPU 0
+"""A real rank's output left in its out-slot (fa_a2a.engine.forward's delivery), 2 processes sharing GPU 0
 (under MPS where it starts): outputs held across calls keep their values and their own slots, a
 dropped output's slot comes back, more held outputs than slots fall back to a copy, a CUDA graph
 owns the slot its capture chose (an eager call between replays does not touch it), uneven shards,

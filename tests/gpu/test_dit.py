@@ -83,7 +83,7 @@ def _errors(out, base, ref):
 def _check(P, group, rank):
     from diffusers import ContextParallelConfig
 
-    from fa_a2a import diffusers_backend as backend
+    from fa_a2a.models import diffusers_backend as backend
     from ulysses.transport import close_transports
 
     backend.gather_cuda_over_gloo()

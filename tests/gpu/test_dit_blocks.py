@@ -1,4 +1,4 @@
-"""The fused Flux, QwenImage and Flux2 attention processors (fa_a2a.flux_block, fa_a2a.dit_blocks) on one
+"""The fused Flux, QwenImage and Flux2 attention processors (fa_a2a.models.flux, fa_a2a.models.dit_blocks) on one
 GPU: 2 processes share it (bf16).
 
 Tiny Flux (2 double- + 2 single-stream blocks), QwenImage (2 double-stream blocks) and Flux2 (2
@@ -39,7 +39,7 @@ pytest.importorskip("diffusers")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from fa_a2a.diffusers_backend import _all_gather_anything_padded  # noqa: E402
+from fa_a2a.models.diffusers_backend import _all_gather_anything_padded  # noqa: E402
 from tests.gpu.test_dit import _errors, _flux, _on  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
@@ -96,7 +96,10 @@ def _flux2_inputs(J, g):
 
 
 def _models():
-    from fa_a2a import dit_blocks, flux_block
+    from fa_a2a.models import dit_blocks
+    from fa_a2a.models import flux as flux_block
+    from fa_a2a.models import base as fused_base
+    from fa_a2a.models import registry
 
     # name -> (builder, inputs, {fused processor: attention calls per forward = its modules})
     return {"flux": (_flux, _flux_inputs, {flux_block.FusedFluxAttnProcessor: 4}),
@@ -110,7 +113,7 @@ def _gather_anything_through_host(tensor, dim, group):
 
 
 def _counts(procs):
-    from fa_a2a import diffusers_backend as backend
+    from fa_a2a.models import diffusers_backend as backend
 
     return {cls.__name__: backend.route_counts(cls.ROUTE_NAME) for cls in procs}
 
@@ -119,7 +122,10 @@ def _check(P, group, rank):
     import diffusers.hooks.context_parallel as cp_hooks
     from diffusers import ContextParallelConfig
 
-    from fa_a2a import diffusers_backend as backend, flux_block
+    from fa_a2a.models import diffusers_backend as backend
+    from fa_a2a.models import flux as flux_block
+    from fa_a2a.models import base as fused_base
+    from fa_a2a.models import registry
     from ulysses.transport import close_transports
 
     backend.gather_cuda_over_gloo()
@@ -144,7 +150,7 @@ def _check(P, group, rank):
             attn_only = model(**_on(x, torch.bfloat16), return_dict=False)[0]
             assert backend.route_counts(names["fused"]) == {"ulysses": n_attn}, case
             results[f"{case} attention-only"] = e_attn = _errors(attn_only, base, ref)
-            flux_block.enable_fused_projection(model)
+            registry.enable_fused_projection(model)
             outs = {}
             for impl, name in names.items():
                 model.set_attention_backend(name)
@@ -177,11 +183,14 @@ def _check(P, group, rank):
 def _qkv_groups(attn):
     """The Linears whose weights the block's q/k/v weights are (views of), one list per gathered
     weight: the image rows' (proj), then the text rows' (joint_proj) where the module has them."""
-    from fa_a2a import dit_blocks, flux_block
+    from fa_a2a.models import dit_blocks
+    from fa_a2a.models import flux as flux_block
+    from fa_a2a.models import base as fused_base
+    from fa_a2a.models import registry
 
     if isinstance(attn, dit_blocks.Flux2ParallelSelfAttention):
         return [[attn.to_qkv_mlp_proj]]
-    return [list(layers) for layers, _ in flux_block._layers(attn)]
+    return [list(layers) for layers, _ in fused_base._layers(attn)]
 
 
 def _check_one_copy(model, x, attn_only, procs, backend_name, what):
@@ -189,9 +198,11 @@ def _check_one_copy(model, x, attn_only, procs, backend_name, what):
     shares its storage with its rows' Linears): the memory held grows by at most 5% of the q/k/v
     weights, and diffusers' own processors on the views (the attention-only backend, as attn_only
     ran before the gathering) give attn_only bit for bit. One fused module per attention call."""
-    from fa_a2a import flux_block
+    from fa_a2a.models import flux as flux_block
+    from fa_a2a.models import base as fused_base
+    from fa_a2a.models import registry
 
-    fused = {cls: base for _, base, cls in flux_block._installs()}
+    fused = {cls: base for _, base, cls in registry._installs()}
     attns = [m for m in model.modules() if type(getattr(m, "processor", None)) in fused]
     found = {cls: sum(type(a.processor) is cls for a in attns) for cls in {type(a.processor) for a in attns}}
     assert found == procs, (what, found)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fa_a2a.fused import fa4_a2a_forward, fa4_forward, tile_m_for
+from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward, tile_m_for
 
 POISON = float("nan")
 

@@ -6,7 +6,7 @@ tests/gpu/test_fused_a2a.py, whose case runner this file uses). Skipped on any o
 import pytest
 import torch
 
-from fa_a2a.fused import fa4_a2a_forward
+from cute_kernels.fa4 import fa4_a2a_forward
 from tests.gpu.test_fused_a2a import _run_case
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cute_kernels.pacer import make_pacer
-from fa_a2a.fused import fa4_a2a_forward, tile_m_for
+from cute_kernels.fa4 import fa4_a2a_forward, tile_m_for
 from ulysses.transport import tensor_from_address
 
 

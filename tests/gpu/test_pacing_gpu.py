@@ -1,4 +1,4 @@
-"""The pace option on an SM90 GPU (fa_a2a.pacing): paced == unpaced == serial bit for bit into
+"""The pace option on an SM90 GPU (fa_a2a.engine.pacing): paced == unpaced == serial bit for bit into
 NaN-poisoned windows, with emulated ranks (HBM windows) and with real rank processes over the host
 transport (windows in pinned host memory, every store over PCIe; under MPS where it starts); the
 link measured, and the automatic decision: unpaced on HBM, paced over host memory."""
@@ -28,7 +28,7 @@ def _shards(P, S_loc, H, D, seed):
 
 def test_emulated_paced_equals_unpaced_and_serial_and_auto_leaves_hbm_unpaced():
     from fa_a2a import ulysses_attention_emulated
-    from fa_a2a.forward import _plans, emulated_transport
+    from fa_a2a.engine.forward import _plans, emulated_transport
 
     P = 2
     qs, ks, vs = _shards(P, 4096, 8, 128, 0)  # rank's FA4: 8192 rows x 4 heads, 2 waves on 132 SMs
@@ -47,7 +47,7 @@ def test_emulated_paced_equals_unpaced_and_serial_and_auto_leaves_hbm_unpaced():
 
 
 def test_link_rate_of_host_windows_is_slow_and_auto_paces_it():
-    from fa_a2a.pacing import decide, measure_store_rate, sm_count
+    from fa_a2a.engine.pacing import decide, measure_store_rate, sm_count
     from fa_a2a.xstage import FaTiles
     from ulysses.transport import tensor_from_address
 
@@ -69,7 +69,7 @@ def _host_ranks(P, group, rank):
     import torch.distributed as dist
 
     from fa_a2a import ulysses_attention
-    from fa_a2a.forward import _rank_calls
+    from fa_a2a.engine.forward import _rank_calls
     from ulysses.transport import HostTransport, get_transport
 
     transport = get_transport(group)

@@ -27,7 +27,7 @@ def readme_dit_snippet() -> str:
 def _run_snippet(P, group, rank):
     import copy
 
-    from fa_a2a import diffusers_backend as backend
+    from fa_a2a.models import diffusers_backend as backend
     from ulysses.transport import close_transports
 
     backend.gather_cuda_over_gloo()

@@ -196,7 +196,7 @@ def test_vmm_setup_failures_reach_every_rank_and_free_memory():
 
 # ---- the multi-GPU test's rank check on processes sharing the GPU ---------------------------------
 def _multigpu_check(P, group, rank):
-    import fa_a2a.fused as fused
+    import cute_kernels.fa4 as fused
     from tests.multigpu.test_multigpu import check_ranks, drop_remote_tiles
     from ulysses.transport import close_transports
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from fa_a2a.fused import fa4_forward
+from cute_kernels.fa4 import fa4_forward
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout
 from ulysses.reference import emulated_post_a2a, emulated_pre_a2a
@@ -111,7 +111,7 @@ def test_1000_graph_replays_stay_exact(impl):
         torch.cuda.synchronize()
         for r in range(case[0]):
             check_exact(case, r, g_outs[r], g_jouts[r], want_seq, want_joint)
-    from fa_a2a.forward import _emulated
+    from fa_a2a.engine.forward import _emulated
 
     transport = _emulated[(case[0], torch.device("cuda", torch.cuda.current_device()))]
     transport.check()

@@ -51,8 +51,8 @@ def _timed(f, barrier) -> float:
 def main():
     import torch.distributed as dist
 
-    from fa_a2a import autotune
-    from fa_a2a.fused import fa4_a2a_launcher
+    from fa_a2a.engine import autotune
+    from cute_kernels.fa4 import fa4_a2a_launcher
     from fa_a2a.op import ulysses_attention
     from ulysses.transport import close_transports, get_transport
 

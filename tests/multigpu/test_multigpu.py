@@ -54,7 +54,7 @@ def _poison_own_windows(transport, rank: int) -> None:
 
 
 def drop_remote_tiles(fused_launcher):
-    """A broken fused epilogue for tests, in place of fa_a2a.fused.fa4_a2a_launcher: its launches
+    """A broken fused epilogue for tests, in place of cute_kernels.fa4.fa4_a2a_launcher: its launches
     leave O tiles in this rank's own window only."""
 
     def broken(q, k, v, out_windows, rank, **kwargs):
@@ -72,7 +72,7 @@ def drop_remote_tiles(fused_launcher):
 
 def check_ranks(P, group, rank, *, impls=IMPLS, cases=CASES):
     """Every impl on every case equals the reference pipeline on this rank (see the docstring)."""
-    from fa_a2a.fused import fa4_forward
+    from cute_kernels.fa4 import fa4_forward
     from fa_a2a.op import ulysses_attention
     from ulysses.layout import UlyssesLayout, split_seq
     from ulysses.reference import emulated_post_a2a, emulated_pre_a2a, full_attention

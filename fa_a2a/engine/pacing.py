@@ -18,7 +18,7 @@ The automatic rule (`decide`), from two facts:
              windows, measured once per transport with every rank storing at once (ranks that
              share a link measure their share) and agreed as the minimum over the ranks, so every
              rank decides alike (`link_gbps`);
-  FA4 tiles  the call's tiles on this rank's share of the SMs (xstage.FaTiles: waves, a wave's O
+  FA4 tiles  the call's tiles on this rank's share of the SMs (engine.tiles.FaTiles: waves, a wave's O
              burst V = producers x tile bytes, the next wave's Q-loop G = KV tiles x sigma, sigma
              from FA4_TFLOPS).
   - one wave: off (no Q-loop follows the stores to hide them);
@@ -120,7 +120,7 @@ def _check_link(link) -> None:
 def decide(link: float, tiles, fa_tflops: float = FA4_TFLOPS, gpu_sms: Optional[int] = None,
            shared_gpu: bool = False) -> Pacing:
     """The automatic rule (module docstring) for a link of `link` GB/s and FA4's tiles
-    (xstage.FaTiles on this rank's share of the SMs; gpu_sms: the whole GPU's, default the same;
+    (engine.tiles.FaTiles on this rank's share of the SMs; gpu_sms: the whole GPU's, default the same;
     shared_gpu: other ranks' kernels run at once on this GPU)."""
     _check_link(link)
     one = one_wave(tiles)
@@ -189,9 +189,9 @@ def link_gbps(transport, side: str = "out") -> float:
     allocated with the transport: LINK_PROBE_BYTES per rank and side (P of them for emulated ranks)."""
     if side not in ("out", "in"):
         raise ValueError(f"side: expected 'out' or 'in', got {side!r}")
-    attr, name = "pacing_link_gbps", "fa_a2a.pacing.link"
+    attr, name = "pacing_link_gbps", "fa_a2a.engine.pacing.link"
     if side == "in" and transport.split_links:
-        attr, name = "pacing_in_link_gbps", "fa_a2a.pacing.in_link"
+        attr, name = "pacing_in_link_gbps", "fa_a2a.engine.pacing.in_link"
     rate = getattr(transport, attr, None)
     if rate is None:
         P, D = transport.world_size, 128
@@ -216,7 +216,7 @@ def sm_count(device) -> int:
 def pace_path(q: torch.Tensor, seq_loc: int, head_dim: int, causal: bool) -> tuple:
     """(rows of the fused kernel's output tile for this call, None where the paced kernel can run
     it, else why not, in words). The paced kernel has both O paths (TMA and st), so any S_loc."""
-    from fa_a2a.fused import device_arch, tile_m_for
+    from cute_kernels.fa4 import device_arch, tile_m_for
 
     arch = device_arch(q)
     tile_m = tile_m_for(head_dim, causal, arch)
@@ -240,7 +240,7 @@ def plan_pacing(pace: Pace, link: Callable[[], float], device, seqlen: int, head
         raise ValueError(f"pace: a rate needs the paced kernel, and {pace_path}; pass pace='auto' or None")
     if pace != "auto":
         return Pacing(pace, f"pace {pace:g} GB/s given")
-    from fa_a2a.xstage import FaTiles, fa4_tile_shape
+    from fa_a2a.engine.tiles import FaTiles, fa4_tile_shape
 
     sms = sm_count(device)
     share = max(sms // ranks_per_gpu, 1)

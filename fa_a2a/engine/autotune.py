@@ -13,7 +13,7 @@ Candidates ("labels"; the applicable ones, in this order, which is also the tie 
   "fused:st"   the same kernel with per-thread 16-byte stores (any S_loc)
   "serial"     FA4, then the post-A2A kernel
   "nccl"       permute + all_to_all_single around FA4 (real ranks, an NCCL group, one GPU per rank)
-The fused candidates are paced as the call's `pace` decides (fa_a2a.pacing).
+The fused candidates are paced as the call's `pace` decides (fa_a2a.engine.pacing).
 
 The decision, at the first call of a signature (every rank at the same call, as every call is):
   1. FA_A2A_IMPL (a label above, or "fused" / "reference"; the same on every rank) forces it;
@@ -23,7 +23,7 @@ The decision, at the first call of a signature (every rank at the same call, as 
      pair around each call; per candidate the median on each rank, then the max over the ranks
      (every rank gets every rank's times, so all pick alike). The fastest wins; a candidate within
      TIE of it that comes first in the order above wins instead (ties -> fused). The choice and
-     its times are written to disk and logged once (logger "fa_a2a.autotune", level INFO).
+     its times are written to disk and logged once (logger "fa_a2a.engine.autotune", level INFO).
   A first call under CUDA-graph capture takes the static rule (fused, TMA where S_loc allows) and
   says so once; CPU tensors have one candidate (real ranks: nccl, emulated: reference).
 Records live in <compile cache folder>/impl/ (fa_a2a's disk cache: FA_A2A_CACHE_DIR, FA_A2A_CACHE=0

@@ -12,7 +12,7 @@ naming the first argument that differs and each rank's value - never a wrong ans
 hang. A rank that stops calling makes the others raise TimeoutError after FA_A2A_TIMEOUT_S.
 CUDA-graph replays never reach Python: they replay the signature agreed at capture.
 Whether a call requires grad (grad mode on and q, k, v or joint requiring grad) is part of its
-signature: such a call keeps tensors for a backward that is collective too (fa_a2a.backward).
+signature: such a call keeps tensors for a backward that is collective too (fa_a2a.engine.backward).
 
 Joint (text) tokens must hold the same data on every rank (they are replicated, not sent); by
 default only their shapes are agreed: FA_A2A_CHECK_JOINT=1 adds a checksum of their data to the
@@ -49,7 +49,7 @@ EMULATED_IMPLS = ("auto", "fused", "serial", "reference")  # nccl needs one rank
 KERNEL_IMPLS = ("fused", "serial")
 BLOCK_IMPLS = ("auto", "fused", "serial")  # the attention block's (its projection is always fused)
 # impl values that force the fused kernel's O-store path ("fused" alone: TMA where S_loc is a multiple
-# of the tile's rows, else st; fa_a2a.autotune times both)
+# of the tile's rows, else st; fa_a2a.engine.autotune times both)
 FUSED_PATHS = ("fused:tma", "fused:st")
 
 
@@ -66,7 +66,7 @@ def split_impl(impl, allowed=IMPLS) -> tuple:
 class Problem:
     """One call's signature. Every field but `layout` must agree across ranks (_ARGUMENT says which
     argument carries each); `layout` is derived from them. impl "auto" is resolved to a concrete
-    impl and o_store per signature by fa_a2a.autotune."""
+    impl and o_store per signature by fa_a2a.engine.autotune."""
 
     impl: str
     batch: int
@@ -82,7 +82,7 @@ class Problem:
     seq_len: Optional[int]
     shard_rows: Optional[tuple]
     world_size: int
-    pace: object  # fa_a2a.pacing.check_pace's value: None (off), "auto" or GB/s; None unless impl "fused"
+    pace: object  # fa_a2a.engine.pacing.check_pace's value: None (off), "auto" or GB/s; None unless impl "fused"
     layout: UlyssesLayout = dataclasses.field(compare=False, repr=False)
     o_store: Optional[str] = None  # impl "fused": the O-store path, "tma" | "st" (None: TMA where S_loc allows)
 
@@ -104,6 +104,28 @@ _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size=
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)")
+
+
+# ---- the process group -----------------------------------------------------------------------------
+def group_facts(group):
+    """(group, group name, world size, rank); group=None is the default group, or P = 1 without one."""
+    import torch.distributed as dist
+
+    if group is not None and not hasattr(group, "group_name"):
+        raise ValueError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, "", 1, 0
+        group = dist.group.WORLD
+    # the group's own size and rank (= dist.get_world_size / get_rank(group), without their lookups)
+    return group, group.group_name, group.size(), group.rank()
+
+
+def group_by_name(group_name: str):
+    """group_facts of the process group a custom op names by its group name ("" : no group, P = 1)."""
+    import torch.distributed as dist
+
+    return group_facts(dist.distributed_c10d._resolve_process_group(group_name) if group_name else None)
 
 
 # ---- local checks ------------------------------------------------------------------------------------
@@ -211,7 +233,7 @@ def _check_kernel_limits(q, k, v, impl) -> None:
 def check_settings() -> None:
     """Every FA_A2A_* variable (ulysses.env's and FA_A2A_IMPL), read with each new signature: a bad
     value is the call's ValueError, naming the variable, on every rank."""
-    from fa_a2a.autotune import forced_label
+    from fa_a2a.engine.autotune import forced_label
 
     env.check_all()
     forced_label()
@@ -233,7 +255,7 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
     """Every local check of one rank's call -> (Problem, joint tuple or None). Raises ValueError.
     stand_ins: q, k, v and joint stand for the shapes of a call (the block's, expanded from one row:
     their memory is not checked)."""
-    from fa_a2a.pacing import check_pace
+    from fa_a2a.engine.pacing import check_pace
 
     check_settings()
     impl, o_store = split_impl(impl)
@@ -264,7 +286,7 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
             raise ValueError(f"causal: expected False with uneven shard_rows (keys are compacted), got True "
                              f"with shard_rows={list(shard_rows)}")
     if o_store == "tma" and world_size > 1:
-        from fa_a2a.fused import tile_m_for
+        from cute_kernels.fa4 import tile_m_for
 
         tile_m = tile_m_for(D, causal)
         if layout.seq_loc % tile_m:

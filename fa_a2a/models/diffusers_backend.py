@@ -13,7 +13,7 @@ model with a plan gets the fused kernel without a line of model code:
     # or, the three steps in one call:  enable_ulysses(model)
 
 Routing of one call (every rank decides alike: the facts below are the same on all ranks):
-  no parallel config (e.g. Wan's cross-attention)      -> local attention: FA4 (fa_a2a.fused.
+  no parallel config (e.g. Wan's cross-attention)      -> local attention: FA4 (cute_kernels.fa4.
                                                           fa4_forward) where it applies, else SDPA
   Ulysses only, no mask, K/V as long as Q, no lse,     -> fa_a2a.ulysses_attention on the Ulysses
   tensors the impl takes (uneven ulysses_anything         group (impl "fused" by default)
@@ -28,7 +28,7 @@ non-causal unmasked attention does not depend on the order of the keys, and ever
 returns to its rank's slot, so the op over each rank's [text | image] rows is exact.
 `route_counts(name)` says how many calls took each route (tests use it to fail a run that
 silently did not shard); the fused Flux processor counts its paths there too
-(route_counts(fa_a2a.flux_block.ROUTE_NAME)).
+(route_counts(fa_a2a.models.flux.ROUTE_NAME)).
 
 cache-dit (1.5.3) keeps its own copy of this machinery, its own model plans and its own closed
 backend enum, and refuses under its context parallelism a backend it has not registered. When
@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from fa_a2a.problem import split_impl
+from fa_a2a.engine.problem import split_impl
 
 __all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "backend_pace",
            "rows_per_rank"]
@@ -73,7 +73,7 @@ def backend_impl(name: str):
 
 
 def backend_pace(name: str):
-    """The pace a backend name was registered with (fa_a2a.pacing.check_pace's value; "auto" for an
+    """The pace a backend name was registered with (fa_a2a.engine.pacing.check_pace's value; "auto" for an
     unregistered name)."""
     return _registered[name][1] if name in _registered else "auto"
 
@@ -90,7 +90,7 @@ def _local_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, retur
     FA4 on CUDA bf16/fp16 tensors without a mask; SDPA otherwise (fp32 math when the lse is wanted).
     """
     if _fa4_applies(q, k, v, attn_mask):
-        from fa_a2a.fused import fa4_forward
+        from cute_kernels.fa4 import fa4_forward
 
         B, S, H, _ = q.shape
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
@@ -195,7 +195,7 @@ def _agree_model_call(model, args, kwargs) -> None:
     compared."""
     import torch.distributed as dist
 
-    from fa_a2a.problem import signature_word
+    from fa_a2a.engine.problem import signature_word
     from ulysses.channel import get_channel
 
     config = getattr(model, "_parallel_config", None)
@@ -364,7 +364,7 @@ def _require_accelerator(caller: str) -> None:
     if torch.accelerator.device_count() == 0:
         raise RuntimeError(f"{caller}: diffusers' context parallelism needs a GPU (torch.accelerator.device_count() "
                            "is 0 here); on CPU use fa_a2a.ulysses_attention(impl='reference' or 'nccl') on a gloo "
-                           "group (fa_a2a.diffusers_backend.cpu_testbed() lets diffusers' CP run there for tests)")
+                           "group (fa_a2a.models.diffusers_backend.cpu_testbed() lets diffusers' CP run there for tests)")
 
 
 def _foreign_backend(name: str) -> Optional[str]:
@@ -388,11 +388,11 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "auto", pace="a
     diffusers or cache-dit already has, such as "native", "sage3", "ffpa"). impl: the Ulysses op's
     impl, "auto" (default) | "fused" | "fused:tma" | "fused:st" | "serial" | "nccl" | "reference"
     (fa_a2a.ulysses_attention). pace: the fused kernel's store pacing, "auto",
-    None or GB/s (fa_a2a.pacing). Idempotent: registering a name again with the same impl and pace
+    None or GB/s (fa_a2a.engine.pacing). Idempotent: registering a name again with the same impl and pace
     does nothing more; another impl or pace under a registered name is refused (register a second
     name instead). Refused (RuntimeError) without a GPU: diffusers' enable_parallelism needs one.
     """
-    from fa_a2a.pacing import check_pace
+    from fa_a2a.engine.pacing import check_pace
 
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -464,7 +464,7 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
 
 def route_counts(name: str = "fa_a2a", reset: bool = False) -> dict:
     """Calls of backend `name` per route since the last reset: {"ulysses", "templated", "local": n};
-    of the fused Flux processor (name fa_a2a.flux_block.ROUTE_NAME): {"fused", "fallback": n}."""
+    of the fused Flux processor (name fa_a2a.models.flux.ROUTE_NAME): {"fused", "fallback": n}."""
     counts = dict(_counts.get(name, {}))
     if reset:
         _counts.pop(name, None)

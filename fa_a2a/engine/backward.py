@@ -43,11 +43,11 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               exchanges over the group. Faster, not done: dO through the pre-A2A
                               kernel into the in-windows and dq/dk/dv through the post-A2A kernel
                               (or FA4's dQ postprocess and dK/dV epilogues storing to the peers).
-  impl "auto" decides as the forward does (fa_a2a.forward); its choices all run FA4 on CUDA.
+  impl "auto" decides as the forward does (fa_a2a.engine.forward); its choices all run FA4 on CUDA.
 Every rank must run the backward of every call that required grad, in the same order (it is
 collective, as the forward is): a rank whose loss does not reach an output still backpropagates
 through it (e.g. loss + 0 * out.sum()). Each backward is agreed across ranks like a forward
-(fa_a2a.problem.agree_call): ranks whose backwards differ raise the same ValueError, a rank that
+(fa_a2a.engine.problem.agree_call): ranks whose backwards differ raise the same ValueError, a rank that
 never comes makes the others raise TimeoutError (FA_A2A_TIMEOUT_S), never a hang.
 FA4's backward accumulates dQ with atomics: its bits vary from run to run unless
 torch.use_deterministic_algorithms(True) (then FA4's deterministic mode).
@@ -72,7 +72,7 @@ from ulysses.layout import UlyssesLayout, take_heads
 from ulysses.reference import local_attention as reference_attention
 from ulysses.reference import local_attention_backward as reference_attention_backward
 
-from .problem import KERNEL_IMPLS, Problem
+from .problem import KERNEL_IMPLS, Problem, group_by_name
 
 __all__ = ["Saved", "Spec", "wants_grad", "forward_saving", "forward_emulated_saving", "backward",
            "attention_with_grad", "attention_emulated_with_grad", "traced_attention_with_grad", "saved_bytes"]
@@ -256,7 +256,7 @@ def _attention(spec: Spec, q, k, v) -> tuple:
     """(o, Saved) of the local attention on heads-layout q, k, v (FA4 with its LSE, or the reference)."""
     used = spec.layout.seqused_k(spec.causal)
     if spec.fa4:
-        from fa_a2a.fused import fa4_forward
+        from cute_kernels.fa4 import fa4_forward
 
         B, N, H, _ = q.shape
         lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
@@ -303,7 +303,7 @@ class _GradAttend:
     the second barrier: peers' next pre-A2A stores into it once they have passed that barrier."""
 
     def __init__(self, plan, rank: int, causal: bool, scale: float):
-        from fa_a2a.fused import fa4_launcher
+        from cute_kernels.fa4 import fa4_launcher
 
         lay = plan.layout
         self.plan, self.rank = plan, rank
@@ -368,7 +368,7 @@ def _kernel_forward(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
 
 
 def _decided(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
-    """impl "auto" decided as the forward decides it (fa_a2a.forward)."""
+    """impl "auto" decided as the forward decides it (fa_a2a.engine.forward)."""
     if p.impl != "auto" or p.world_size == 1:
         return p
     from .forward import _auto_problem
@@ -517,13 +517,6 @@ def attention_emulated_with_grad(p: Problem, qs, ks, vs, joint) -> tuple:
 
 
 # ---- autograd under torch.compile: functional custom ops ---------------------------------------------
-def _op_group(group_name: str):
-    from .op import _group
-
-    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
-    return _group(group)
-
-
 def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
@@ -538,7 +531,7 @@ def _grad_op(
     from .pacing import decode_pace
     from .problem import resolve
 
-    group, group_name, P, rank = _op_group(group_name)
+    group, group_name, P, rank = group_by_name(group_name)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                              rank=rank, group=group, group_name=group_name, pace=decode_pace(pace), grad=True)
@@ -552,7 +545,7 @@ def _grad_op(
 def _(q, k, v, joint_q, joint_k, joint_v, group_name, impl, causal, softmax_scale, seq_len, shard_rows, pace):
     from .problem import check_call
 
-    _, _, P, rank = _op_group(group_name)
+    _, _, P, rank = group_by_name(group_name)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, _ = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, P, shard_rows, rank)
     lay, (B, _, H, D) = problem.layout, q.shape
@@ -567,7 +560,7 @@ def _(q, k, v, joint_q, joint_k, joint_v, group_name, impl, causal, softmax_scal
 
 def _layout_of(group_name: str, rows: int, H: int, H_kv: int, J: int, seq_len, shard_rows):
     """The call's layout again, as check_call built it (rows: this rank's q rows)."""
-    _, _, P, rank = _op_group(group_name)
+    _, _, P, rank = group_by_name(group_name)
     if shard_rows is not None:
         return UlyssesLayout.from_shard_rows(shard_rows, H, H_kv, P, joint_len=J), P, rank
     return UlyssesLayout.from_shard(rows, H, H_kv, P, seq_len=seq_len, joint_len=J), P, rank
@@ -582,7 +575,7 @@ def _grad_backward_op(
     """-> [dq, dk, dv, djq, djk, djv] (joint grads [B, 0, ., D] without joint rows)."""
     B, rows, H, D = dout.shape
     lay, P, rank = _layout_of(group_name, rows, H, num_kv_heads, djout.shape[1], seq_len, shard_rows)
-    group, _, _, _ = _op_group(group_name)
+    group, _, _, _ = group_by_name(group_name)
     spec = Spec(lay, causal, softmax_scale, fa4)
     saved = Saved(q_heads, k_heads, v_heads, o_heads if fa4 else None, lse if fa4 else None)
     [grads] = backward(spec, [rank], [saved], [dout], [djout], [rows], group if P > 1 else None)

@@ -2,15 +2,15 @@
 
 impl (one rank r of P; rows and heads as in ulysses/layout.py):
   "fused"      pre-A2A kernel (q, k, v in one launch, 16-byte peer stores) -> barrier ->
-               fa_a2a.fused.fa4_a2a_forward (FA4 whose epilogue stores O tiles into the peers'
-               output windows; paced where the call's pace decides so, fa_a2a.pacing) -> barrier
+               cute_kernels.fa4.fa4_a2a_forward (FA4 whose epilogue stores O tiles into the peers'
+               output windows; paced where the call's pace decides so, fa_a2a.engine.pacing) -> barrier
                -> the output: this rank's window itself, or a copy of it (delivery, below).
   "serial"     pre-A2A -> barrier -> fa4_forward -> post-A2A kernel -> barrier -> delivery.
   "nccl"       permute + torch.distributed.all_to_all_single around the local attention: the
                baseline users run today (yunchang, xDiT, DeepSpeed-Ulysses).
   "reference"  the same pipeline with the fp32 reference attention (any device).
   "auto"       one of fused (TMA or st O-stores), serial or nccl, timed on this machine at the
-               first call of the signature (fa_a2a.autotune; `_auto_problem`).
+               first call of the signature (fa_a2a.engine.autotune; `_auto_problem`).
 One rank (P = 1) needs no communication: every impl runs the local attention on the whole input.
 The local attention is chosen in one place (`local_attention`): FA4 on CUDA tensors, the fp32
 reference (ulysses.reference) on CPU tensors and for impl "reference".
@@ -93,7 +93,7 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
     """The one local-attention chooser: FA4 on CUDA tensors unless `reference`; the fp32 reference
     (returned in q's dtype) on CPU tensors or with `reference`."""
     if q.is_cuda and not reference:
-        from fa_a2a.fused import fa4_forward
+        from cute_kernels.fa4 import fa4_forward
 
         used = None if seqused_k is None else torch.full((q.shape[0],), seqused_k, dtype=torch.int32, device=q.device)
         return fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
@@ -166,7 +166,7 @@ class WindowPlan:
         self._scratch: dict = {}
         self._launches: dict = {}
         self._results: dict = {}
-        self.pacing = None  # the last fused launch's fa_a2a.pacing.Pacing decision (None: pace off)
+        self.pacing = None  # the last fused launch's fa_a2a.engine.pacing.Pacing decision (None: pace off)
         self._warm()
 
     def _warm(self) -> None:
@@ -205,7 +205,7 @@ class WindowPlan:
         """-> attend(): launches rank's attention and post-A2A ("fused" or "serial") from the
         in-windows. The attention kernels compile at the first request: a rank that asks before its
         first barrier keeps its JIT compiles out of the other ranks' barrier waits.
-        pace: the fused kernel's store pacing, as fa_a2a.pacing.check_pace returns it; o_store: its
+        pace: the fused kernel's store pacing, as fa_a2a.engine.pacing.check_pace returns it; o_store: its
         O-store path, "tma" | "st" | None (TMA where S_loc is a multiple of the tile's rows)."""
         fused = impl == "fused"
         key = ("attend", rank, impl, causal, scale, pace if fused else None, o_store if fused else None)
@@ -215,11 +215,11 @@ class WindowPlan:
         return self._launches[key]
 
     def pacer(self, rank: int, causal: bool, pace):
-        """The store pacer of rank's fused launch (fa_a2a.pacing.launch_pacer), or None for an
-        unpaced one: fa_a2a.pacing decides (pace "auto": collective the first time)."""
+        """The store pacer of rank's fused launch (fa_a2a.engine.pacing.launch_pacer), or None for an
+        unpaced one: fa_a2a.engine.pacing decides (pace "auto": collective the first time)."""
         if pace is None:
             return None
-        from fa_a2a.pacing import launch_pacer, link_gbps, pace_path, plan_pacing
+        from fa_a2a.engine.pacing import launch_pacer, link_gbps, pace_path, plan_pacing
 
         lay, t = self.layout, self.transport
         tile_m, path = pace_path(self.dq, lay.seq_loc, self.D, causal)
@@ -256,7 +256,7 @@ class WindowPlan:
 
     def _attend_steps(self, rank: int, impl: str, causal: bool, scale: float, pacer, out_w, o_store=None) -> list:
         from cute_kernels.a2a import post_a2a_launcher
-        from fa_a2a.fused import fa4_a2a_launcher, fa4_launcher
+        from cute_kernels.fa4 import fa4_a2a_launcher, fa4_launcher
 
         lay = self.layout
         q, k, v = self.dq[rank], self.dk[rank], self.dv[rank]
@@ -429,7 +429,7 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
     return plan.complete(rank, rows, attend, out, joint_out)
 
 
-# ---- impl "auto": the signature's fastest path, decided once (fa_a2a.autotune) ---------------------
+# ---- impl "auto": the signature's fastest path, decided once (fa_a2a.engine.autotune) ---------------------
 # (auto Problem, group name or "emulated", rank, device) -> the decided Problem; looked up first by the
 # Problem's identity (_auto_by_id), as the per-signature caches hand out the same Problem every call
 # (hashing one costs ~0.7 us of host time)
@@ -457,7 +457,7 @@ def _keep_decision(p: Problem, where: tuple, decided: Problem) -> Problem:
 
 def fused_tile_m(p: Problem, q) -> int:
     """Rows of the fused kernel's output tile for p on q's device."""
-    from fa_a2a.fused import device_arch, tile_m_for
+    from cute_kernels.fa4 import device_arch, tile_m_for
 
     return tile_m_for(p.head_dim, p.causal, device_arch(q))
 
@@ -471,8 +471,8 @@ def _nccl_runs(group, transport) -> bool:
 
 def _auto_problem(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
     """p (impl "auto") with this machine's fastest path in its place, decided at the signature's first
-    call (collective; fa_a2a.autotune.decide times each candidate on this call's inputs)."""
-    from fa_a2a import autotune
+    call (collective; fa_a2a.engine.autotune.decide times each candidate on this call's inputs)."""
+    from fa_a2a.engine import autotune
 
     where = (group.group_name, rank, q.device)
     hit = _decided(p, where)
@@ -495,7 +495,7 @@ def _auto_problem(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
 
 def _auto_problem_emulated(p: Problem, qs, ks, vs, joint) -> Problem:
     """_auto_problem for P emulated ranks (candidates: fused TMA / st, serial; CPU tensors: reference)."""
-    from fa_a2a import autotune
+    from fa_a2a.engine import autotune
 
     where = ("emulated", 0, qs[0].device)
     hit = _decided(p, where)

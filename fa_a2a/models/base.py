@@ -1,57 +1,8 @@
-"""Flux's attention under diffusers' context parallelism as the fused attention block.
-
-With the fa-a2a backend (fa_a2a.diffusers_backend) diffusers' FluxAttnProcessor projects q/k/v in
-torch (three Linears, RMSNorm, RoPE) and the backend runs the pre-A2A, FA4 and the post-A2A.
-`enable_fused_projection(model)` installs FusedFluxAttnProcessor on every FluxAttention of the
-model instead, which hands the hidden states to fa_a2a.block: the QKV projection with the
-pre-A2A in its GEMM epilogue (bias, per-head RMSNorm, RoPE), then FA4 with the post-A2A in its
-epilogue, both A2As inside the two compute kernels.
-
-    enable_ulysses(model)                 # fa_a2a.diffusers_backend: backend + diffusers' CP
-    enable_fused_projection(model)        # this module (before or after enable_ulysses)
-
-QwenImage's and Flux2's processors (fa_a2a.dit_blocks) share this module's glue (_FusedBlockProcessor:
-route counts, fallback log, gathered weights as views, the block call); enable_fused_projection installs
-all of them.
-
-Rows: diffusers' Flux `_cp_plan` shards the text rows as well as the image rows, so rank r holds
-[text shard (J_r rows); image shard (I_r rows)], and image_rotary_emb holds the RoPE of exactly
-those rows (txt_ids and img_ids are sharded too). The double-stream processor gives the block two
-segments (fa_a2a.block.Segment): the text rows with add_q/k/v_proj + norm_added_q/k, the image
-rows with to_q/k/v + norm_q/k, each with its rotary rows; the single-stream processor one segment
-(to_q/k/v over the concatenated rows). Non-causal unmasked attention does not depend on the order
-of the keys, so the ranks' [text; image] rows are one sequence to the block, as they are to the
-backend. Uneven shards (ulysses_anything): every rank's row count is gathered as the backend does
-(diffusers_backend.rows_per_rank) and passed as shard_rows. The block's output is split back
-into text and image rows and goes through to_add_out and to_out (double-stream); the
-single-stream block gets the attention output as diffusers' processor returns it.
-
-Fallback: diffusers' own FluxAttnProcessor (projection in torch, then the registered backend) when
-the fused block cannot run: no context parallelism or ring degree > 1; the attention backend not a
-registered fa-a2a backend with impl "auto", "fused" or "serial" (impl "reference" / "nccl" run no kernels);
-CPU tensors; not SM90 (the projection kernel is SM90's); dtype not bfloat16/float16, or weights of
-another dtype/device than the hidden states; head dim not 64/128; an attention mask; autograd
-(hidden states that require grad: the fused block has no backward); fused to_qkv projections; q/k norms
-that are not RMSNorm with weight and eps 1e-6 (the epilogue's); channels not a multiple of 8; heads
-split by tensor parallelism. Every fact is the same on all ranks, so all ranks take the same path;
-each reason is logged once and the calls per path are counted
-(fa_a2a.diffusers_backend.route_counts(ROUTE_NAME)).
-
-Memory: the block's weights are the module's q/k/v weights gathered in destination order
-(UlyssesQKVAttention.from_linear, attention_weights), and the module's Linears are made views of
-them (their Parameter objects stay, with the same values): one copy of the attention weights
-(for Flux.1: 19 double-stream blocks with 6 and 38 single-stream blocks with 3 matrices of 3072 x
-3072, bf16, 4.3 GB), not two. Built at the first fused call of a module; rebuilt when a weight
-changes (data pointer or version: model.to(...), load_state_dict, an in-place update), which
-gathers the current values into a new buffer and moves the views there. Measured on CPU
-(examples/flux_block_memory.py, Flux.1's attention modules, P = 8): 1.87 MB held beyond the model
-(0.04% of the 4.303 GB of q/k/v weights; the copy held 4.307 GB), peak growth 0.119 GB while
-gathering.
-
-Inference only. CPU-tested (gloo, 2 and 3 ranks, fp32 tiny Flux): the fallback equals diffusers'
-native CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output
-split, output projections) with the block replaced by a torch reference of it, likewise. Not yet
-run on a GPU (tests/gpu/test_flux_block.py; the block's segments: tests/gpu/test_block.py).
+"""What every fused model processor shares (FusedFluxAttnProcessor in fa_a2a.models.flux, QwenImage's
+and Flux2's in fa_a2a.models.dit_blocks): the routing rules every rank decides alike (_why_not_block,
+_why_not_fused), the base class (_FusedBlockProcessor: route counts, the fallback's log, the weights
+gathered as views, the block call), the q/k/v layers of diffusers' attention modules and their
+gathered weights (attention_weights), the rotary split and the ranks' row counts.
 """
 
 from __future__ import annotations
@@ -60,18 +11,17 @@ import logging
 from typing import Optional
 
 import torch
-from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from fa_a2a import diffusers_backend
 from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention
-from fa_a2a.problem import BLOCK_IMPLS, split_impl
+from fa_a2a.engine.problem import BLOCK_IMPLS, split_impl
+from fa_a2a.models import diffusers_backend
 
-__all__ = ["FusedFluxAttnProcessor", "attention_weights", "enable_fused_projection", "ROUTE_NAME"]
+__all__ = ["attention_weights"]
 
 logger = logging.getLogger(__name__)
 
-ROUTE_NAME = "FusedFluxAttnProcessor"  # its calls per path: diffusers_backend.route_counts(ROUTE_NAME)
+
 _logged: set = set()
 
 
@@ -165,7 +115,7 @@ def _why_not_fused(proc, attn, hidden_states, encoder_hidden_states, attention_m
 
 
 class _FusedBlockProcessor:
-    """What the fused processors share (this one, fa_a2a.dit_blocks'): the route count and the
+    """What the fused processors share (this one, fa_a2a.models.dit_blocks'): the route count and the
     fallback log (`_fallback`), the module's gathered weights (`_weights`), the block call on the
     rank's rows (`_attend`). A subclass names its ROUTE_NAME and how its rows become segments."""
 
@@ -224,32 +174,6 @@ class _FusedBlockProcessor:
         return _weight_facts(attn)
 
 
-class FusedFluxAttnProcessor(_FusedBlockProcessor, FluxAttnProcessor):
-    """FluxAttnProcessor whose attention under diffusers' Ulysses context parallelism is the fused
-    block (fa_a2a.block: projection + pre-A2A fused, attention + post-A2A fused); diffusers' own
-    processor (projection in torch, then the backend) where the block cannot run: no context
-    parallelism or ring degree > 1, a backend other than fa-a2a's "auto"/"fused"/"serial" (impl
-    "reference" / "nccl"), CPU tensors, not SM90, dtype not bf16/fp16, head dim not 64/128, an
-    attention mask, autograd, fused to_qkv, q/k norms other than RMSNorm(eps 1e-6) with weight,
-    tensor parallelism (the module docstring). Install with enable_fused_projection(model)."""
-
-    ROUTE_NAME = ROUTE_NAME
-
-    def __call__(self, attn: FluxAttention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
-                 attention_mask: Optional[torch.Tensor] = None, image_rotary_emb=None) -> torch.Tensor:
-        why = _why_not_fused(self, attn, hidden_states, encoder_hidden_states, attention_mask)
-        if why is not None:
-            self._fallback(why)
-            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        out = self._attend(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
-        if encoder_hidden_states is None:
-            return out
-        J = encoder_hidden_states.shape[1]
-        text, image = out[:, :J], out[:, J:]
-        image = attn.to_out[1](attn.to_out[0](image.contiguous()))
-        return image, attn.to_add_out(text.contiguous())
-
-
 def _layers(attn) -> tuple:
     """attn's (q, k, v Linears, q/k norms) groups: the image rows' (to_*), the text rows' (add_*)
     (diffusers' names: FluxAttention, Flux2Attention, QwenImage's Attention)."""
@@ -298,41 +222,7 @@ def _shard_rows(rows: int, group, ulysses_anything: bool) -> Optional[list]:
     """Every rank's rows (uneven shards of ulysses_anything) as shard_rows, None when all are equal.
     Exchanged on every call, as the backend does: ranks that disagree on ulysses_anything raise
     the same ValueError here (diffusers_backend.rows_per_rank) instead of parting ways later."""
-    from fa_a2a import diffusers_backend
+    from fa_a2a.models import diffusers_backend
 
     every = [q for q, _ in diffusers_backend.rows_per_rank(rows, rows, group, ulysses_anything=ulysses_anything)]
     return every if len(set(every)) > 1 else None
-
-
-def _installs() -> tuple:
-    """(attention module class, diffusers' processor class, fused processor class) of every model
-    the fused block serves: Flux here, Flux2 and QwenImage in fa_a2a.dit_blocks."""
-    from fa_a2a import dit_blocks
-
-    return ((FluxAttention, FluxAttnProcessor, FusedFluxAttnProcessor),) + dit_blocks.INSTALLS
-
-
-def enable_fused_projection(model):
-    """Install the fused processor on every attention module of `model` whose processor is diffusers'
-    own: FusedFluxAttnProcessor for FluxAttnProcessor (Flux), and fa_a2a.dit_blocks' for Flux2's
-    Flux2AttnProcessor / Flux2ParallelSelfAttnProcessor and QwenImage's
-    QwenDoubleStreamAttnProcessor2_0 (others, e.g. IP-Adapter or KV-cache processors, are left as
-    they are), keeping the processor's attention backend and parallel config (so before or after
-    set_attention_backend / enable_parallelism / enable_ulysses). Returns the model; ValueError
-    when no module qualifies."""
-    installs = _installs()
-    n = 0
-    for module in model.modules():
-        for module_cls, base, fused in installs:
-            if isinstance(module, module_cls) and type(module.processor) in (base, fused):
-                old = module.processor
-                if type(old) is base:
-                    new = fused()
-                    new._attention_backend, new._parallel_config = old._attention_backend, old._parallel_config
-                    module.set_processor(new)
-                n += 1
-                break
-    if n == 0:
-        raise ValueError(f"model: expected FluxAttention modules (or Flux2's, QwenImage's attention) with diffusers' "
-                         f"processors (a Flux, Flux2 or QwenImage transformer), found none in {type(model).__name__}")
-    return model

@@ -71,7 +71,7 @@ def fa4_sm90_config(head_dim: int, causal: bool) -> Sm90Config:
     """FA4's SM90 forward configuration for this head dim (head_dim_v = head_dim, no local window):
     flash_attn.cute.interface._tile_size_fwd_sm90, the one table FA4 itself uses, read once per
     machine (kept with the compile cache: a warm process does not import FA4's package for it).
-    The fused kernels and the X-Stage model (xstage.fa4_tile_shape) take their tiles from here.
+    The fused kernels and the tile geometry (fa_a2a.engine.tiles.fa4_tile_shape) take their tiles from here.
     For d = 128: 128 x 128 tiles."""
     from flash_attn.cute.interface import _tile_size_fwd_sm90
 

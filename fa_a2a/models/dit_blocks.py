@@ -1,6 +1,6 @@
 """QwenImage's and Flux2's attention under diffusers' context parallelism as the fused attention block.
 
-The same as fa_a2a.flux_block does for Flux (whose glue these processors share: the route counts
+The same as fa_a2a.models.flux does for Flux (whose glue these processors share: the route counts
 and fallback log, the gathered weights as views, the block call on the rank's rows), installed by
 the one entry `fa_a2a.enable_fused_projection(model)`:
 
@@ -28,8 +28,8 @@ the one entry `fa_a2a.enable_fused_projection(model)`:
   holding a second copy.
 
 Fallback (diffusers' own processor, then the registered backend), counted per processor
-(fa_a2a.diffusers_backend.route_counts(<class>.ROUTE_NAME)) and logged once per reason: every
-reason of the Flux processor (flux_block's module docstring), and QwenImage's text mask or
+(fa_a2a.models.diffusers_backend.route_counts(<class>.ROUTE_NAME)) and logged once per reason: every
+reason of the Flux processor (fa_a2a.models.flux's module docstring), and QwenImage's text mask or
 rotary frequencies other than complex64 [rows, D/2], Flux2's single-stream heads that the ranks
 do not split evenly. Flux2's KV-cache processors (Flux2KV*) are left as they are.
 
@@ -52,7 +52,7 @@ from diffusers.models.transformers.transformer_flux2 import (Flux2Attention, Flu
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from fa_a2a.block import Segment, UlyssesQKVAttention
-from fa_a2a.flux_block import (_FusedBlockProcessor, _head_dim, _layers, _why_not_block, _why_not_fused,
+from fa_a2a.models.base import (_FusedBlockProcessor, _head_dim, _layers, _why_not_block, _why_not_fused,
                                _why_not_layers)
 
 __all__ = ["FusedQwenImageAttnProcessor", "FusedFlux2AttnProcessor", "FusedFlux2ParallelSelfAttnProcessor",
@@ -238,7 +238,7 @@ class FusedFlux2ParallelSelfAttnProcessor(_FusedBlockProcessor, Flux2ParallelSel
         return _parallel_facts(attn)
 
 
-# (module class, diffusers' processor, fused processor): enable_fused_projection's table (flux_block._installs)
+# (module class, diffusers' processor, fused processor): enable_fused_projection's table (registry._installs)
 INSTALLS = ((Flux2Attention, Flux2AttnProcessor, FusedFlux2AttnProcessor),
             (Flux2ParallelSelfAttention, Flux2ParallelSelfAttnProcessor, FusedFlux2ParallelSelfAttnProcessor),
             (Attention, QwenDoubleStreamAttnProcessor2_0, FusedQwenImageAttnProcessor))
