@@ -10,7 +10,7 @@ import struct
 import time
 from typing import Optional, Sequence
 
-from ulysses.transport import TransportSetupError, _reason
+from ulysses.transport_base import TransportSetupError, _reason
 
 __all__: list[str] = []
 

@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ulysses.transport import (DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, Transport, _round_up,
+from ulysses.transport_base import (DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, Transport, _round_up,
                                tensor_from_address)
 
 __all__ = ["SymmetricMemoryTransport", "uniform_window_stride", "symmetric_window_bases"]

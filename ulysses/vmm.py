@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from ulysses.bootstrap import _Bootstrap
-from ulysses.transport import (DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, Transport, TransportSetupError,
+from ulysses.transport_base import (DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, Transport, TransportSetupError,
                                _positive_seconds, _reason, _round_up, tensor_from_address)
 
 __all__ = ["PeerMemory", "VmmTransport", "HostTransport", "map_host_windows", "unmap_host_windows"]
