@@ -278,9 +278,10 @@ def _attention_backward(spec: Spec, s: Saved, do) -> tuple:
         seqused = None if used is None else torch.full((B,), used, dtype=torch.int32, device=s.q.device)
         dq, dk, dv = _flash_attn_bwd(s.q, s.k, s.v, s.o, do.contiguous(), s.lse, spec.scale, spec.causal,
                                      seqused_k=seqused, deterministic=torch.are_deterministic_algorithms_enabled())
-        if used is not None:  # rows FA4's varlen backward does not write
-            dk[:, used:] = 0
-            dv[:, used:] = 0
+        if used is not None:  # rows FA4's varlen backward does not write (narrow: also on fake tensors of
+            # torch's CPU build, where indexing a CUDA tensor fails)
+            for t in (dk, dv):
+                t.narrow(1, used, t.shape[1] - used).zero_()
         return dq, dk, dv
     return reference_attention_backward(s.q, s.k, s.v, do, causal=spec.causal, softmax_scale=spec.scale,
                                         seqused_k=used)

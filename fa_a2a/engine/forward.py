@@ -128,9 +128,9 @@ def in_windows(allocate, layout, B: int, D: int) -> tuple:
     in one allocation, the layout the pre-A2A kernel and the QKV projection write."""
     N, h, hk = layout.num_rows, layout.heads_loc, layout.kv_heads_loc
     nq, nk = B * N * h * D, B * N * hk * D
-    flat = allocate(nq + 2 * nk)
-    return (flat[:, :nq].unflatten(1, (B, N, h, D)), flat[:, nq:nq + nk].unflatten(1, (B, N, hk, D)),
-            flat[:, nq + nk:].unflatten(1, (B, N, hk, D)))
+    flat = allocate(nq + 2 * nk)  # narrow, not indexing: also on fake tensors of torch's CPU build
+    return (flat.narrow(1, 0, nq).unflatten(1, (B, N, h, D)), flat.narrow(1, nq, nk).unflatten(1, (B, N, hk, D)),
+            flat.narrow(1, nq + nk, nk).unflatten(1, (B, N, hk, D)))
 
 
 class WindowPlan:
