@@ -46,7 +46,7 @@ import socket
 import statistics
 import time
 
-from fa_a2a.cli import MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
+from fa_a2a.tools.cli import MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in
 
 # Per model: the diffusers class, presets (tiny: 4 heads x 128; small: 24 heads x 128, a few blocks),
 # and the default token grid (image/video latents after patching; text tokens).
@@ -337,7 +337,7 @@ def main(ap, args):
     if "WORLD_SIZE" in os.environ:  # torchrun
         world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
         if args.device == "cuda":
-            from fa_a2a.mps import rank_device
+            from fa_a2a.tools.mps import rank_device
 
             shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             device = rank_device(local)  # cuda:(local % GPUs); ranks sharing a GPU: run under python -m fa_a2a.mps

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fa_a2a.cli import no_gpu
+from fa_a2a.tools.cli import no_gpu
 
 H, D = 24, 128
 C = H * D  # Flux's hidden size
@@ -200,7 +200,7 @@ def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
     host/eager medians, max over ranks (the slowest bounds the call); the rows on rank 0."""
     from fa_a2a import ulysses_attention
     from fa_a2a.block import ulysses_qkv_attention
-    from fa_a2a.mps import mps_reachable
+    from fa_a2a.tools.mps import mps_reachable
     from ulysses.transport import close_transports
 
     from cute_kernels.fa4 import fa4_forward
@@ -239,7 +239,7 @@ def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
 
 def _rank_entry(rank, P, n, init, out, profile):
     """One of P spawned rank processes."""
-    from fa_a2a.mps import rank_device
+    from fa_a2a.tools.mps import rank_device
 
     rank_device(rank, local_world_size=P)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P,
@@ -263,7 +263,7 @@ def real_rank_case(P: int, n: int, profile: bool = False) -> list[dict]:
 
 def torchrun_case(n: int, profile: bool) -> list[dict] | None:
     """This process is one of torchrun's ranks: the real-rank case with P = WORLD_SIZE."""
-    from fa_a2a.mps import rank_device
+    from fa_a2a.tools.mps import rank_device
 
     rank_device()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

@@ -142,7 +142,7 @@ def run_case(what: str, P: int, cache: Path, work: Path, tag: str, profile: bool
 def main(profile: bool) -> None:
     import torch
 
-    from fa_a2a.cli import no_gpu  # here, not at the top: a rank child's import time stays the project's own
+    from fa_a2a.tools.cli import no_gpu  # here, not at the top: a rank child's import time stays the project's own
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit(no_gpu("examples/first_call_time.py", "the first-call timing",

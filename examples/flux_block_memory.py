@@ -45,7 +45,7 @@ import os
 import resource
 import sys
 
-from fa_a2a.cli import cannot_run, no_gpu
+from fa_a2a.tools.cli import cannot_run, no_gpu
 
 TOOL = "examples/flux_block_memory.py"
 

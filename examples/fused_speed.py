@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 
-from fa_a2a.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
+from fa_a2a.tools.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
                         int_in, no_gpu)
 
 

@@ -47,7 +47,7 @@ import json
 import math
 import statistics
 
-from fa_a2a.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
+from fa_a2a.tools.cli import (KERNEL_HEAD_DIMS, MAX_HEADS, MAX_REPEATS, MAX_WORLD_SIZE, SEQLEN, check_seqlens, float_in,
                         int_in, no_gpu)
 
 VARIANTS = {  # the unpaced O-store paths
@@ -99,7 +99,7 @@ from cute_kernels.pacer import make_pacer  # noqa: E402
 from cute_kernels.fa4_a2a_sm90 import TIMESTAMP_FIELDS  # noqa: E402
 from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward, tile_m_for  # noqa: E402
 from fa_a2a.op import post_a2a  # noqa: E402
-from fa_a2a.xstage import US, FaTiles, PlatformModel, fused_residual  # noqa: E402
+from fa_a2a.tools.xstage import US, FaTiles, PlatformModel, fused_residual  # noqa: E402
 from graphs import capture, input_sets_needed, median, round_up, time_graphs  # noqa: E402
 from ulysses.transport import pinned_on_device  # noqa: E402
 

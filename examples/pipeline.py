@@ -36,7 +36,7 @@ import os
 import statistics
 import time
 
-from fa_a2a.cli import MAX_REPEATS, float_in, int_in
+from fa_a2a.tools.cli import MAX_REPEATS, float_in, int_in
 
 IMPLS = ("fused", "serial", "nccl", "reference", "native")
 GPU_DEFAULT, CPU_DEFAULT = ("fused", "serial", "native"), ("reference", "native")
@@ -91,7 +91,7 @@ def setup(ap, args):
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU found (leave --device out, or --device cpu, for CPU ranks)")
     if args.device == "cuda":
-        from fa_a2a.mps import rank_device
+        from fa_a2a.tools.mps import rank_device
 
         shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world))
         device = rank_device(local)  # cuda:(local rank % GPUs); ranks sharing one run under python -m fa_a2a.mps

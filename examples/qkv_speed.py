@@ -35,7 +35,7 @@ import os
 import re
 import time
 
-from fa_a2a.cli import add_block_shape_args, check_seqlens, no_gpu
+from fa_a2a.tools.cli import add_block_shape_args, check_seqlens, no_gpu
 
 
 def tile_config(text):

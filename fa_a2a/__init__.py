@@ -14,7 +14,7 @@ _EXPORTS = {
     "ulysses_qkv_attention": "fa_a2a.block",
     "fa4_forward": "cute_kernels.fa4",
     "fa4_a2a_forward": "cute_kernels.fa4",
-    "PlatformModel": "fa_a2a.xstage",
+    "PlatformModel": "fa_a2a.tools.xstage",
     "register_diffusers_backend": "fa_a2a.models.diffusers_backend",
     "enable_ulysses": "fa_a2a.models.diffusers_backend",
     "enable_fused_projection": "fa_a2a.models.registry",

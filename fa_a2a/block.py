@@ -803,7 +803,7 @@ class _RankBlock:
         from fa_a2a.engine.forward import _deliver, local_attention
 
         p, lay = self.problem, self.problem.layout
-        q, k, v = (w[0] for w in self.windows)  # [B, N, h, D]: the sequence rows, then the joint rows
+        q, k, v = (w.select(0, 0) for w in self.windows)  # [B, N, h, D]: the sequence rows, then the joint rows
         o = local_attention(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=lay.seqused_k(p.causal))
         return _deliver(lay, 0, lay.split_out(o) if lay.joint_len else (o, None), self.rows)
 

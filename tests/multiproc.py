@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fa_a2a.mps import MpsUnavailableError, mps_available, mps_daemon
+from fa_a2a.tools.mps import MpsUnavailableError, mps_available, mps_daemon
 
 
 def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None):
     """Spawn max(sizes) processes; for each P in sizes, ranks < P of a new gloo group run
     check(P, group, rank) (a module-level function). With cuda=True every process uses GPU 0
-    (ranks sharing one GPU), under MPS where it can start: fa_a2a.mps.mps_reachable() in check says
+    (ranks sharing one GPU), under MPS where it can start: fa_a2a.tools.mps.mps_reachable() in check says
     which. teardown(), if given, runs on every rank after the last size."""
     world = max(sizes)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

@@ -55,7 +55,7 @@ Backends:
 
 One process, several GPUs: `PeerMemory` maps memory created on other GPUs (or this one) into
 this process with the VMM steps VmmTransport uses, without the handle exchange (the X-Stage
-calibration's peer destination, fa_a2a.calibrate --dest peer).
+calibration's peer destination, fa_a2a.tools.calibrate --dest peer).
 
 Collective calls: `windows()` with a new (name, shape, dtype) allocates, and every rank must
 make the same calls in the same order (checked: name and size). Allocation is host-synchronous:

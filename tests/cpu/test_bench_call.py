@@ -1,4 +1,4 @@
-"""CPU tier of the whole-call benchmark (fa_a2a.bench_call) and of fa_a2a.bench's command line:
+"""CPU tier of the whole-call benchmark (fa_a2a.tools.bench_call) and of fa_a2a.tools.bench's command line:
 every numeric flag bounded (one usage error, exit 2, in under a second, before torch is loaded),
 method selection when ranks share a GPU, and the report (ratios, breakdown coverage, tables, JSON,
 plot) from synthetic timings."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fa_a2a import bench, bench_call as bc, bench_config
+from fa_a2a.tools import bench, bench_call as bc, bench_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,13 +28,13 @@ def _env(**extra):
 def _bytecode_written():
     """One untimed run first: a fresh install's first import writes the package's bytecode (more CPU
     than the rejection itself; seen as 1.0+ s on a loaded 2-core CI machine), once per install."""
-    subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--help"], env=_env(), capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--help"], env=_env(), capture_output=True, timeout=120)
 
 
 def _bench(args, tmp_path, **env):
     """(completed process, its CPU seconds: user + system, which other jobs on the machine do not inflate)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run([sys.executable, "-m", "fa_a2a.bench", *args], cwd=tmp_path, env=_env(**env),
+    p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", *args], cwd=tmp_path, env=_env(**env),
                        capture_output=True, text=True, timeout=120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return p, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from fa_a2a import cli
+from fa_a2a.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODULES = {"calibrate": "fa_a2a.calibrate", "bench_block": "fa_a2a.bench_block"}
+MODULES = {"calibrate": "fa_a2a.calibrate", "bench_block": "fa_a2a.bench_block"}  # run as `python -m MODULE`
 EXAMPLES = {name: os.path.join("examples", f"{name}.py") for name in
             ("fused_speed", "qkv_speed", "host_window_hiding", "dit_inference", "pipeline", "eager_host_cost",
              "first_call_time", "flux_block_memory")}
@@ -156,7 +156,7 @@ def _tool_cmd(tool, argv):
     if tool in MODULES:
         return [sys.executable, "-m", MODULES[tool], *argv]
     if tool == "bench":
-        return [sys.executable, "-m", "fa_a2a.bench", *argv]
+        return [sys.executable, "-m", "fa_a2a.tools.bench", *argv]
     return [sys.executable, os.path.join(ROOT, EXAMPLES[tool]), *argv]
 
 

@@ -1,4 +1,4 @@
-"""CPU tier of graphs/ and fa_a2a.bench: argument validation, derived metrics, tables, the model
+"""CPU tier of graphs/ and fa_a2a.tools.bench: argument validation, derived metrics, tables, the model
 beside the measurements, plots, the cross-rank max (two gloo processes), and the no-GPU run."""
 import json
 import math
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa_a2a import bench, bench_config, bench_methods, bench_report
-from fa_a2a.xstage import GB, US, PlatformModel
+from fa_a2a.tools import bench, bench_config, bench_methods, bench_report
+from fa_a2a.tools.xstage import GB, US, PlatformModel
 from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
 from ulysses.reference import dist_head_to_seq
@@ -253,7 +253,7 @@ def test_fa_tflops_inf_is_a_usage_error_not_a_traceback(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     for flag in ("--fa-tflops", "--target-ms"):
-        p = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--quick", flag, "inf"], cwd=tmp_path, env=env,
+        p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--quick", flag, "inf"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, p.stderr
 
@@ -425,7 +425,7 @@ def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     env.pop("WORLD_SIZE", None)
     out = tmp_path / "res"
-    p = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--quick", "--out", str(out)], cwd=tmp_path,
+    p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--quick", "--out", str(out)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "No CUDA GPU: nothing was measured" in p.stdout
@@ -433,6 +433,6 @@ def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
     rows = [l for l in p.stdout.splitlines() if l.startswith("| 8192 ") or l.startswith("| 16384 ")]
     assert len(rows) == 2 and all(l.count("|") == 9 for l in rows)
     assert not out.exists() and f"Nothing written to {out}" in p.stdout  # nothing measured, nothing written
-    bad = subprocess.run([sys.executable, "-m", "fa_a2a.bench", "--heads", "7"], cwd=tmp_path, env=env,
+    bad = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--heads", "7"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--heads" in bad.stderr

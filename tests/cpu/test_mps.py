@@ -1,4 +1,4 @@
-"""fa_a2a.mps without a GPU: rank_device's mapping (device count and set_device faked), the MPS
+"""fa_a2a.tools.mps without a GPU: rank_device's mapping (device count and set_device faked), the MPS
 daemon context manager and command line against a fake nvidia-cuda-mps-control that records its
 calls (a background `sleep` stands for the daemon), and the refusals."""
 import logging
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from fa_a2a import mps
+from fa_a2a.tools import mps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -204,7 +204,7 @@ def test_daemon_quits_when_the_block_raises(fake_control, monkeypatch, exc):
 def test_daemon_quits_when_the_process_gets_sigterm(fake_control, tmp_path):
     """An outer `timeout` (SIGTERM) still ends in quit: the default action would leave the daemon running."""
     script = ("import os, signal, time\n"
-              "from fa_a2a import mps\n"
+              "from fa_a2a.tools import mps\n"
               "with mps.mps_daemon() as pipe_dir:\n"
               "    print(open(os.path.join(pipe_dir, mps.PID_FILE)).read().strip(), flush=True)\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -278,7 +278,7 @@ def test_launcher_runs_gpu_ranks_under_mps_where_it_can(fake_control, monkeypatc
 def _cli(args, tmp_path, env_extra=None, **kw):
     """python -m fa_a2a.mps args; its pipe directory without a daemon (not CUDA's default)."""
     env = dict(os.environ, **{mps.PIPE_VAR: str(tmp_path / "no-daemon"), **(env_extra or {})})
-    return subprocess.run([sys.executable, "-m", "fa_a2a.mps", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "fa_a2a.tools.mps", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60, **kw)
 
 
@@ -315,5 +315,5 @@ def test_cli_refusals_exit_1(fake_control, tmp_path):
     assert fake_control()[-1] == "quit"
     res = _cli(["--", "true"], tmp_path, {"PATH": str(tmp_path)})
     assert res.returncode == 1
-    assert res.stderr.strip().splitlines()[-1] == f"fa_a2a.mps: {mps.CONTROL_BINARY} is not on PATH (CUDA's MPS " \
+    assert res.stderr.strip().splitlines()[-1] == f"fa_a2a.tools.mps: {mps.CONTROL_BINARY} is not on PATH (CUDA's MPS " \
                                                   "control daemon, installed with the NVIDIA driver)"

@@ -11,7 +11,7 @@ from fa_a2a.engine import pacing
 from fa_a2a.engine.pacing import (PACE_FRACTION, Pacing, check_pace, decide, decode_pace, encode_pace, launch_pacer, pace_path,
                            plan_pacing)
 from fa_a2a.engine.problem import check_call
-from fa_a2a.xstage import FaTiles
+from fa_a2a.tools.xstage import FaTiles
 
 
 @pytest.mark.parametrize("pace, expected", [("auto", "auto"), (None, None), ("off", None), (44, 44.0), (0.5, 0.5)])

@@ -87,7 +87,7 @@ def test_timestamp_reduction():
 def test_calibrate_without_gpu_exits_cleanly(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     assert calibrate.main(["--quick"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from fa_a2a.xstage import (
+from fa_a2a.tools.xstage import (
     GB,
     KiB,
     MiB,
@@ -257,7 +257,7 @@ def test_fit_input_errors():
 
 
 # ----------------------------------------------------------------------------------------------
-# the calibration pipeline (fa_a2a.calibrate) on a simulated platform: sweeps, fits, outputs
+# the calibration pipeline (fa_a2a.tools.calibrate) on a simulated platform: sweeps, fits, outputs
 # ----------------------------------------------------------------------------------------------
 class _SimBench:
     """Stands in for calibrate.Bench: answers runs from `platform` (default TRUE) with a
@@ -276,7 +276,7 @@ class _SimBench:
         return max(0, int(round(gap_s * 1e9 / self.ns_per_iter)))
 
     def run(self, dst, K, B, *, n_bursts, gap_iters=0, align=False, warmup=2, seed=0):
-        from fa_a2a.calibrate import RunStats
+        from fa_a2a.tools.calibrate import RunStats
 
         v = K * B
         g = gap_iters * self.ns_per_iter * 1e-9 + 0.05 * US  # loop overhead: a small fixed gap
@@ -294,7 +294,7 @@ class _SimBench:
 
 
 def test_calibration_pipeline_on_simulated_platform(tmp_path):
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     bench = _SimBench(3)
     plan = calibrate.SweepPlan.make(bench.n_sm, quick=True)
@@ -398,7 +398,7 @@ def test_from_json_bad_contents_raise_value_error(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def test_fa4_tile_shape_is_fa4s_table():
     iface = pytest.importorskip("flash_attn.cute.interface")
-    from fa_a2a.xstage import fa4_tile_shape
+    from fa_a2a.tools.xstage import fa4_tile_shape
 
     for d in (64, 96, 128, 192, 256):
         for causal in (False, True):
@@ -411,7 +411,7 @@ def test_fa4_tile_shape_is_fa4s_table():
 
 
 def test_fa_tiles_and_wave_bound():
-    from fa_a2a.xstage import FaTiles, fused_residual
+    from fa_a2a.tools.xstage import FaTiles, fused_residual
 
     t = FaTiles(seqlen=8192, heads=3, head_dim=128, batch=1, out_bytes=2, num_sms=132, tile_m=128, tile_n=128)
     assert (t.tiles, t.waves, t.kv_tiles, t.producers) == (192, 2, 64, 132)
@@ -451,7 +451,7 @@ def test_fa_tiles_and_wave_bound():
 def test_calibration_without_a_knee_reports_q_as_a_lower_bound(tmp_path):
     # a destination whose capacity is far beyond the swept bursts (no knee): before, the fit gave
     # Q = 0 and PlatformModel refused it; now Q is a lower bound and the capacity test is open
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     bench = _SimBench(2, PlatformModel(t_iss0=1.3 * US, drain_rate=2400 * GB, capacity=10 * 1024 * MiB))
     plan = calibrate.SweepPlan.make(bench.n_sm, quick=True)
@@ -482,7 +482,7 @@ def test_calibration_without_a_knee_reports_q_as_a_lower_bound(tmp_path):
 def test_calibrate_checks_arguments_before_looking_for_a_gpu(monkeypatch, capsys, argv, name):
     import torch
 
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     looked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: looked.append(1) or False)
@@ -494,7 +494,7 @@ def test_calibrate_checks_arguments_before_looking_for_a_gpu(monkeypatch, capsys
 def test_calibrate_refuses_clearly_without_a_gpu(monkeypatch, capsys):
     import torch
 
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert calibrate.main(["--dest", "host", "--quick"]) == 2
@@ -508,7 +508,7 @@ def test_calibrate_refuses_clearly_without_a_gpu(monkeypatch, capsys):
 
 
 def test_peer_owners_picks_the_owner_gpus_or_names_what_is_missing():
-    from fa_a2a.calibrate import peer_owners
+    from fa_a2a.tools.calibrate import peer_owners
 
     every = lambda a, b: True  # noqa: E731
     for n, access, found in ((0, every, "found 0 (no CUDA GPU)"), (1, every, "found 1 (one GPU)"),
@@ -535,7 +535,7 @@ def test_peer_owners_picks_the_owner_gpus_or_names_what_is_missing():
 def test_calibrate_dest_peer_refuses_one_gpu_before_touching_it(monkeypatch, capsys, n_gpus):
     import torch
 
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     def untouched(*a, **k):
         raise AssertionError("calibrate used the GPU after it should have refused")

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from fa_a2a.mps import MpsUnavailableError, mps_available, mps_daemon
+from fa_a2a.tools.mps import MpsUnavailableError, mps_available, mps_daemon
 from tests.cpu import test_agreement as cases
 
 

@@ -1,4 +1,4 @@
-"""The whole-call benchmark (fa_a2a.bench_call) on two processes sharing GPU 0 over a gloo group: a
+"""The whole-call benchmark (fa_a2a.tools.bench_call) on two processes sharing GPU 0 over a gloo group: a
 small point runs every method but NCCL (skipped with its reason), times them, and breaks the fused
 call down on both ranks. Under an MPS daemon (python -m fa_a2a.mps -- python -m pytest ...) the
 ranks' kernels overlap; without one they time-slice the GPU: slower, the same checks."""
@@ -10,7 +10,7 @@ M = 1024
 
 
 def _point(P, group, rank):
-    from fa_a2a import bench, bench_call as bc
+    from fa_a2a.tools import bench, bench_call as bc
 
     cfg = bench.parse_args(["-M", str(M), "--heads", "8", "--trials", "2", "--warmup", "0", "--calls", "3"],
                            env={"WORLD_SIZE": str(P)})

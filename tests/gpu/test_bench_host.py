@@ -2,8 +2,8 @@
 host memory, the benchmark's host windows get what HBM windows get, bit for bit."""
 import torch
 
-from fa_a2a import bench
-from fa_a2a.calibrate import HostBuffer
+from fa_a2a.tools import bench
+from fa_a2a.tools.calibrate import HostBuffer
 
 POISON = float("nan")
 

@@ -19,7 +19,7 @@ def check_peer_buffer(issuer: int, owners: list[int]) -> None:
     """A burst from `issuer` into the VMM mapping of `owners`' memory reaches every owner (each
     reads back the pages it backs, from its own HBM); a wrong expectation fails; the timestamps
     and SM ids stay on the issuer."""
-    from fa_a2a.calibrate import VmmPeerBuffer
+    from fa_a2a.tools.calibrate import VmmPeerBuffer
 
     torch.cuda.set_device(issuer)
     k = _n_sm(issuer)
@@ -93,7 +93,7 @@ def test_vmm_peer_buffer_pages_round_robin_on_the_same_gpu():
 def test_calibrate_dest_peer_refuses_one_gpu(capsys):
     if torch.cuda.device_count() > 1:
         pytest.skip("more than one GPU: tests/multigpu/test_calibrate_peer_multigpu.py runs --dest peer")
-    from fa_a2a import calibrate
+    from fa_a2a.tools import calibrate
 
     with pytest.raises(SystemExit) as e:
         calibrate.main(["--dest", "peer", "--quick", "--no-fa"])

@@ -1,4 +1,4 @@
-"""Rank processes sharing one GPU under a private CUDA MPS daemon (fa_a2a.mps, tests.multiproc).
+"""Rank processes sharing one GPU under a private CUDA MPS daemon (fa_a2a.tools.mps, tests.multiproc).
 
 - the daemon starts, answers, and is gone after the block (pid and directories);
 - the launcher's rank processes are clients of its MPS server (get_client_list lists their pids),
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fa_a2a import mps
+from fa_a2a.tools import mps
 
 from tests.multiproc import run_on_gloo_groups
 

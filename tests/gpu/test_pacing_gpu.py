@@ -48,7 +48,7 @@ def test_emulated_paced_equals_unpaced_and_serial_and_auto_leaves_hbm_unpaced():
 
 def test_link_rate_of_host_windows_is_slow_and_auto_paces_it():
     from fa_a2a.engine.pacing import decide, measure_store_rate, sm_count
-    from fa_a2a.xstage import FaTiles
+    from fa_a2a.tools.xstage import FaTiles
     from ulysses.transport import tensor_from_address
 
     P, rows, H, D = 8, 16384, 8, 128  # 32 MiB from rank 0, as the op's probe

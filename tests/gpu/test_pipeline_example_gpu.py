@@ -13,14 +13,14 @@ import pytest
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from fa_a2a.mps import mps_available  # noqa: E402
+from fa_a2a.tools.mps import mps_available  # noqa: E402
 from tests.cpu.test_pipeline_example import ROOT, RUN, STEPS, tiny_flux_pipeline  # noqa: E402
 
 
 def test_tiny_pipeline_fused_on_two_ranks_sharing_the_gpu(tmp_path):
     model = tmp_path / "tiny-flux"
     tiny_flux_pipeline(model, heads=2, head_dim=64)
-    launch = [sys.executable, "-m", "fa_a2a.mps", "--"] if mps_available() else []
+    launch = [sys.executable, "-m", "fa_a2a.tools.mps", "--"] if mps_available() else []
     cmd = [*launch, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "examples", "pipeline.py"), "--model", str(model), "--impl", "fused", "serial",
            "--steps", str(STEPS), *RUN, "--out", str(tmp_path / "img.png"), "--json", str(tmp_path / "table.json")]

@@ -81,7 +81,7 @@ def test_grid_barrier_orders_aligned_bursts():
 
 
 def test_ipc_destination_reaches_owner():
-    from fa_a2a.calibrate import CudaIpcPeerBuffer
+    from fa_a2a.tools.calibrate import CudaIpcPeerBuffer
 
     k, b = _n_sm(), 32768
     seed = _seed(k, b, "vector")

@@ -37,7 +37,7 @@ def test_peer_buffer_spread_over_every_gpu_reaches_each_owner():
 @pytest.mark.parametrize("spread", [False, True])
 def test_calibrate_dest_peer_runs_and_its_owner_sees_the_bytes(tmp_path, spread):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "fa_a2a.calibrate", "--dest", "peer", "--quick", "--no-fa", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "fa_a2a.tools.calibrate", "--dest", "peer", "--quick", "--no-fa", "--out", str(tmp_path)]
     proc = subprocess.run(cmd + (["--spread"] if spread else []), env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

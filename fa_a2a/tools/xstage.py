@@ -23,7 +23,7 @@ Predictions (all [x]+ = max(x, 0)):
 
 FA4's tile shape comes from FA4 itself (fa4_tile_shape); FaTiles holds one forward's tile
 geometry (tiles, waves, bursts); fused_residual and FaTiles.wave_drain_bound apply the model and
-a drain-queue bound to FA with its output stores in the epilogue (fa_a2a.bench prints both).
+a drain-queue bound to FA with its output stores in the epilogue (fa_a2a.tools.bench prints both).
 
 Units follow the paper: R in GB/s means 1e9 bytes/s; per-producer bytes in KB and capacities in MiB
 are binary (KiB = 1024 B, MiB = 2**20 B). With the paper's calibration (R = 717 GB/s, T_iss0 =
@@ -53,7 +53,7 @@ US = 1e-6
 
 ArrayLike = Union[float, int, Sequence[float], np.ndarray]
 
-_JSON_FORMAT = "fa_a2a.xstage.PlatformModel/1"
+_JSON_FORMAT = "fa_a2a.tools.xstage.PlatformModel/1"
 
 
 # --------------------------------------------------------------------------------------------

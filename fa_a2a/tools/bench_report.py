@@ -4,7 +4,7 @@ Derived (from unrounded medians, derive): E_res = T_fused - T_FA, hiding ratio H
 T_FA) / (T_serial - T_FA), speedup T_serial / T_fused, and T_fused / T_FA. The markdown tables
 (format_table, format_eager); the Burst-Gap model of FA4's tile bursts beside the measurements
 (model_row, format_model) or, without a GPU, in their place (predictions, format_predictions); the
-plots (write_plots). Shared with the whole-call benchmark (fa_a2a.bench_call): rank 0's log (_Log),
+plots (write_plots). Shared with the whole-call benchmark (fa_a2a.tools.bench_call): rank 0's log (_Log),
 the run's versions and git commit, the finite check of an output, and write_result (the JSON and
 the plots into --out).
 """
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from fa_a2a.bench_config import DTYPES, BenchConfig
-from fa_a2a.bench_methods import BY_KEY, METHODS
-from fa_a2a.xstage import GB, US, FaTiles, PlatformModel, fused_residual
+from fa_a2a.tools.bench_config import DTYPES, BenchConfig
+from fa_a2a.tools.bench_methods import BY_KEY, METHODS
+from fa_a2a.tools.xstage import GB, US, FaTiles, PlatformModel, fused_residual
 
 
 # ------------------------------------------------------------------------- derived metrics

@@ -1,6 +1,6 @@
-"""The settings of `python -m fa_a2a.bench`, shared by its per-kernel benchmark (fa_a2a.bench) and
-its whole-call benchmark under torchrun (fa_a2a.bench_call): BenchConfig (what the command line
-resolves to, fa_a2a.bench.make_config), its defaults, the element types, and the platform model
+"""The settings of `python -m fa_a2a.bench`, shared by its per-kernel benchmark (fa_a2a.tools.bench) and
+its whole-call benchmark under torchrun (fa_a2a.tools.bench_call): BenchConfig (what the command line
+resolves to, fa_a2a.tools.bench.make_config), its defaults, the element types, and the platform model
 behind the Burst-Gap predictions (the paper's calibration unless --platform names one).
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from fa_a2a.xstage import GB, US, PlatformModel
+from fa_a2a.tools.xstage import GB, US, PlatformModel
 
 DEFAULT_SEQLENS = (8192, 16384, 32768, 49152, 65536)
 QUICK_SEQLENS = (8192, 16384)
-CALL_SEQLENS = (4608, 16384)  # the whole-call benchmark under torchrun (fa_a2a.bench_call), --quick too
+CALL_SEQLENS = (4608, 16384)  # the whole-call benchmark under torchrun (fa_a2a.tools.bench_call), --quick too
 DEFAULT_WORLD_SIZE = 8
 DTYPES = {"bf16": 2, "fp16": 2}  # name -> bytes per element (torch is imported after the arguments are parsed)
 DESTS = ("hbm", "host")
@@ -63,7 +63,7 @@ class BenchConfig:
 
     @property
     def whole_call(self) -> bool:
-        """torchrun runs the whole-call benchmark (fa_a2a.bench_call) unless --per-kernel."""
+        """torchrun runs the whole-call benchmark (fa_a2a.tools.bench_call) unless --per-kernel."""
         return self.real_ranks and not self.per_kernel
 
     @property

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Callable, Optional
 
-from fa_a2a.bench_config import BenchConfig, torch_dtype
+from fa_a2a.tools.bench_config import BenchConfig, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class _Point:
         if cfg.real_ranks:  # peer buffers mapped at one stride (collective)
             from ulysses.transport import get_transport
 
-            w = get_transport(self.group).windows(f"fa_a2a.bench.{name}", shape[1:], self.dtype)
+            w = get_transport(self.group).windows(f"fa_a2a.tools.bench.{name}", shape[1:], self.dtype)
             w.narrow(3, self.rank * H_loc, H_loc).copy_(self.randn(P, *shape[1:3], H_loc, shape[4]))
             return w
         if self.dest == "host":

@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from fa_a2a.engine.autotune import decision_text
-from fa_a2a.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
-from fa_a2a.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
+from fa_a2a.tools.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
+from fa_a2a.tools.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
 
 CALL_TARGET = 1.03  # fused / (fa4_local + pre_a2a)
 BLOCK_TARGETS = {4608: 1.10, 16384: 1.05}  # block / (qkv_gemm + fa4_local), by M
@@ -370,7 +370,7 @@ def _setup(cfg: BenchConfig) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fa_a2a.mps import rank_device  # cuda:(LOCAL_RANK % device count), made current; logs a shared GPU
+    from fa_a2a.tools.mps import rank_device  # cuda:(LOCAL_RANK % device count), made current; logs a shared GPU
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size)))
     shared = ranks_share_gpu(local_world, torch.cuda.device_count())
@@ -652,7 +652,7 @@ def run_calls(cfg: BenchConfig) -> int:
            "pipe_directory": os.environ.get("CUDA_MPS_PIPE_DIRECTORY")}
     where = (f"{ctx['local_world_size']} processes sharing {ctx['gpus']} GPU(s)" if ctx["shared_gpu"]
              else "one GPU per process")
-    log(f"fa_a2a.bench (whole call) on {props.name}: P={cfg.world_size} ranks, {where}; B={cfg.batch}, "
+    log(f"fa_a2a.tools.bench (whole call) on {props.name}: P={cfg.world_size} ranks, {where}; B={cfg.batch}, "
         f"H={cfg.heads}, D={cfg.head_dim}, {cfg.dtype}{', causal' if cfg.causal else ''}; M={list(cfg.seqlens)}; "
         f"process group {ctx['backend']}; MPS thread percentage {mps['thread_percentage'] or 'not set'}")
     result = {"config": {**dataclasses.asdict(cfg), "seqlens": list(cfg.seqlens)},
