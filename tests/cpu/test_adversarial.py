@@ -43,7 +43,7 @@ def _worker(rank, case, P, init_file, args):
 # ---- from_linear with q/k norms the epilogue cannot compute -------------------------------------------------
 def test_norms_other_than_rmsnorm_are_refused_by_from_linear_and_routed_by_the_processors():
     diffusers = pytest.importorskip("diffusers")
-    from fa_a2a.models.flux import _norm_ok
+    from fa_a2a.models.base import _norm_ok
 
     q, k, v = _linears()
     for name, norms in (("norm_q", (nn.LayerNorm(64, eps=1e-6), nn.RMSNorm(64, eps=1e-6))),
