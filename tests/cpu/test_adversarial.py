@@ -42,7 +42,7 @@ def _worker(rank, case, P, init_file, args):
 
 # ---- from_linear with q/k norms the epilogue cannot compute -------------------------------------------------
 def test_norms_other_than_rmsnorm_are_refused_by_from_linear_and_routed_by_the_processors():
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from fa_a2a.models.base import _norm_ok
 
     q, k, v = _linears()
@@ -54,7 +54,7 @@ def test_norms_other_than_rmsnorm_are_refused_by_from_linear_and_routed_by_the_p
     with pytest.raises(ValueError, match="^norm_q: expected an RMSNorm .* got LayerNorm"):  # the torch chain too
         block.UlyssesQKVAttention.from_linear(q, k, v, head_dim=64, world_size=2, across_heads=True,
                                               norm_q=nn.LayerNorm(256, eps=1e-6), norm_k=nn.RMSNorm(256, eps=1e-6))
-    RMSNorm = diffusers.models.normalization.RMSNorm
+    from diffusers.models.normalization import RMSNorm
     with pytest.raises(ValueError, match="^norm_added_k: expected an RMSNorm"):  # diffusers' RMSNorm with a bias
         block.UlyssesQKVAttention.from_linear(q, k, v, head_dim=64, world_size=2, add_q=q, add_k=k, add_v=v,
                                               norm_added_q=RMSNorm(64, eps=1e-6), norm_added_k=RMSNorm(64, eps=1e-6,
