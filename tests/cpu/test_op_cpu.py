@@ -380,7 +380,7 @@ def test_attention_launches_compile_before_the_first_barrier_and_line_ranks_up(m
 def _check_subgroup_rank(P, group, rank):
     """The op's group resolution reads size and rank off the ProcessGroup: for ranks 1 and 2 of three
     they are the group's (2; 0 and 1), as dist.get_world_size / get_rank(group) say."""
-    from fa_a2a.op import _group
+    from fa_a2a.engine.problem import group_facts as _group
 
     sub = dist.new_group([1, 2])  # every rank takes part in creating it
     if rank in (1, 2):
