@@ -44,7 +44,7 @@ block's shapes, agreed across ranks), the block's own (x, weights, rotary) befor
 a bad argument on one rank makes every rank raise the same ValueError; x and joint whose elements
 share memory are refused every call (their strides are not in the signature). FA_A2A_CHECK_JOINT=1
 adds a checksum of the joint rows to the agreement, as the op's. After the agreement a rank's
-call runs on what was prepared for its signature (_RankBlock, as the op's fa_a2a.engine.forward._rank_call):
+call runs on what was prepared for its signature (_RankBlock around the op's fa_a2a.engine.forward.RankCall):
 transport, window plan, bound attention launch and the projection's routing and bound launches
 (cute_kernels.qkv_a2a_sm90.qkv_a2a_launcher).
 """
@@ -697,8 +697,8 @@ def _rank_segments(x, proj, rotary, name: str = "x") -> tuple:
 
 
 class _RankBlock:
-    """One rank's block calls of one checked signature, prepared once (fa_a2a.engine.forward._rank_call's
-    counterpart): the transport, the window plan, the bound attention launch, the routed projection
+    """One rank's block calls of one checked signature, prepared once: the op's prepared call
+    (fa_a2a.engine.forward.RankCall: the window plan, the bound attention launch) with the routed projection
     (_Projection) and the rank's joint weight slice. With no transport (P = 1, no group) the
     projection writes into buffers of the in-windows' layout and FA4 runs on them as the op's P = 1
     path does: no barrier, post-A2A or copy (before, P = 1 ran an emulated one-rank transport: two
@@ -718,18 +718,17 @@ class _RankBlock:
     def __init__(self, transport, problem, rank: int, segs, joint, joint_proj, joint_rotary, config,
                  one_launch: bool):
         """segs: _rank_segments of the call; joint, joint_proj, joint_rotary: as the call has them."""
-        from fa_a2a.engine.forward import in_windows, window_plan
+        from fa_a2a.engine.forward import RankCall, in_windows
 
         p, lay = problem, problem.layout
         self.transport, self.rank, self.head_dim, self.problem = transport, rank, p.head_dim, p
         if transport is None:  # P = 1: q, k, v stay on this GPU
-            self.plan = None
+            self.call = self.plan = None
             device = segs[0][0].device
             windows = in_windows(lambda n: torch.empty(1, n, dtype=p.dtype, device=device), lay, p.batch, p.head_dim)
-        else:
-            self.plan = plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-            # compiles before the 1st barrier
-            self.attend = plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace, p.o_store)
+        else:  # the op's prepared call (its attention compiles before the 1st barrier); its stage: the projection
+            self.call = RankCall(transport, p, rank)
+            self.plan = plan = self.call.plan
             windows = (plan.dq, plan.dk, plan.dv)
         self.windows = windows
         self.rows = sum(s[0].shape[1] for s in segs)
@@ -790,11 +789,11 @@ class _RankBlock:
         self.project(segs, jt)
 
     def __call__(self, segs, joint, joint_rotary, joint_proj):
-        self.launch_projection(segs, joint, joint_rotary, joint_proj)
-        if self.plan is None:
+        if self.call is None:
+            self.launch_projection(segs, joint, joint_rotary, joint_proj)
             out, joint_out = self._local_attention()
         else:
-            out, joint_out = self.plan.complete(self.rank, self.rows, self.attend)
+            out, joint_out = self.call(lambda: self.launch_projection(segs, joint, joint_rotary, joint_proj), self.rows)
         return out if joint is None else (out, _joint_result(out, joint_out))
 
     def _local_attention(self):
@@ -812,25 +811,21 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
                 one_launch: bool) -> _RankBlock:
     """The prepared _RankBlock of this call, from `calls` (its signature's, keyed there by the current
     device and the rank's segment rows; the signature holds the group name and the rank), built on
-    a miss; those of closed transports are dropped, as fa_a2a.engine.forward._rank_call does."""
-    local = (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs))
-    call = calls.get(local)
-    if call is None or call.closed:
+    a miss or once its transport was closed (fa_a2a.engine.forward.prepared_call, as the op's)."""
+    from fa_a2a.engine.forward import prepared_call
+
+    def build_block():
         from ulysses.transport import get_transport
 
-        for prepared in [e[3] for e in _resolved.values()] + [calls]:
-            for stale in [k for k, c in prepared.items() if c.closed]:
-                del prepared[stale]
-        transport = None if P == 1 else get_transport(group)
-        if transport is not None and problem.impl == "auto":
-            def build(p):
-                return _RankBlock(transport, p, rank, segs, joint, joint_proj, joint_rotary, config, one_launch)
+        transport, p = (None if P == 1 else get_transport(group)), problem
+        if transport is not None and p.impl == "auto":
+            def build(candidate):
+                return _RankBlock(transport, candidate, rank, segs, joint, joint_proj, joint_rotary, config, one_launch)
 
-            problem = _auto_block_problem(problem, transport, segs[0][0], build,
-                                          lambda b: b(segs, joint, joint_rotary, joint_proj))
-        call = calls[local] = _RankBlock(transport, problem, rank, segs, joint, joint_proj, joint_rotary, config,
-                                         one_launch)
-    return call
+            p = _auto_block_problem(p, transport, segs[0][0], build, lambda b: b(segs, joint, joint_rotary, joint_proj))
+        return _RankBlock(transport, p, rank, segs, joint, joint_proj, joint_rotary, config, one_launch)
+
+    return prepared_call(calls, (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs)), build_block)
 
 
 def _auto_block_problem(problem, transport, x, build, run):
@@ -1015,16 +1010,12 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
 
 
 def _emulated_blocks_call(blocks, segs, joint, joint_rotary, joint_proj):
-    """One emulated call of the P ranks' prepared blocks: every projection, barrier, every attention,
-    barrier, every rank's outputs."""
-    for b, rank_segs in zip(blocks, segs):
-        b.launch_projection(rank_segs, joint, joint_rotary, joint_proj)
-    transport = blocks[0].transport
-    transport.barrier()  # one launch plays the P ranks
-    for b in blocks:
-        b.attend()
-    transport.barrier()
-    done = [b.plan.finish(b.rank, b.rows) for b in blocks]
+    """One emulated call of the P ranks' prepared blocks (fa_a2a.engine.forward.emulated_calls, as the
+    emulated op): every projection, barrier, every attention, barrier, every rank's outputs."""
+    from fa_a2a.engine.forward import emulated_calls
+
+    stages = [lambda b=b, s=s: b.launch_projection(s, joint, joint_rotary, joint_proj) for b, s in zip(blocks, segs)]
+    done = emulated_calls([b.call for b in blocks], stages, [b.rows for b in blocks])
     outs = [o for o, _ in done]
     return outs if joint is None else (outs, [_joint_result(o, j) for o, j in done])
 

@@ -392,24 +392,70 @@ def _collective_pipeline(p: Problem, q, k, v, joint, group):
     return res if joint is not None else (res, None)
 
 
-_rank_calls: dict = {}
+# ---- the prepared call: the one path of the op and the block, real and emulated ranks ------------------
+class RankCall:
+    """One rank's prepared calls of one signature on one transport, for the op and the block alike:
+    the window plan and the bound attention launch (compiled before the first barrier). A call is
+    `stage()` (its first step into the in-windows: the op's pre-A2A copy, the block's QKV projection)
+    then WindowPlan.complete (out-slot, barrier, attention, barrier, outputs); P emulated ranks run
+    their RankCalls in lock step instead (emulated_calls). pre: the op's pre-A2A launch of this rank."""
+
+    def __init__(self, transport, p: Problem, rank: int):
+        self.transport, self.rank = transport, rank
+        self.plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+        self.attend = self.plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace, p.o_store)
+        self._pre = None
+
+    @property
+    def closed(self) -> bool:
+        return self.transport.closed
+
+    @property
+    def pre(self):
+        if self._pre is None:
+            self._pre = self.plan.pre_launch(self.rank)
+        return self._pre
+
+    def __call__(self, stage, rows: int, out=None, joint_out=None):
+        stage()
+        return self.plan.complete(self.rank, rows, self.attend, out, joint_out)
 
 
-def _rank_call(p: Problem, group, rank: int):
-    """(transport, plan, pre, attend) of rank's calls of p over group, looked up once per transport:
-    a steady-state call neither re-reads the transport's settings nor hashes the layout."""
-    key = (p, group.group_name, rank, torch.cuda.current_device())
-    call = _rank_calls.get(key)
-    if call is None or call[0].closed:
-        from ulysses.transport import get_transport
-
-        for stale in [k for k, c in _rank_calls.items() if c[0].closed]:
-            del _rank_calls[stale]
-        transport = get_transport(group)
-        plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
-        call = _rank_calls[key] = (transport, plan, plan.pre_launch(rank),
-                                   plan.attend_launch(rank, p.impl, p.causal, p.scale, p.pace, p.o_store))
+def prepared_call(cache: dict, key, build):
+    """cache[key], built by build() at its first call and again once its transport was closed (the
+    entries of closed transports are dropped then): a steady-state call is one dict lookup."""
+    call = cache.get(key)
+    if call is None or call.closed:
+        for stale in [k for k, c in cache.items() if c.closed]:
+            del cache[stale]
+        call = cache[key] = build()
     return call
+
+
+def emulated_calls(calls, stages, rows, outs=None, joint_outs=None) -> list:
+    """P emulated ranks' calls in one process: every rank's stage, one barrier (one launch plays the
+    P ranks), every rank's attention, one barrier, every rank's outputs (copied out of the windows)."""
+    P = len(calls)
+    outs, joint_outs = outs or [None] * P, joint_outs or [None] * P
+    for stage in stages:
+        stage()
+    transport = calls[0].transport
+    transport.barrier()
+    for call in calls:
+        call.attend()
+    transport.barrier()
+    return [c.plan.finish(c.rank, n, o, jo) for c, n, o, jo in zip(calls, rows, outs, joint_outs)]
+
+
+_rank_calls: dict = {}  # (Problem, group name, rank, device) -> RankCall
+
+
+def rank_call(p: Problem, group, rank: int) -> RankCall:
+    """The op's prepared call of p on this rank (RankCall over the group's transport)."""
+    from ulysses.transport import get_transport
+
+    return prepared_call(_rank_calls, (p, group.group_name, rank, torch.cuda.current_device()),
+                         lambda: RankCall(get_transport(group), p, rank))
 
 
 def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=None):
@@ -422,11 +468,10 @@ def forward(p: Problem, q, k, v, joint, group, rank: int, out=None, joint_out=No
         p = _auto_problem(p, q, k, v, joint, group, rank)
     if p.impl in ("nccl", "reference"):
         return _deliver(p.layout, rank, _collective_pipeline(p, q, k, v, joint, group), rows, out, joint_out)
-    _, plan, pre, attend = _rank_call(p, group, rank)
+    call = rank_call(p, group, rank)
     if p.shard_rows is not None:
         q, k, v = (p.layout.pad_shard(x, rank) for x in (q, k, v))
-    pre(q, k, v, joint)
-    return plan.complete(rank, rows, attend, out, joint_out)
+    return call(lambda: call.pre(q, k, v, joint), rows, out, joint_out)
 
 
 # ---- impl "auto": the signature's fastest path, decided once (fa_a2a.engine.autotune) ---------------------
@@ -515,6 +560,7 @@ def _auto_problem_emulated(p: Problem, qs, ks, vs, joint) -> Problem:
 
 # ---- P emulated ranks in one process --------------------------------------------------------------
 _emulated: dict = {}
+_emulated_calls: dict = {}  # (Problem, rank, device) -> the emulated op's RankCall of that rank
 
 
 def emulated_transport(world_size: int, device):
@@ -549,16 +595,11 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
         done = [_deliver(p.layout, r, (o[r], None if jo is None else jo.clone()), rows[r], outs[r], joint_outs[r])
                 for r in range(P)]
     else:
-        transport = emulated_transport(P, qs[0].device)
-        plan = window_plan(transport, p.layout, p.batch, p.head_dim, p.dtype)
+        device = qs[0].device
+        calls = [prepared_call(_emulated_calls, (p, r, device), lambda r=r: RankCall(emulated_transport(P, device), p, r))
+                 for r in range(P)]
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
-        attends = [plan.attend_launch(r, p.impl, p.causal, p.scale, p.pace, p.o_store) for r in range(P)]
-        for r in range(P):
-            plan.pre(r, qs[r], ks[r], vs[r], joint)
-        transport.barrier()
-        for attend in attends:
-            attend()
-        transport.barrier()
-        done = [plan.finish(r, rows[r], outs[r], joint_outs[r]) for r in range(P)]
+        stages = [lambda c=c, r=r: c.pre(qs[r], ks[r], vs[r], joint) for r, c in enumerate(calls)]
+        done = emulated_calls(calls, stages, rows, outs, joint_outs)
     return [o for o, _ in done], (None if joint is None else [j for _, j in done])

@@ -9,7 +9,7 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
   fa4_aligned  the same behind the transport's in-stream barrier every call: FA4-local with the ranks
              lined up as the call lines them up (on one GPU under MPS the free-running FA4-local of
              the ranks interleave and fill each other's tails; a call's barriers align them)
-  pre_a2a    the pre-A2A kernel alone (the first step of forward._rank_call)
+  pre_a2a    the pre-A2A kernel alone (the first step of forward.rank_call)
   serial     fa_a2a.ulysses_attention(impl="serial"): pre-A2A, barrier, FA4, post-A2A kernel, barrier, delivery
   fused      fa_a2a.ulysses_attention(impl="fused"): FA4 with the post-A2A in its epilogue, its
              stores paced as pace="auto" decides (fa_a2a.engine.pacing; the decision is logged per M)
@@ -42,7 +42,7 @@ FA4-local that the call hides (over the host transport, FA_A2A_TRANSPORT=host: t
 the same beyond FA4-local + pre-A2A: the share of the post-A2A hidden (the part the fused epilogue
 moves; the pre-A2A is in both calls).
 
-Breakdown of the fused call (eager, the steps of forward._rank_call with CUDA events between them,
+Breakdown of the fused call (eager, the steps of forward.rank_call with CUDA events between them,
 on every rank): pre-A2A, barrier 1 wait, attention, barrier 2 wait, delivery (the output left in
 its out-slot, or the copy out of the staging window: fa_a2a.engine.forward), and host = the
 GPU idle from the end of one call to the start of the next (the host had not launched it yet:
@@ -84,7 +84,7 @@ class CallMethod:
 CALL_METHODS = (
     CallMethod("fa4_local", "FA4-local", "fa4_forward on the rank's own [B, S, H/P, D] problem"),
     CallMethod("fa4_aligned", "FA4-aligned", "fa4_forward as FA4-local, behind the transport's in-stream barrier"),
-    CallMethod("pre_a2a", "pre-A2A", "the pre-A2A kernel alone (forward._rank_call's first step)"),
+    CallMethod("pre_a2a", "pre-A2A", "the pre-A2A kernel alone (forward.rank_call's first step)"),
     CallMethod("serial", "serial call", "ulysses_attention(impl='serial')"),
     CallMethod("fused", "fused call", "ulysses_attention(impl='fused'), pace='auto'"),
     CallMethod("fused_unpaced", "fused unpaced", "ulysses_attention(impl='fused', pace=None)"),
@@ -391,7 +391,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
 
     from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin, qkv_projection_plain
     from fa_a2a import block
-    from fa_a2a.engine.forward import _rank_call
+    from fa_a2a.engine.forward import rank_call
     from cute_kernels.fa4 import fa4_forward
     from fa_a2a.op import ulysses_attention
     from fa_a2a.engine.problem import check_call
@@ -441,10 +441,11 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
         if key == "fa4_local":
             calls[key] = once("fa4", local_fa4)
         elif key == "fa4_aligned":
-            barrier, fa4 = once("rank", lambda: _rank_call(problem, group, rank))[0].barrier, once("fa4", local_fa4)
+            barrier, fa4 = once("rank", lambda: rank_call(problem, group, rank)).transport.barrier, once("fa4", local_fa4)
             calls[key] = lambda: (barrier(), fa4())
         elif key == "pre_a2a":
-            transport, plan, pre, attend = once("rank", lambda: _rank_call(problem, group, rank))
+            call = once("rank", lambda: rank_call(problem, group, rank))
+            transport, plan, pre, attend = call.transport, call.plan, call.pre, call.attend
             slot = [0]  # WindowPlan.complete's steps, the out-slot chosen with barrier 1
 
             def choose_and_barrier():
@@ -683,7 +684,7 @@ def run_calls(cfg: BenchConfig) -> int:
         log(format_call_table(result["points"]))
         log("\nEager time per call:")
         log(format_eager(result["points"]))
-        log("\nFused call breakdown (eager; CUDA events between the steps of forward._rank_call; us per call, "
+        log("\nFused call breakdown (eager; CUDA events between the steps of forward.rank_call; us per call, "
             "median over calls and trials):")
         log(format_breakdown(result["points"]))
     close_transports()
