@@ -47,6 +47,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from fa_a2a.engine.log import log_once
+
 __all__ = ["LABELS", "TIE", "TRIALS", "WARMUP", "Choice", "candidates", "choose", "concrete", "decide",
            "decisions", "decision_text", "forced_label", "record_key", "read_record", "write_record", "records_dir", "clear_records",
            "static_choice", "time_candidates"]
@@ -227,7 +229,6 @@ def time_candidates(labels: Sequence[str], run: Callable[[str], object], device,
 
 
 _decisions: dict = {}  # record key (text) -> Choice, this process's decisions
-_logged: set = set()
 
 
 def decisions() -> dict:
@@ -245,9 +246,8 @@ def decision_text(entry: str, seq_loc: int) -> Optional[str]:
 def _log(key: Mapping, choice: Choice) -> Choice:
     text = json.dumps(key, sort_keys=True)
     _decisions[text] = choice
-    if (text, choice.label, choice.source) not in _logged:
-        _logged.add((text, choice.label, choice.source))
-        logger.info("fa_a2a impl='auto' (%s): %s", ", ".join(f"{k}={v}" for k, v in key.items()), choice.describe())
+    log_once(logger, ("impl auto", text, choice.label, choice.source), logging.INFO, "fa_a2a impl='auto' (%s): %s",
+             ", ".join(f"{k}={v}" for k, v in key.items()), choice.describe())
     return choice
 
 

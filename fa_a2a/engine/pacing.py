@@ -62,6 +62,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from fa_a2a.engine.log import log_once
+
 __all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "GEMM_TFLOPS", "Pacing", "check_pace", "encode_pace",
            "decode_pace", "decide", "measure_store_rate", "link_gbps", "pace_path", "plan_pacing", "launch_pacer",
            "decide_projection", "plan_projection_pacing", "projection_pacer"]
@@ -206,7 +208,6 @@ def link_gbps(transport, side: str = "out") -> float:
     return rate
 
 
-_logged: set = set()
 
 
 def sm_count(device) -> int:
@@ -249,11 +250,9 @@ def plan_pacing(pace: Pace, link: Callable[[], float], device, seqlen: int, head
     tiles = FaTiles(seqlen, heads_loc, head_dim, batch, out_bytes, share, tile_m, tile_n)
     # one wave: decided without probing the link
     decision = one_wave(tiles) or decide(link(), tiles, gpu_sms=sms, shared_gpu=ranks_per_gpu > 1)
-    key = (seqlen, heads_loc, batch, head_dim, dtype, causal, share, decision)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("fa_a2a pace='auto' (S %d, H_loc %d, D %d, %d of %d SMs): %s", seqlen, heads_loc, head_dim,
-                    share, sms, decision.reason)
+    log_once(logger, ("pace", seqlen, heads_loc, batch, head_dim, dtype, causal, share, decision), logging.INFO,
+             "fa_a2a pace='auto' (S %d, H_loc %d, D %d, %d of %d SMs): %s", seqlen, heads_loc, head_dim, share, sms,
+             decision.reason)
     return decision
 
 
@@ -324,11 +323,8 @@ def plan_projection_pacing(pace: Pace, link: Callable[[], float], rows: int, col
         return Pacing(pace, f"pace {pace:g} GB/s given")
     out_bytes = rows * columns * torch.empty(0, dtype=dtype).element_size()
     decision = decide_projection(link(), out_bytes, 2.0 * rows * columns * hidden, shared_gpu=ranks_per_gpu > 1)
-    key = ("projection", rows, columns, hidden, dtype, ranks_per_gpu, decision)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("fa_a2a pace='auto', projection (%d rows, %d columns, C %d): %s", rows, columns, hidden,
-                    decision.reason)
+    log_once(logger, ("pace projection", rows, columns, hidden, dtype, ranks_per_gpu, decision), logging.INFO,
+             "fa_a2a pace='auto', projection (%d rows, %d columns, C %d): %s", rows, columns, hidden, decision.reason)
     return decision
 
 

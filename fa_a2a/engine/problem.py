@@ -224,7 +224,8 @@ def _check_kernel_limits(q, k, v, impl) -> None:
     if q.dtype not in KERNEL_DTYPES:
         raise ValueError(f"q: expected bfloat16 or float16 for impl={impl!r}, got {q.dtype}")
     if q.shape[3] not in KERNEL_HEAD_DIMS:
-        raise ValueError(f"q: expected head dim 64 or 128 for impl={impl!r}, got {q.shape[3]}")
+        raise ValueError(f"q: expected head dim {' or '.join(map(str, KERNEL_HEAD_DIMS))} for impl={impl!r}, "
+                         f"got {q.shape[3]}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous head dim (stride 1), got stride {t.stride(-1)}")

@@ -14,6 +14,7 @@ import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention
+from fa_a2a.engine.log import log_once
 from fa_a2a.engine.problem import BLOCK_IMPLS, split_impl
 from fa_a2a.models import diffusers_backend
 
@@ -22,7 +23,6 @@ __all__ = ["attention_weights"]
 logger = logging.getLogger(__name__)
 
 
-_logged: set = set()
 
 
 def _backend_name(backend) -> str:
@@ -72,7 +72,7 @@ def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_m
     if x.dtype not in KERNEL_DTYPES:
         return f"{x.dtype} tensors (the kernels take bfloat16/float16)"
     if _head_dim(attn) not in KERNEL_HEAD_DIMS:
-        return f"head dim {_head_dim(attn)} (the kernels take 64 or 128)"
+        return f"head dim {_head_dim(attn)} (the kernels take {' or '.join(map(str, KERNEL_HEAD_DIMS))})"
     if attention_mask is not None:
         return "attention mask"
     if torch.is_grad_enabled() and (x.requires_grad or (encoder_hidden_states is not None
@@ -124,11 +124,10 @@ class _FusedBlockProcessor:
 
     def _fallback(self, why: str) -> None:
         diffusers_backend.count_route(self.ROUTE_NAME, "fallback")
-        if (self.ROUTE_NAME, why) not in _logged:
-            _logged.add((self.ROUTE_NAME, why))
-            base = type(self).__mro__[2].__name__  # diffusers' processor (after this mixin)
-            logger.warning("%s: %s -> diffusers' %s (projection in torch, then the attention backend); logged once",
-                           type(self).__name__, why, base)
+        base = type(self).__mro__[2].__name__  # diffusers' processor (after this mixin)
+        log_once(logger, ("processor fallback", self.ROUTE_NAME, why), logging.WARNING,
+                 "%s: %s -> diffusers' %s (projection in torch, then the attention backend); logged once",
+                 type(self).__name__, why, base)
 
     def _attend(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor],
                 rotary) -> torch.Tensor:

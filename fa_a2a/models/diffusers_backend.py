@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
+from fa_a2a.engine.log import log_once
 from fa_a2a.engine.problem import split_impl
 
 __all__ = ["register_diffusers_backend", "enable_ulysses", "route_counts", "backend_impl", "backend_pace",
@@ -64,7 +65,6 @@ logger = logging.getLogger(__name__)
 
 _registered: dict[str, tuple] = {}  # backend name -> (impl, pace)
 _counts: dict[str, collections.Counter] = {}
-_logged: set = set()
 
 
 def backend_impl(name: str):
@@ -241,7 +241,7 @@ def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
     if kernels and q.dtype not in KERNEL_DTYPES:
         return f"{q.dtype} tensors (the kernels take bfloat16/float16)"
     if kernels and q.shape[-1] not in KERNEL_HEAD_DIMS:
-        return f"head dim {q.shape[-1]} (the kernels take 64 or 128)"
+        return f"head dim {q.shape[-1]} (the kernels take {' or '.join(map(str, KERNEL_HEAD_DIMS))})"
     if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
         return f"{k.shape[2]} K/V heads for {q.shape[2]} query heads"
     return None
@@ -275,10 +275,9 @@ def count_route(name: str, route: str) -> None:
 
 
 def _log_once(name: str, reason: str) -> None:
-    if (name, reason) not in _logged:
-        _logged.add((name, reason))
-        logger.warning("attention backend %r: %s -> diffusers' templated context-parallel path with FA4/SDPA "
-                       "as its local attention (correct, not fused); logged once", name, reason)
+    log_once(logger, ("backend fallback", name, reason), logging.WARNING,
+             "attention backend %r: %s -> diffusers' templated context-parallel path with FA4/SDPA as its local "
+             "attention (correct, not fused); logged once", name, reason)
 
 
 def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,

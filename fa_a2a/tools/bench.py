@@ -191,8 +191,10 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
     _bounded(ns.heads, "--heads")
     if ns.heads % world:
         raise ValueError(f"--heads: H={ns.heads} is not divisible by the world size P={world}")
-    if ns.head_dim not in (64, 128):
-        raise ValueError(f"--head-dim: the fused kernel supports 64 and 128, got {ns.head_dim!r}")
+    from cute_kernels.limits import HEAD_DIMS
+
+    if ns.head_dim not in HEAD_DIMS:
+        raise ValueError(f"--head-dim: the fused kernel supports {' and '.join(map(str, HEAD_DIMS))}, got {ns.head_dim!r}")
     _bounded(ns.batch, "--batch")
     if ns.dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {ns.dtype!r}")
