@@ -5,8 +5,8 @@ Layers: kernel classes with their cached compiles and launches
 (fa_a2a.engine.forward) -> torch.library custom ops that write preallocated outputs
 (`fa_a2a::ulysses_attention`, `fa_a2a::ulysses_attention_emulated`, `fa_a2a::post_a2a`; each has
 a fake implementation, so torch.compile traces through them) -> the public functions below and
-fa_a2a.attention. Arguments are checked in one place, fa_a2a.engine.problem (once per signature, agreed
-across ranks). The impls are described in fa_a2a.engine.forward.
+fa_a2a.attention. The op's arguments are checked in fa_a2a.engine.problem (once per signature,
+agreed across ranks), which the block's checks call too. The impls are described in fa_a2a.engine.forward.
 
 Eager calls go straight to the forward: torch.library's dispatch costs ~0.5 ms of host time per
 call with list arguments (H200 host, 2026-12-03), more than the kernels of a small problem. Under

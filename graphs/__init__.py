@@ -1,5 +1,6 @@
 """CUDA-graph capture/replay and steady-state timing (graph replays, eager calls, medians, rank max,
-clock monitor): the one timing loop of the benchmark, the calibration and the examples."""
+clock monitor) for the per-kernel benchmark, the calibration and the examples (the torchrun
+whole-call benchmark, fa_a2a.tools.bench_call, times rank-aligned batches with its own loop)."""
 from graphs.timing import (
     DRIFT_TOL,
     GpuClockMonitor,

@@ -50,8 +50,9 @@ gathering.
 
 Inference only. CPU-tested (gloo, 2 and 3 ranks, fp32 tiny Flux): the fallback equals diffusers'
 native CP output to 1e-5; the fused path's plumbing (segments, rotary rows, shard_rows, output
-split, output projections) with the block replaced by a torch reference of it, likewise. Not yet
-run on a GPU (tests/gpu/test_flux_block.py; the block's segments: tests/gpu/test_block.py).
+split, output projections) with the block replaced by a torch reference of it, likewise. On the
+H200: tests/gpu/test_dit_blocks.py (every call fused, fused == serial bit for bit; the block's
+segments: tests/gpu/test_block.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Linears views of them (UlyssesQKVAttention.from_linear(share_weights=True)): the
 before (diffusers' own processor, the fallback, reads the views), its Parameter objects stay, and
 the memory held grows by the gathered extras only (padding heads, fp32 norm vectors), not by a
 second copy. A later load_state_dict / dtype change is gathered again. Tiny bf16 Flux on CPU (the
-gathering needs no GPU; the fused kernels run in tests/gpu/test_flux_block.py).
+gathering needs no GPU; the fused kernels run in tests/gpu/test_dit_blocks.py).
 """
 
 import importlib.util
