@@ -68,10 +68,10 @@ def _block_weights(P: int):
 def _block_inputs(S_loc: int, rank: int, seed: int):
     """A rank's x [1, S_loc, C] and its rows' rotary as diffusers passes it: (cos, sin) fp32 [S_loc, D]."""
     g = torch.Generator(device="cuda").manual_seed(seed)
+    from fa_a2a.block import rotary_pair
+
     x = torch.randn(1, S_loc, C, device="cuda", dtype=torch.bfloat16, generator=g)
-    pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda", dtype=torch.float32)
-    ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda") / (D // 2))[None]
-    return x, (ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+    return x, rotary_pair(torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda"), D)
 
 
 def _host_us(call, n: int, barrier=None) -> float:

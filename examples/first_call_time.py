@@ -51,9 +51,7 @@ def _inputs(what: str, P: int, rank: int):
     chain = block.TorchQKV((r(n, C) / C ** 0.5).to(torch.bfloat16), (0.1 * r(n)).to(torch.bfloat16),
                            r(D) * 0.2 + 1.0, r(D) * 0.2 + 1.0, H, H, D)
     x = r(B, S, C)[:, rows].to(torch.bfloat16).contiguous()
-    pos = torch.arange(S, device="cuda", dtype=torch.float32)[rows]
-    ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda", dtype=torch.float32) / (D // 2))
-    rotary = (ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+    rotary = block.rotary_pair(torch.arange(S, device="cuda")[rows], D)
     return x, block.block_weights(chain, P), rotary
 
 

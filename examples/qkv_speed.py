@@ -76,6 +76,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from cute_kernels import qkv_a2a_sm90 as K  # noqa: E402
+from fa_a2a.block import rotary_pair  # noqa: E402
 from graphs import median, time_graphs  # noqa: E402
 
 
@@ -144,9 +145,7 @@ def main(args):
     def methods_for(S_loc):
         """The timed callables of one shape (their own tensors: closures bind this call's locals)."""
         x = r(1, S_loc, C).to(dtype)
-        pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda", dtype=torch.float32)
-        ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device="cuda") / (D // 2))[None]
-        cs = K.interleaved_cos_sin(ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+        cs = K.interleaved_cos_sin(*rotary_pair(torch.arange(rank * S_loc, (rank + 1) * S_loc, device="cuda"), D))
         win = windows_for(P, S_loc, H // P, D, dtype, args.dest)
         y = torch.empty(1, S_loc, 3 * H * D, dtype=dtype, device="cuda")
         row0 = rank * S_loc

@@ -65,7 +65,7 @@ from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, ch
                       signature_fields, signature_word, split_impl)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
-           "UlyssesQKVAttention", "rope_table", "Segment", "segment_writes"]
+           "UlyssesQKVAttention", "rope_table", "rotary_pair", "Segment", "segment_writes"]
 
 
 # ---- the torch chain: the unfused projection (fallback, baseline, reference) ----------------------
@@ -112,6 +112,15 @@ def apply_rope(x: torch.Tensor, rope_cs: torch.Tensor) -> torch.Tensor:
     c, s = rope_cs[:, None, 0::2], rope_cs[:, None, 1::2]
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).to(x.dtype)
+
+
+def rotary_pair(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple:
+    """diffusers' RoPE (cos, sin) pair of these positions, fp32 [rows, head_dim], each frequency
+    theta^(-i / (D/2)) twice in a row (interleaved): a DiT's `rotary` of those rows (the benchmarks'
+    and examples' one home of it)."""
+    freqs = theta ** (-torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32) / (head_dim // 2))
+    ang = positions.to(torch.float32)[:, None] * freqs[None]
+    return ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
 
 
 def rope_table(rotary, rows: int, head_dim: int, device, name: str = "rotary") -> Optional[torch.Tensor]:

@@ -109,9 +109,7 @@ def main(argv=None) -> int:
         plan = window_plan(transport, lay, 1, D, dtype)
         wins = (plan.dq, plan.dk, plan.dv)
         x = r(1, S_loc, C).to(dtype)
-        pos = torch.arange(S_loc, device=dev, dtype=torch.float32)
-        ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device=dev) / (D // 2))[None]
-        cs = K.interleaved_cos_sin(ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+        cs = K.interleaved_cos_sin(*block.rotary_pair(torch.arange(S_loc, device=dev), D))
         cfg1 = K.config_for(S_loc, (H // P) * D, D, True)
         qkv = chain(x, cs)  # the chain's outputs, for the parts that start after it
 

@@ -416,9 +416,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             weight, bias = (randn(3 * C, C, dt=f32) / C ** 0.5).to(dtype), (0.1 * randn(3 * C, dt=f32)).to(dtype)
             chain = block.TorchQKV(weight, bias, randn(D, dt=f32) * 0.2 + 1, randn(D, dt=f32) * 0.2 + 1, H, H, D)
             proj = block.block_weights(chain, P)
-            pos = torch.arange(rank * S_loc, (rank + 1) * S_loc, device=dev, dtype=f32)
-            ang = pos[:, None] * 10000.0 ** (-torch.arange(D // 2, device=dev) / (D // 2))[None]
-            table = interleaved_cos_sin(ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1))
+            table = interleaved_cos_sin(*block.rotary_pair(torch.arange(rank * S_loc, (rank + 1) * S_loc, device=dev), D))
             y = torch.empty(B, S_loc, proj.weight.shape[0], device=dev, dtype=dtype)
             made.extend((x, proj, table, y, *block.auto_tiles(S_loc, proj, table)))
         return made

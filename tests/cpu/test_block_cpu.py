@@ -214,6 +214,10 @@ def test_rope_matches_diffusers():
     ours = block.apply_rope(x, K.interleaved_cos_sin(cos, sin))
     theirs = emb.apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
     torch.testing.assert_close(ours, theirs)
+    # rotary_pair (the benchmarks' and examples' pair) is this pair, and diffusers' own 1-D rotary
+    assert all(torch.equal(a, b) for a, b in zip(block.rotary_pair(pos, D), (cos, sin)))
+    dcos, dsin = emb.get_1d_rotary_pos_embed(D, pos, theta=10000.0, use_real=True, repeat_interleave_real=True)
+    torch.testing.assert_close(block.rotary_pair(pos, D), (dcos.float(), dsin.float()))
 
 
 def test_chain_per_head_and_across_heads():
