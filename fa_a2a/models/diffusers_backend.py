@@ -36,8 +36,15 @@ cache-dit is installed, registration adds the name there too (its dispatcher pas
 `_cp_config`; cache-dit's config answers `.context_parallel_config` with itself), so
 `ParallelismConfig(ulysses_size=P, attention_backend="fa_a2a")` works.
 
-Inference only: inputs that require grad are refused. Tested with diffusers 0.42.1 and cache-dit
-1.5.3 on CPU (gloo, 2 and 3 ranks; fp32 Flux, Wan, QwenImage equal the single-device model to 1e-5,
+Differentiable (training): the Ulysses route through the op's backward (fa_a2a.engine.backward),
+the templated route through diffusers' templated autograd functions with _local_backward_op, the
+local route through SDPA's autograd (FA4 runs there only without grad). Refused when the inputs
+require grad (ValueError naming the setting): return_lse under context parallelism (diffusers drops
+the lse's gradient), ulysses_anything calls on the templated route and ring_anything (diffusers has
+no backward for either). Every rank must backpropagate through every call, as the op's backward
+requires; requires_grad is agreed across the ranks on both routes. Training tested on CPU only
+(tests/cpu/test_train_example.py: gloo ranks, fp32 parameter grads equal one process's to 1e-4 on
+every route); not run on a GPU yet. Inference tested with diffusers 0.42.1 and cache-dit 1.5.3 on CPU (gloo, 2 and 3 ranks; fp32 Flux, Wan, QwenImage equal the single-device model to 1e-5,
 both routes) and on one H200 (2026-12-03, bf16, 2 processes sharing the GPU; tests/gpu/test_dit.py): tiny Flux (4 x 128
 heads, 2+2 blocks, 1024 image + 64 text tokens) and Wan (2 blocks, 1024 tokens), impl "fused" ==
 "serial" bit for bit; max error against the fp32 single-device model 0.0245 (Flux) and 0.0253
@@ -84,12 +91,14 @@ def _fa4_applies(q, k, v, attn_mask) -> bool:
             and k.dtype == v.dtype == q.dtype and k.shape[-1] == q.shape[-1])
 
 
-def _local_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, return_lse=False):
+def _local_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, return_lse=False, grad=False):
     """Attention of q [B, S_q, H, D] over k/v [B, S_k, H_kv, D] -> out [B, S_q, H, D] (, lse [B, S_q, H]).
 
     FA4 on CUDA bf16/fp16 tensors without a mask; SDPA otherwise (fp32 math when the lse is wanted).
+    grad=True (the call builds a graph): never FA4 (its forward here has no autograd), SDPA or the
+    explicit fp32 softmax, both differentiable by autograd.
     """
-    if _fa4_applies(q, k, v, attn_mask):
+    if not grad and _fa4_applies(q, k, v, attn_mask):
         from cute_kernels.fa4 import fa4_forward
 
         B, S, H, _ = q.shape
@@ -106,24 +115,68 @@ def _local_attention(q, k, v, attn_mask=None, is_causal=False, scale=None, retur
     # The lse (ring attention's merge needs it): explicit fp32 softmax.
     if gqa:
         kt, vt = (t.repeat_interleave(qt.shape[1] // kt.shape[1], dim=1) for t in (kt, vt))
-    s = (qt.float() @ kt.float().transpose(-1, -2)) * (scale if scale is not None else qt.shape[-1] ** -0.5)
+    s = _scores(qt, kt, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = (torch.softmax(s, dim=-1) @ _fp32(vt)).to(q.dtype)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _fp32(t):
+    """t in fp32 at least (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(qt, kt, attn_mask, is_causal, scale):
+    """fp32 scores [B, H, S_q, S_k] of heads-first qt, kt, masked as SDPA masks (causal top-left)."""
+    s = (_fp32(qt) @ _fp32(kt).transpose(-1, -2)) * (scale if scale is not None else qt.shape[-1] ** -0.5)
     if is_causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
-    lse = torch.logsumexp(s, dim=-1)
-    out = (torch.softmax(s, dim=-1) @ vt.float()).to(q.dtype)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    return s
 
 
 def _local_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                       enable_gqa=False, return_lse=False, _save_ctx=True, _parallel_config=None):
-    """The local op of diffusers' templated context-parallel path (its forward_op signature)."""
+    """The local op of diffusers' templated context-parallel path (its forward_op signature). With
+    _save_ctx it keeps what _local_backward_op reads: q, k, v (diffusers' ring backward reads them
+    back as ctx.saved_tensors[:3]) and the mask, causal flag and scale."""
+    if _save_ctx:
+        ctx.save_for_backward(query, key, value)
+        ctx.fa_a2a_attention = (attn_mask, is_causal, scale)
     return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
 
 
-def _local_backward_op(ctx, grad_out, *args, **kwargs):
-    raise NotImplementedError("the fa_a2a attention backend is inference-only (no backward)")
+def _local_backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=None, lse=None, **kwargs):
+    """The backward of _local_forward_op (diffusers' backward_op signature) -> (dq, dk, dv).
+
+    Ulysses (diffusers' TemplatedUlyssesAttention calls it with grad_out alone): the attention of
+    the saved q, k, v recomputed by SDPA under autograd, its grads against grad_out. Ring
+    (TemplatedRingAttention calls it once per K/V chunk with query, key, value of that chunk and
+    the merged out and lse [B, S, H] of all chunks): the chunk's share of the gradient, in fp32,
+    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K * scale,
+    dK = dS^T Q * scale (the sum over the chunks is the whole attention's gradient)."""
+    attn_mask, is_causal, scale = ctx.fa_a2a_attention
+    if query is None:
+        q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors[:3])
+        with torch.enable_grad():
+            o = _local_attention(q, k, v, attn_mask, is_causal, scale, grad=True)
+            return torch.autograd.grad(o, (q, k, v), grad_out)
+    if key is None or value is None or out is None or lse is None:
+        raise ValueError("_local_backward_op: the ring backward passes query, key, value, out and lse together")
+    qt, kt, vt, ot, dot = (_fp32(t.transpose(1, 2)) for t in (query, key, value, out, grad_out))
+    group = qt.shape[1] // kt.shape[1]
+    if group > 1:
+        kt, vt = (t.repeat_interleave(group, dim=1) for t in (kt, vt))
+    scale_ = scale if scale is not None else qt.shape[-1] ** -0.5
+    p = torch.exp(_scores(qt, kt, attn_mask, is_causal, scale) - _fp32(lse.transpose(1, 2)).unsqueeze(-1))
+    ds = p * (dot @ vt.transpose(-1, -2) - (dot * ot).sum(-1, keepdim=True))
+    dq = ds @ kt * scale_
+    dk = ds.transpose(-1, -2) @ qt * scale_
+    dv = p.transpose(-1, -2) @ dot
+    if group > 1:
+        dk, dv = (t.unflatten(1, (-1, group)).sum(2) for t in (dk, dv))
+    return tuple(g.transpose(1, 2).to(t.dtype) for g, t in ((dq, query), (dk, key), (dv, value)))
 
 
 # ---- routing -------------------------------------------------------------------------------------
@@ -280,22 +333,55 @@ def _log_once(name: str, reason: str) -> None:
              "attention (correct, not fused); logged once", name, reason)
 
 
+def _agree_grad(cp, grad: bool) -> None:
+    """The templated route's agreement on requires_grad over every rank of the context-parallel mesh
+    (one word per rank through the group's host channel): diffusers' templated functions run their
+    backward's collectives only where the call built a graph, so ranks that differ would hang there.
+    (The Ulysses route's op agrees requires_grad in its own per-call check.) Ranks that differ raise
+    the same ValueError, naming requires_grad and the ranks on each side."""
+    import torch.distributed as dist
+
+    from ulysses.channel import get_channel
+
+    group = cp._flattened_mesh.get_group()
+    words = get_channel(group).exchange(1 + grad)
+    if len(set(words)) > 1:
+        ranks = dist.get_process_group_ranks(group)
+        on = [g for g, w in zip(ranks, words) if w == 2]
+        off = [g for g, w in zip(ranks, words) if w != 2]
+        raise ValueError(f"requires_grad: rank(s) {on} of group ranks {ranks} call attention with inputs that require "
+                         f"grad (grad mode on), rank(s) {off} without; every rank must run the model alike (all in "
+                         "training, or all under torch.no_grad())")
+
+
+def _grad_refusal(name, cp, reason, return_lse) -> Optional[ValueError]:
+    """Why a call that requires grad cannot backpropagate on the templated route (None: it can)."""
+    why = None
+    if return_lse:
+        why = ("return_lse", "diffusers' templated context-parallel functions drop the lse's gradient")
+    elif cp.ulysses_anything and cp.ring_degree == 1:
+        why = ("ulysses_anything", f"the call takes diffusers' templated path ({reason}), whose uneven-shard "
+               "Ulysses (TemplatedUlyssesAnythingAttention) has no backward in diffusers")
+    elif cp.ring_anything:
+        why = ("ring_anything", "diffusers' TemplatedRingAnythingAttention has no backward")
+    if why is None:
+        return None
+    return ValueError(f"{why[0]}: the inputs require grad, but {why[1]}; the {name!r} attention backend cannot "
+                      "backpropagate this call (run it under torch.no_grad(), or without that setting)")
+
+
 def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                parallel_config):
     if dropout_p:
-        raise ValueError(f"dropout_p: the {name!r} attention backend is inference-only, expected 0.0, got {dropout_p}")
-    if torch.is_grad_enabled():
-        for arg, t in (("query", query), ("key", key), ("value", value)):
-            if t.requires_grad:
-                raise ValueError(f"{arg}: requires grad, but the {name!r} attention backend has no backward yet (its "
-                                 "local and templated routes): run the model under torch.no_grad() / "
-                                 "torch.inference_mode(); fa_a2a.ulysses_attention itself is differentiable")
+        raise ValueError(f"dropout_p: the {name!r} attention backend has no attention dropout, expected 0.0, got "
+                         f"{dropout_p}")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
         attn_mask = attn_mask[:, None, None, :]  # [B, S_k] -> [B, 1, 1, S_k], as diffusers' native backend
     cp = parallel_config.context_parallel_config if parallel_config is not None else None
     if cp is None or cp.ulysses_degree * cp.ring_degree == 1:
         count_route(name, "local")
-        return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse)
+        return _local_attention(query, key, value, attn_mask, is_causal, scale, return_lse, grad=grad)
     reason, extra = _not_fusable(impl, query, key, attn_mask, return_lse, cp), {}
     if reason is None:
         group = cp._ulysses_mesh.get_group()
@@ -306,12 +392,15 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
         rows = rows_per_rank(query.shape[1], key.shape[1], group, ulysses_anything=cp.ulysses_anything)
         if cp.ulysses_anything or key.shape[1] != query.shape[1] or any(r != rows[0] for r in rows):
             extra, reason = _shard_kwargs(rows, bool(is_causal))
-    if reason is None:
+    if reason is None:  # the op is differentiable and agrees requires_grad across the ranks itself
         count_route(name, "ulysses")
         return _call_ulysses(query, key, value, group=group, impl=impl, causal=bool(is_causal), softmax_scale=scale,
                              pace=backend_pace(name), **extra)
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
+    _agree_grad(cp, grad)
+    if grad and (refusal := _grad_refusal(name, cp, reason, return_lse)) is not None:
+        raise refusal
     _log_once(name, reason)
     count_route(name, "templated")
     return _templated_context_parallel_attention(
@@ -470,14 +559,28 @@ def route_counts(name: str = "fa_a2a", reset: bool = False) -> dict:
     return counts
 
 
-def _gather_through_host(cls, tensor, dim, mesh):
-    import torch.distributed as dist
+class _GatherThroughHost(torch.autograd.Function):
+    """diffusers' AllGatherFunction through host memory: the backward takes the rank's own chunk of
+    the output's gradient, as diffusers' does (every rank computes the same loss from the gathered
+    output)."""
 
-    group = mesh.get_group()
-    host = tensor.contiguous().cpu()
-    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, host, group=group)
-    return torch.cat(parts, dim=dim).to(tensor.device)
+    @staticmethod
+    def forward(ctx, tensor, dim, group):
+        import torch.distributed as dist
+
+        ctx.dim, ctx.rank, ctx.world = dim, dist.get_rank(group), dist.get_world_size(group)
+        host = tensor.contiguous().cpu()
+        parts = [torch.empty_like(host) for _ in range(ctx.world)]
+        dist.all_gather(parts, host, group=group)
+        return torch.cat(parts, dim=dim).to(tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank], None, None
+
+
+def _gather_through_host(cls, tensor, dim, mesh):
+    return _GatherThroughHost.apply(tensor, dim, mesh.get_group())
 
 
 def gather_cuda_over_gloo() -> None:

@@ -251,13 +251,18 @@ def test_module_gradients_bhsd_layout():
     check_rank_grads(case, 0, [x.transpose(1, 2) for x in got], ref, base, "module")
 
 
-def test_diffusers_backend_refuses_inputs_that_require_grad():
+def test_diffusers_backend_local_route_is_differentiable():
+    """Without a parallel config the backend's call is local attention, differentiable (SDPA's
+    autograd); the routes under context parallelism: tests/cpu/test_train_example.py."""
     pytest.importorskip("diffusers")
     from fa_a2a.models.diffusers_backend import _attention
 
-    q = torch.randn(1, 4, 2, 8, requires_grad=True)
-    with pytest.raises(ValueError, match="^query: requires grad"):
-        _attention("fa_a2a", "reference", q, q, q, None, 0.0, False, None, False, False, None)
+    q, k, v = (torch.randn(1, 4, 2, 8, requires_grad=True) for _ in range(3))
+    out = _attention("fa_a2a", "reference", q, k, v, None, 0.0, False, None, False, False, None)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    for a, b in zip(got, torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 @pytest.mark.parametrize("D,causal,H_kv,S", [(128, False, 2, 299), (64, True, 1, 512)])
