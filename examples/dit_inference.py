@@ -70,7 +70,7 @@ MODELS = {
                    joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))),
         frames=1, height=64, width=64, text_len=512),
 }
-FA_IMPLS = ("fused", "serial", "nccl", "reference")
+FA_IMPLS = ("auto", "fused", "serial", "nccl", "reference")
 
 
 CPU_IMPLS = ("reference", "nccl", "diffusers")  # what runs on CPU (gloo); fused and serial need SM90
@@ -115,7 +115,7 @@ def parse_args(argv=None):
             ap.error(f"--impls: a comma-separated list of {', '.join(FA_IMPLS + ('diffusers',))} expected, "
                      f"got {bad or 'an empty list'}")
         if args.device == "cpu" and set(args.impls) - set(CPU_IMPLS):
-            ap.error(f"--impls: with --device cpu only {','.join(CPU_IMPLS)} run (fused and serial need an SM90 GPU), "
+            ap.error(f"--impls: with --device cpu only {','.join(CPU_IMPLS)} run (auto, fused and serial need an SM90 GPU), "
                      f"got {','.join(args.impls)}")
     return ap, args
 

@@ -7,6 +7,8 @@ Loads a pipeline (--model: a hub repo id or a local folder, DiffusionPipeline.fr
 puts its transformer under diffusers' context parallelism with Ulysses over the P = torchrun ranks,
 and runs the whole pipeline (text encoders, denoising loop, VAE) once per --impl:
 
+  auto       fa-a2a's default: the fastest of fused / serial / nccl on this machine, timed at the
+             first call (fa_a2a.engine.autotune; its decision is logged)
   fused      fa_a2a.enable_ulysses(transformer, impl="fused") and fa_a2a.enable_fused_projection:
              the post-attention All-to-All in FA4's epilogue and, for Flux, Flux2 and QwenImage, the
              QKV projection with the pre-attention All-to-All in its epilogue
@@ -38,7 +40,7 @@ import time
 
 from fa_a2a.tools.cli import MAX_REPEATS, float_in, int_in
 
-IMPLS = ("fused", "serial", "nccl", "reference", "native")
+IMPLS = ("auto", "fused", "serial", "nccl", "reference", "native")
 GPU_DEFAULT, CPU_DEFAULT = ("fused", "serial", "native"), ("reference", "native")
 CPU_IMPLS = ("reference", "native")
 
@@ -70,7 +72,7 @@ def parse_args(argv=None):
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         ap.error("expected torchrun with P >= 2 ranks: torchrun --nproc-per-node=P examples/pipeline.py ...")
     if args.device == "cpu" and args.impl and set(args.impl) - set(CPU_IMPLS):
-        ap.error(f"--impl: on CPU only {' '.join(CPU_IMPLS)} run (fused, serial and nccl need a GPU), "
+        ap.error(f"--impl: on CPU only {' '.join(CPU_IMPLS)} run (auto, fused, serial and nccl need a GPU), "
                  f"got {' '.join(args.impl)}")
     return ap, args
 
@@ -169,6 +171,11 @@ def route_summary(pipe, names) -> dict:
     return {n: c for n in [*names, *sorted(p for p in procs if p)] if (c := route_counts(n, reset=True))}
 
 
+def backend_name(impl: str) -> str:
+    """This example's backend name of an impl (one name per impl: a name keeps its impl)."""
+    return "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}"
+
+
 def out_path(out: str, impl: str) -> str:
     root, ext = os.path.splitext(out)
     return f"{root}-{impl}{ext or '.png'}"
@@ -187,7 +194,8 @@ def main(ap, args):
     transformer = pipe.transformer
     fa_impls = [i for i in args.impl if i != "native"]
     if fa_impls:  # the backend, diffusers' context parallelism; then the fused block where the model has one
-        fa_a2a.enable_ulysses(transformer, impl=fa_impls[0], ulysses_anything=args.ulysses_anything)
+        fa_a2a.enable_ulysses(transformer, impl=fa_impls[0], name=backend_name(fa_impls[0]),
+                              ulysses_anything=args.ulysses_anything)
         try:
             fa_a2a.enable_fused_projection(transformer)
         except ValueError as e:  # a model without Flux / Flux2 / QwenImage attention: the attention-only op
@@ -203,8 +211,7 @@ def main(ap, args):
             if rank == 0:
                 print(f"skipping --impl {impl}: needs one rank per GPU (NCCL refuses two ranks on one GPU)")
             continue
-        name = "native" if impl == "native" else register_diffusers_backend(
-            "fa_a2a" if impl == "fused" else f"fa_a2a_{impl}", impl)
+        name = "native" if impl == "native" else register_diffusers_backend(backend_name(impl), impl)
         transformer.set_attention_backend(name)
         if args.warmup_steps:
             run_once(pipe, args, args.warmup_steps, device)
