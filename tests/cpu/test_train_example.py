@@ -29,11 +29,12 @@ import torch
 pytest.importorskip("diffusers")
 
 from fa_a2a.models import diffusers_backend as backend  # noqa: E402
+from tests.cpu.test_dit_cpu import HEAD_DIM, HEADS, TXT_DIM, _flux  # noqa: E402
+from tests.cpu.test_dit_cpu import _flux_inputs as dit_inputs, _qwen_inputs as qwen_inputs  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RTOL = 1e-4
-HEADS, HEAD_DIM, TXT_DIM = 4, 16, 24
 
 
 # ---- the templated route's local op ------------------------------------------------------------------------
@@ -76,21 +77,9 @@ def test_local_backward_op_matches_autograd():
 
 
 # ---- models under diffusers' context parallelism, 2 gloo ranks ---------------------------------------------------
-def _flux():
-    from diffusers import FluxTransformer2DModel
-
-    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=HEAD_DIM, num_attention_heads=HEADS, joint_attention_dim=TXT_DIM,
-                                  pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-
-
-def _flux_inputs(g, h=6, w=6, J=6):
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1], ids[..., 2] = torch.arange(h)[:, None], torch.arange(w)[None, :]
-    return dict(hidden_states=torch.randn(2, h * w, 8, generator=g),
-                encoder_hidden_states=torch.randn(2, J, TXT_DIM, generator=g),
-                pooled_projections=torch.randn(2, 16, generator=g), timestep=torch.rand(2, generator=g),
-                img_ids=ids.reshape(-1, 3), txt_ids=torch.randn(J, 3, generator=g), return_dict=False)
+def _flux_inputs(g, w=6):
+    """test_dit_cpu's Flux inputs: a 6 x w image grid and 6 text tokens."""
+    return dit_inputs((1, 6, w), 6, g)
 
 
 def _qwen():
@@ -101,12 +90,10 @@ def _qwen():
                                        joint_attention_dim=TXT_DIM, axes_dims_rope=(4, 6, 6))
 
 
-def _qwen_inputs(g, J=6):
-    mask = torch.ones(2, J, dtype=torch.bool)
-    mask[1, -2:] = False  # sample 1 has two padded text tokens: the templated path
-    return dict(hidden_states=torch.randn(2, 36, 8, generator=g), encoder_hidden_states=torch.randn(2, J, TXT_DIM,
-                generator=g), encoder_hidden_states_mask=mask, timestep=torch.rand(2, generator=g),
-                img_shapes=[[(1, 6, 6)]] * 2, return_dict=False)
+def _qwen_inputs(g):
+    """test_dit_cpu's QwenImage inputs, 6 x 6 grid, 6 text tokens; sample 1's last two text tokens
+    padded (a text mask: the templated path)."""
+    return qwen_inputs((1, 6, 6), 6, g, mask=True)
 
 
 def _loss(model, x, target):
