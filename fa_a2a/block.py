@@ -843,7 +843,6 @@ def _auto_block_problem(problem, transport, x, build, run):
     candidate (collective: every rank builds the same candidates in the same order); run(prepared)
     makes one whole call of them on this call's inputs."""
     from fa_a2a.engine import autotune
-    from fa_a2a.engine.forward import fused_tile_m
 
     prepared: dict = {}
 
@@ -852,9 +851,7 @@ def _auto_block_problem(problem, transport, x, build, run):
             prepared[label] = build(autotune.concrete(problem, label))
         run(prepared[label])
 
-    tile_m, seq_loc = fused_tile_m(problem, x), problem.layout.seq_loc
-    choice = autotune.decide(problem, transport, time_one, autotune.candidates(seq_loc, tile_m, False),
-                             autotune.static_label(seq_loc, tile_m), entry="ulysses_qkv_attention")
+    choice = autotune.decide_path(problem, transport, time_one, x, entry="ulysses_qkv_attention")
     return autotune.concrete(problem, choice.label)
 
 

@@ -49,9 +49,9 @@ import torch
 
 from fa_a2a.engine.log import log_once
 
-__all__ = ["LABELS", "TIE", "TRIALS", "WARMUP", "Choice", "candidates", "choose", "concrete", "decide",
-           "decisions", "decision_text", "forced_label", "record_key", "read_record", "write_record", "records_dir", "clear_records",
-           "static_choice", "time_candidates"]
+__all__ = ["LABELS", "TIE", "TRIALS", "WARMUP", "Choice", "candidates", "choose", "concrete", "decide", "decide_path",
+           "decisions", "decision_text", "forced_label", "record_key", "read_record", "write_record", "records_dir",
+           "clear_records", "static_choice", "time_candidates"]
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,17 @@ def _log(key: Mapping, choice: Choice) -> Choice:
 def static_choice(label: str, reason: str, key: Optional[Mapping] = None) -> Choice:
     """A decision by rule, logged once (key: what it is for, as record_key gives it)."""
     return _log(key or {"rule": reason}, Choice(label, "static", reason=reason))
+
+
+def decide_path(problem, transport, run: Callable[[str], object], q, *, nccl: bool = False,
+                entry: str = "ulysses_attention") -> Choice:
+    """decide() over `problem`'s candidates on q's device: fused:tma where the fused kernel's output
+    tile (its rows on this architecture) divides S_loc, fused:st, serial, nccl where `nccl` says it
+    runs; the static rule where nothing can be timed."""
+    from cute_kernels.fa4 import device_arch, tile_m_for
+
+    tile_m, seq_loc = tile_m_for(problem.head_dim, problem.causal, device_arch(q)), problem.layout.seq_loc
+    return decide(problem, transport, run, candidates(seq_loc, tile_m, nccl), static_label(seq_loc, tile_m), entry)
 
 
 def decide(problem, transport, run: Callable[[str], object], labels: Sequence[str], static: str,

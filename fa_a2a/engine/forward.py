@@ -500,13 +500,6 @@ def _keep_decision(p: Problem, where: tuple, decided: Problem) -> Problem:
     return decided
 
 
-def fused_tile_m(p: Problem, q) -> int:
-    """Rows of the fused kernel's output tile for p on q's device."""
-    from cute_kernels.fa4 import device_arch, tile_m_for
-
-    return tile_m_for(p.head_dim, p.causal, device_arch(q))
-
-
 def _nccl_runs(group, transport) -> bool:
     """Whether impl "nccl" runs over group: an NCCL backend and one rank per GPU (NCCL refuses more)."""
     import torch.distributed as dist
@@ -514,48 +507,45 @@ def _nccl_runs(group, transport) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower() and transport.ranks_per_gpu == 1
 
 
-def _auto_problem(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
-    """p (impl "auto") with this machine's fastest path in its place, decided at the signature's first
-    call (collective; fa_a2a.engine.autotune.decide times each candidate on this call's inputs)."""
-    from fa_a2a.engine import autotune
-
-    where = (group.group_name, rank, q.device)
+def _auto_decided(p: Problem, where: tuple, q, cpu_label: str, measure) -> Problem:
+    """p (impl "auto") with its decided path: kept from an earlier call of the signature; else, on CUDA
+    tensors, measure() (fa_a2a.engine.autotune.decide_path: collective, every candidate timed on this
+    call's inputs); CPU tensors have one candidate, cpu_label."""
     hit = _decided(p, where)
     if hit is None:
-        if not q.is_cuda:
-            choice = autotune.static_choice("nccl", "CPU tensors: nccl (the collective pipeline) is the one "
-                                            "candidate without CUDA kernels")
-        else:
-            from ulysses.transport import get_transport
+        from fa_a2a.engine import autotune
 
-            transport = get_transport(group)
-            tile_m = fused_tile_m(p, q)
-            labels = autotune.candidates(p.layout.seq_loc, tile_m, _nccl_runs(group, transport))
-            choice = autotune.decide(
-                p, transport, lambda label: forward(autotune.concrete(p, label), q, k, v, joint, group, rank),
-                labels, autotune.static_label(p.layout.seq_loc, tile_m))
+        choice = measure() if q.is_cuda else autotune.static_choice(
+            cpu_label, f"CPU tensors: {cpu_label} is the one candidate without CUDA kernels")
         hit = _keep_decision(p, where, autotune.concrete(p, choice.label))
     return hit
+
+
+def _auto_problem(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
+    """One rank's call of p (impl "auto") with this machine's fastest path in its place (candidates:
+    fused TMA / st, serial, nccl where it runs; CPU tensors: nccl)."""
+    def measure():
+        from fa_a2a.engine import autotune
+        from ulysses.transport import get_transport
+
+        transport = get_transport(group)
+        return autotune.decide_path(p, transport,
+                                    lambda label: forward(autotune.concrete(p, label), q, k, v, joint, group, rank),
+                                    q, nccl=_nccl_runs(group, transport))
+
+    return _auto_decided(p, (group.group_name, rank, q.device), q, "nccl", measure)
 
 
 def _auto_problem_emulated(p: Problem, qs, ks, vs, joint) -> Problem:
     """_auto_problem for P emulated ranks (candidates: fused TMA / st, serial; CPU tensors: reference)."""
-    from fa_a2a.engine import autotune
+    def measure():
+        from fa_a2a.engine import autotune
 
-    where = ("emulated", 0, qs[0].device)
-    hit = _decided(p, where)
-    if hit is None:
-        if not qs[0].is_cuda:
-            choice = autotune.static_choice("reference", "CPU tensors, emulated ranks: reference is the one "
-                                            "candidate without CUDA kernels")
-        else:
-            tile_m = fused_tile_m(p, qs[0])
-            choice = autotune.decide(
-                p, emulated_transport(p.world_size, qs[0].device),
-                lambda label: forward_emulated(autotune.concrete(p, label), qs, ks, vs, joint),
-                autotune.candidates(p.layout.seq_loc, tile_m, False), autotune.static_label(p.layout.seq_loc, tile_m))
-        hit = _keep_decision(p, where, autotune.concrete(p, choice.label))
-    return hit
+        return autotune.decide_path(p, emulated_transport(p.world_size, qs[0].device),
+                                    lambda label: forward_emulated(autotune.concrete(p, label), qs, ks, vs, joint),
+                                    qs[0])
+
+    return _auto_decided(p, ("emulated", 0, qs[0].device), qs[0], "reference", measure)
 
 
 # ---- P emulated ranks in one process --------------------------------------------------------------
