@@ -586,8 +586,8 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
                 for r in range(P)]
     else:
         device = qs[0].device
-        calls = [prepared_call(_emulated_calls, (p, r, device), lambda r=r: RankCall(emulated_transport(P, device), p, r))
-                 for r in range(P)]
+        calls = [prepared_call(_emulated_calls, (p, r, device),
+                               lambda r=r: RankCall(emulated_transport(P, device), p, r)) for r in range(P)]
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
         stages = [lambda c=c, r=r: c.pre(qs[r], ks[r], vs[r], joint) for r, c in enumerate(calls)]

@@ -65,7 +65,7 @@ from typing import Optional, Sequence
 
 from fa_a2a.engine.autotune import decision_text
 from fa_a2a.tools.bench_config import EAGER_TRIALS, BenchConfig, torch_dtype
-from fa_a2a.tools.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
+from fa_a2a.tools.bench_report import over_best, _finite, _first_line, _git_commit, _Log, _versions, write_result
 
 CALL_TARGET = 1.03  # fused / (fa4_local + pre_a2a)
 BLOCK_TARGETS = {4608: 1.10, 16384: 1.05}  # block / (qkv_gemm + fa4_local), by M
@@ -155,11 +155,8 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
                                  f"{[len(raw[k]) for k in keys]}")
             paired = statistics.median(_quot({k: raw[k][t] for k in keys}, num, den) for t in range(n))
         out[name + "_paired"] = paired
-    out["auto_over_best"] = _over_best(med)
-    out["auto_over_best_paired"] = None
-    if raw and raw.get("auto") and all(raw.get(k) for k in AUTO_CANDIDATES if k in med):
-        out["auto_over_best_paired"] = statistics.median(
-            _over_best({k: raw[k][t] for k in raw if k in med}) for t in range(len(raw["auto"])))
+    out["auto_over_best"] = over_best({k: [v] for k, v in med.items()}, "auto", AUTO_CANDIDATES)
+    out["auto_over_best_paired"] = over_best(raw or {}, "auto", AUTO_CANDIDATES)
     for name, call, base in HIDING:
         out[name] = _hiding(med, call, base)
         paired = None
@@ -171,12 +168,6 @@ def ratios(med: dict, raw: Optional[dict] = None) -> dict:
 
 
 AUTO_CANDIDATES = ("fused", "fused_st", "serial", "nccl")  # impl "auto"'s candidates, as methods here
-
-
-def _over_best(values: dict) -> Optional[float]:
-    """auto / the fastest of its candidates that ran (None without auto or any candidate)."""
-    ran = [values[k] for k in AUTO_CANDIDATES if k in values]
-    return values["auto"] / min(ran) if "auto" in values and ran else None
 
 
 def _hiding(values: dict, call: str, base: Sequence[str]) -> Optional[float]:
@@ -273,7 +264,8 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _cell(r.get("call_over_aligned_paired"), "{:.3f}"),
                   _cell(r.get("block_over_aligned_paired"), "{:.3f}"),
                   _cell(r.get("serial_over_fused"), "{:.3f}"), _cell(r.get("nccl_over_fused"), "{:.3f}"),
-                  _cell(r.get("auto_over_best_paired"), "{:.3f}"), _cell(r.get("hiding_fused_paired"), "{:.0%}"), _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
+                  _cell(r.get("auto_over_best_paired"), "{:.3f}"), _cell(r.get("hiding_fused_paired"), "{:.0%}"),
+                  _cell(r.get("hiding_unpaced_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_fused_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_unpaced_paired"), "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -416,7 +408,8 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             weight, bias = (randn(3 * C, C, dt=f32) / C ** 0.5).to(dtype), (0.1 * randn(3 * C, dt=f32)).to(dtype)
             chain = block.TorchQKV(weight, bias, randn(D, dt=f32) * 0.2 + 1, randn(D, dt=f32) * 0.2 + 1, H, H, D)
             proj = block.block_weights(chain, P)
-            table = interleaved_cos_sin(*block.rotary_pair(torch.arange(rank * S_loc, (rank + 1) * S_loc, device=dev), D))
+            rows = torch.arange(rank * S_loc, (rank + 1) * S_loc, device=dev)
+            table = interleaved_cos_sin(*block.rotary_pair(rows, D))
             y = torch.empty(B, S_loc, proj.weight.shape[0], device=dev, dtype=dtype)
             made.extend((x, proj, table, y, *block.auto_tiles(S_loc, proj, table)))
         return made
@@ -439,7 +432,8 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
         if key == "fa4_local":
             calls[key] = once("fa4", local_fa4)
         elif key == "fa4_aligned":
-            barrier, fa4 = once("rank", lambda: rank_call(problem, group, rank)).transport.barrier, once("fa4", local_fa4)
+            barrier = once("rank", lambda: rank_call(problem, group, rank)).transport.barrier
+            fa4 = once("fa4", local_fa4)
             calls[key] = lambda: (barrier(), fa4())
         elif key == "pre_a2a":
             call = once("rank", lambda: rank_call(problem, group, rank))

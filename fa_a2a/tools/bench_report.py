@@ -73,14 +73,24 @@ AUTO_ROWS = (("op_emulated_auto", ("op_emulated", "op_emulated_st", "op_emulated
              ("layer_auto", ("layer_fused", "layer_fused_st", "layer_serial", "layer_nccl")))
 
 
-def _auto_over_best(raw: dict) -> Optional[float]:
-    """Median over trials of T_auto / the fastest candidate of the same trial (None without them)."""
+def over_best(raw: dict, auto: str, candidates) -> Optional[float]:
+    """Median over trials of T_auto / the fastest of `candidates` in the same trial (raw: {method:
+    [time per trial]}; medians as one-trial lists give the ratio of medians); None without auto or a
+    candidate with auto's trial count."""
     import statistics
 
+    ran = [raw[k] for k in candidates if raw.get(k)]
+    if not raw.get(auto) or not ran or any(len(r) != len(raw[auto]) for r in ran):
+        return None
+    return statistics.median(a / min(r[t] for r in ran) for t, a in enumerate(raw[auto]))
+
+
+def _auto_over_best(raw: dict) -> Optional[float]:
+    """over_best of the first AUTO_ROWS pair that ran (the emulated op's, or the real ranks' layer)."""
     for auto, candidates in AUTO_ROWS:
-        ran = [raw[k] for k in candidates if raw.get(k)]
-        if raw.get(auto) and ran and all(len(r) == len(raw[auto]) for r in ran):
-            return statistics.median(a / min(r[t] for r in ran) for t, a in enumerate(raw[auto]))
+        value = over_best(raw, auto, candidates)
+        if value is not None:
+            return value
     return None
 
 
