@@ -14,8 +14,8 @@ waits on it (ulysses.channel builds its channel with the default timeout then, t
   FA_A2A_CHECK_JOINT       1: the per-call agreement also checksums the joint rows' data (default 0)
   FA_A2A_CACHE             0: compiles are not cached on disk (default 1; cute_kernels.compile_cache.enabled)
   FA_A2A_CACHE_DIR         the compile cache's folder (any path; one that cannot be used is warned about)
-  FA_A2A_IMPL              the path impl="auto" takes, instead of timing its candidates (fa_a2a.engine.autotune
-                           parses it: it knows the candidates; fa_a2a.engine.problem.check_settings reads it here too)
+  FA_A2A_IMPL              the path impl="auto" takes, instead of timing its candidates (parsed by
+                           fa_a2a.engine.problem.forced_label, which knows the candidates, with these)
 Imports nothing heavy (ulysses.channel reads its timeout here).
 """
 

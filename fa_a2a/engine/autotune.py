@@ -48,6 +48,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from fa_a2a.engine.log import log_once
+from fa_a2a.engine.problem import AUTO_LABELS, ENV_IMPL, forced_label, split_impl
 
 __all__ = ["LABELS", "TIE", "TRIALS", "WARMUP", "Choice", "candidates", "choose", "concrete", "decide", "decide_path",
            "decisions", "decision_text", "forced_label", "record_key", "read_record", "write_record", "records_dir",
@@ -55,8 +56,7 @@ __all__ = ["LABELS", "TIE", "TRIALS", "WARMUP", "Choice", "candidates", "choose"
 
 logger = logging.getLogger(__name__)
 
-LABELS = ("fused:tma", "fused:st", "serial", "nccl")
-ENV_IMPL = "FA_A2A_IMPL"
+LABELS = AUTO_LABELS
 TIE = 0.01  # candidates within 1% of the fastest count as tied
 TRIALS = 5
 WARMUP = 1  # the first call of a candidate compiles and allocates; the next is timed
@@ -82,16 +82,9 @@ class Choice:
         return f"{self.label}, {self.source}{times}{cost}" + (f": {self.reason}" if self.reason else "")
 
 
-def split_label(label: str) -> tuple:
-    """A label -> (impl, o_store)."""
-    if label.startswith("fused:"):
-        return "fused", label.split(":")[1]
-    return label, None
-
-
 def concrete(problem, label: str):
     """The Problem of impl "auto" with a decided label in its place (pace only applies to fused)."""
-    impl, o_store = split_label(label)
+    impl, o_store = split_impl(label)
     return dataclasses.replace(problem, impl=impl, o_store=o_store,
                                pace=problem.pace if impl == "fused" else None)
 
@@ -114,17 +107,6 @@ def choose(per_rank: Sequence[Mapping[str, float]]) -> tuple:
     worst = {label: max(times[label] for times in per_rank) for label in labels}
     best = min(worst.values())
     return next(label for label in labels if worst[label] <= best * (1 + TIE)), worst
-
-
-def forced_label(env=None) -> Optional[str]:
-    """FA_A2A_IMPL as a label (None when unset or empty); ValueError naming it otherwise."""
-    text = (os.environ if env is None else env).get(ENV_IMPL, "")
-    if text == "":
-        return None
-    allowed = LABELS + ("fused", "reference")
-    if text not in allowed:
-        raise ValueError(f"{ENV_IMPL}: expected one of {allowed} (or unset), got {text!r}")
-    return text
 
 
 # ---- records on disk ---------------------------------------------------------------------------

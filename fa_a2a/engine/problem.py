@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import sys
 from typing import Optional
 
@@ -51,6 +52,22 @@ BLOCK_IMPLS = ("auto", "fused", "serial")  # the attention block's (its projecti
 # impl values that force the fused kernel's O-store path ("fused" alone: TMA where S_loc is a multiple
 # of the tile's rows, else st; fa_a2a.engine.autotune times both)
 FUSED_PATHS = ("fused:tma", "fused:st")
+
+
+AUTO_LABELS = FUSED_PATHS + ("serial", "nccl")  # impl "auto"'s candidates, in its tie order (fa_a2a.engine.autotune)
+ENV_IMPL = "FA_A2A_IMPL"
+
+
+def forced_label(env=None) -> Optional[str]:
+    """FA_A2A_IMPL, the path impl "auto" takes instead of timing its candidates: a label of
+    AUTO_LABELS, "fused" or "reference" (None when unset or empty); ValueError naming it otherwise."""
+    text = (os.environ if env is None else env).get(ENV_IMPL, "")
+    if text == "":
+        return None
+    allowed = AUTO_LABELS + ("fused", "reference")
+    if text not in allowed:
+        raise ValueError(f"{ENV_IMPL}: expected one of {allowed} (or unset), got {text!r}")
+    return text
 
 
 def split_impl(impl, allowed=IMPLS) -> tuple:
@@ -234,8 +251,6 @@ def _check_kernel_limits(q, k, v, impl) -> None:
 def check_settings() -> None:
     """Every FA_A2A_* variable (ulysses.env's and FA_A2A_IMPL), read with each new signature: a bad
     value is the call's ValueError, naming the variable, on every rank."""
-    from fa_a2a.engine.autotune import forced_label
-
     env.check_all()
     forced_label()
 
