@@ -304,15 +304,22 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
                          f"{want[1]} (block_weights(chain, {world_size})), got world_size={proj.world_size}, {got}")
 
 
-def _check_no_grad(named) -> None:
-    """Refuse the block's inputs that require grad under grad mode (named (name, tensor or None) pairs):
-    the fused block has no backward yet (the op's is fa_a2a.engine.backward); never cut autograd silently."""
-    if torch.is_grad_enabled():
-        for name, t in named:
-            if t is not None and t.requires_grad:
-                raise ValueError(f"{name}: requires grad, but the fused attention block has no backward yet: call "
-                                 "it under torch.no_grad() / torch.inference_mode(), pass detached tensors, or train "
-                                 "with a torch projection and fa_a2a.ulysses_attention (differentiable)")
+def _check_no_grad(segs, names, joint, joint_proj) -> None:
+    """Under grad mode, refuse a block call whose hidden states, joint rows or weights require grad
+    (segs: the rank's (x, proj, rope) segments, names: their x's names): the fused block has no
+    backward yet (the op's is fa_a2a.engine.backward); never cut autograd silently."""
+    if not torch.is_grad_enabled():
+        return
+    named = [(n, s[0]) for n, s in zip(names, segs)] + [("joint", joint)]
+    projs = [(n[:-2] + ".proj" if n.endswith(".x") else "proj", s[1]) for n, s in zip(names, segs)]
+    if joint is not None and joint_proj is not None:
+        projs.append(("joint_proj", joint_proj))
+    named += [(f"{n}.{f}", getattr(p, f, None)) for n, p in projs for f in ("weight", "bias", "norm_weight")]
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but the fused attention block has no backward yet: call "
+                             "it under torch.no_grad() / torch.inference_mode(), pass detached tensors, or train "
+                             "with a torch projection and fa_a2a.ulysses_attention (differentiable)")
 
 
 def _world_size(group, world_size) -> int:
@@ -942,8 +949,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
             word = signature_word(fields)
         segs = _rank_segments(x, proj, rotary)
-        _check_no_grad([(f"x[{i}].x" if len(segs) > 1 else "x", s[0]) for i, s in enumerate(segs)]
-                       + [("joint", joint)])
+        _check_no_grad(segs, [f"x[{i}].x" if len(segs) > 1 else "x" for i in range(len(segs))], joint, joint_proj)
         return (problem, segs, calls), fields, word
 
     problem, segs, calls = checked_and_agreed(checks, group if collective else None)
@@ -994,8 +1000,9 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
             _resolved_emulated[keys] = entry
     p, prepared = entry
     segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]
-    _check_no_grad([(f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x", seg[0])
-                    for r, x in enumerate(xs) for i, seg in enumerate(segs[r])] + [("joint", joint)])
+    for r, x in enumerate(xs):
+        _check_no_grad(segs[r], [f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x"
+                                 for i in range(len(segs[r]))], joint, joint_proj)
     device = segs[0][0][0].device
     local = (device, tuple(tuple(seg[0].shape[1] for seg in rank_segs) for rank_segs in segs))
     blocks = prepared.get(local)

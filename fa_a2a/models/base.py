@@ -22,7 +22,7 @@ __all__ = ["attention_weights"]
 
 logger = logging.getLogger(__name__)
 
-
+AUTOGRAD = "autograd (the fused block has no backward: diffusers' projection and the differentiable op)"
 
 
 def _backend_name(backend) -> str:
@@ -77,14 +77,23 @@ def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_m
         return "attention mask"
     if torch.is_grad_enabled() and (x.requires_grad or (encoder_hidden_states is not None
                                                         and encoder_hidden_states.requires_grad)):
-        return "autograd (the fused block has no backward)"
+        return AUTOGRAD
     return None
 
 
 def _why_not_layers(attn, x, linears, norms, widths) -> Optional[str]:
-    """The reasons in attn's projection layers: q/k norms the epilogue cannot compute, heads split by
+    """The reasons in attn's projection layers: layers other than plain nn.Linear (a LoRA adapter's
+    wrapper computes more than its base weight), weights that require grad under grad mode (the
+    fused block would cut their gradient), q/k norms the epilogue cannot compute, heads split by
     tensor parallelism (a Linear narrower than `widths`, its out_features unsharded), weights of
     another dtype/device, channels not a multiple of 8."""
+    odd = [type(lin).__name__ for lin in linears
+           if not isinstance(lin, torch.nn.Linear) or type(lin).forward is not torch.nn.Linear.forward]
+    if odd:
+        return f"projection layers other than plain nn.Linear ({odd[0]}: a LoRA adapter or another wrapper)"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for m in (*linears, *norms)
+                                       for t in (getattr(m, "weight", None), getattr(m, "bias", None))):
+        return AUTOGRAD
     if not all(_norm_ok(n, _head_dim(attn)) for n in norms):
         return f"q/k norms other than a per-head RMSNorm with weight and eps {EPS}"
     if any(lin.out_features != w for lin, w in zip(linears, widths)):

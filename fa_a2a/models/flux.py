@@ -31,7 +31,8 @@ the fused block cannot run: no context parallelism or ring degree > 1; the atten
 registered fa-a2a backend with impl "auto", "fused" or "serial" (impl "reference" / "nccl" run no kernels);
 CPU tensors; not SM90 (the projection kernel is SM90's); dtype not bfloat16/float16, or weights of
 another dtype/device than the hidden states; head dim not 64/128; an attention mask; autograd
-(hidden states that require grad: the fused block has no backward); fused to_qkv projections; q/k norms
+(hidden states or q/k/v weights that require grad under grad mode: the fused block has no backward);
+projection layers other than plain nn.Linear (a LoRA adapter); fused to_qkv projections; q/k norms
 that are not RMSNorm with weight and eps 1e-6 (the epilogue's); channels not a multiple of 8; heads
 split by tensor parallelism. Every fact is the same on all ranks, so all ranks take the same path;
 each reason is logged once and the calls per path are counted

@@ -3,6 +3,7 @@ makes for each rank (row offsets of q and k/v, padding rows, joint rows into the
 the sm_90a compile of those launches against fake tensors, the torch chain's RoPE against
 diffusers', and the argument checks ("arg: expected, got")."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -268,6 +269,14 @@ BAD = [
     ("cpu x", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16)] * 2), "xs\\[0\\]: expected a CUDA"),
     ("grad", lambda a: dict(xs=[torch.empty(1, 32, 64, dtype=torch.bfloat16, device="cuda",
                                             requires_grad=True)] * 2), "xs\\[0\\]: requires grad"),
+    ("weight grad", lambda a: dict(proj=dataclasses.replace(a["proj"], weight=torch.empty_like(a["proj"].weight,
+                                                                                        requires_grad=True))),
+     "proj.weight: requires grad"),
+    ("joint weight grad", lambda a: dict(joint=torch.empty(1, 3, 64, dtype=torch.bfloat16, device="cuda"),
+                                         joint_rotary=torch.empty(3, 64, device="cuda"),
+                                         joint_proj=dataclasses.replace(a["proj"], norm_weight=torch.empty_like(
+                                             a["proj"].norm_weight, requires_grad=True))),
+     "joint_proj.norm_weight: requires grad"),
     ("shard rows", lambda a: dict(shard_rows=[30, 34]), "xs\\[0\\]: expected shard_rows\\[0\\] = 30 rows"),
 ]
 

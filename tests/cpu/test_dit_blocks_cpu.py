@@ -444,14 +444,30 @@ def test_fallback_reasons(monkeypatch):
     proc._parallel_config, proc._attention_backend = _config(2), fused
     freqs = (torch.ones(8, 32, dtype=torch.complex64), torch.ones(3, 32, dtype=torch.complex64))
     why = lambda mask=None, rot=freqs: dit_blocks._why_not_qwen(proc, qwen, x, e, mask, None, rot)  # noqa: E731
+    assert why() == fused_base.AUTOGRAD  # weights that require grad under grad mode: never cut their gradient
+    with torch.no_grad():
+        assert why() is None
+    qwen.requires_grad_(False)
     assert why() is None
+    to_q = qwen.to_q
+
+    class Adapter(torch.nn.Linear):  # a LoRA-style wrapper: computes more than its weight
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    qwen.to_q = Adapter(to_q.in_features, to_q.out_features, dtype=torch.bfloat16)
+    assert why() == "projection layers other than plain nn.Linear (Adapter: a LoRA adapter or another wrapper)"
+    qwen.to_q = torch.nn.Module()  # peft's lora.Linear is no nn.Linear at all
+    qwen.to_q.in_features, qwen.to_q.out_features, qwen.to_q.weight = to_q.in_features, to_q.out_features, to_q.weight
+    assert why().startswith("projection layers other than plain nn.Linear (Module")
+    qwen.to_q = to_q
     assert why(mask=torch.ones(1, 3, dtype=torch.bool)) == "encoder_hidden_states_mask (a text mask)"
     assert why(rot=tuple(f.to(torch.complex128) for f in freqs)) == "image_rotary_emb not a pair of complex64 frequencies"
     assert dit_blocks._why_not_qwen(proc, qwen, x, None, None, None, freqs) == "no encoder_hidden_states"
     qwen.norm_added_k.eps = 1e-5
     assert why().startswith("q/k norms other than a per-head RMSNorm")
 
-    flux2 = _randomize_norms(_flux2(heads=6, head_dim=64)).to(torch.bfloat16)
+    flux2 = _randomize_norms(_flux2(heads=6, head_dim=64)).to(torch.bfloat16).requires_grad_(False)
     single = flux2.single_transformer_blocks[0].attn
     x = torch.randn(1, 8, single.query_dim, dtype=torch.bfloat16)
     proc = dit_blocks.FusedFlux2ParallelSelfAttnProcessor()
