@@ -62,7 +62,7 @@ from cute_kernels.limits import EPS, tma_table
 
 from fa_a2a.op import traced_refusals
 from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
-                      signature_fields, signature_word, split_impl)
+                                   remember, signature_fields, signature_word, split_impl)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "rotary_pair", "Segment", "segment_writes"]
@@ -644,9 +644,6 @@ def _rank_slice(proj, rank: int):
 
 
 # ---- public functions ------------------------------------------------------------------------------
-_resolved: dict = {}
-
-
 def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
     """The cache key of a checked call: facts every rank shares for a valid call (the rank's total
     rows, never how its rows split between segments, which is its own: a key that one rank finds
@@ -665,7 +662,8 @@ def _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args):
         types = tuple(map(type, args))
         if list in types:
             args = tuple(tuple(a) if type(a) is list else a for a in args)
-        return (rows, seg_facts, _facts(joint), _proj_facts(joint_proj), _facts(joint_rotary), types, args)
+        return ("ulysses_qkv_attention", rows, seg_facts, _facts(joint), _proj_facts(joint_proj), _facts(joint_rotary),
+                types, args)
     except (TypeError, AttributeError, ValueError):
         return None
 
@@ -933,7 +931,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
 
     def checks():  # once per signature; memory and grad every call (strides are not in the key)
         check_no_overlap(_named_inputs(x, joint))
-        hashable, entry = lookup(_resolved, key)
+        hashable, entry = lookup(key)
         if entry is None:
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank, pace=pace)
@@ -942,8 +940,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
                 fields = signature_fields(problem, "ulysses_qkv_attention", group_name,
                                           None if joint is None else (joint,))
             entry = (problem, fields, fields and signature_word(fields), {})  # {}: its prepared calls (_rank_block)
-            if hashable is not None:
-                _resolved[hashable] = entry
+            remember(hashable, entry)
         problem, fields, word, calls = entry
         if collective and "joint_data" in fields:  # FA_A2A_CHECK_JOINT=1: this call's joint rows
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
@@ -968,9 +965,6 @@ def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     return window_plan(emulated_transport(world_size, device), layout, B, D, dtype)
 
 
-_resolved_emulated: dict = {}  # the P ranks' signatures -> (Problem, {(device, rows per rank): their _RankBlocks})
-
-
 @traced_refusals(_emulated_block_stand_ins)
 def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
@@ -992,12 +986,10 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     check_no_overlap([n for r, x in enumerate(xs) for n in _named_inputs(x, None, f"xs[{r}]")[:-1]]
                      + [("joint", joint)])
     keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
-    keys, entry = lookup(_resolved_emulated, None if None in keys else keys)
-    if entry is None:
-        entry = _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale,
-                                seq_len, shard_rows, pace)
-        if keys is not None:
-            _resolved_emulated[keys] = entry
+    keys, entry = lookup(None if None in keys else ("ulysses_qkv_attention_emulated", keys))
+    if entry is None:  # (Problem, {(device, rows per rank): the P ranks' _RankBlocks})
+        entry = remember(keys, _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
+                                               softmax_scale, seq_len, shard_rows, pace))
     p, prepared = entry
     segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]
     for r, x in enumerate(xs):

@@ -365,7 +365,7 @@ def agree_call(fields: Optional[dict], word: int, error: Optional[str], group) -
 
 
 # ---- per-signature cache --------------------------------------------------------------------------
-_resolved: dict = {}
+_resolved: dict = {}  # the one per-signature cache: the op's keys here, the block's (fa_a2a.block) named by its entry
 
 
 def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size, rank, group_name,
@@ -386,20 +386,21 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
         return None
 
 
-def lookup(table: dict, key):
-    """(key, cached entry) of a per-signature cache (the op's here, the block's in fa_a2a.block):
+def lookup(key):
+    """(key, cached entry) of the per-signature cache (the op's keys and the block's, fa_a2a.block):
     (key, None) for a new signature, (None, None) for a key None or one that cannot be hashed (an
     unhashable argument, e.g. a list as seq_len, which check_call names): checked every time."""
     if key is None:
         return None, None
     try:
-        hit = table.get(key)
+        hit = _resolved.get(key)
     except TypeError:
         return None, None
     return key, hit
 
 
-def _remember(key, entry):
+def remember(key, entry):
+    """Keep entry for key (a key from lookup; None: nothing kept). Returns entry."""
     if key is not None:
         _resolved[key] = entry
     return entry
@@ -416,7 +417,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
                      pace)
     if grad and sig is not None:
         sig = ("grad", sig)
-    key, hit = lookup(_resolved, sig)
+    key, hit = lookup(sig)
     collective = world_size > 1 and group is not None
 
     def checks():
@@ -427,7 +428,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank, pace)
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out, grad) if collective else None
-            entry = _remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
+            entry = remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
         problem, has_joint, fields, word = entry
         joint_out = tuple(joint) if has_joint else None
         if collective and "joint_data" in fields:  # debugging aid: this call's joint data
@@ -464,7 +465,7 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
     split_impl(impl, EMULATED_IMPLS)
     keys = [_signature(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, shard_rows, P, r,
                        "emulated", pace) for r in range(P)]
-    key, hit = lookup(_resolved, None if None in keys else tuple(keys))
+    key, hit = lookup(None if None in keys else tuple(keys))
     if hit is not None:
         return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
@@ -479,5 +480,5 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
             raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
                              f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
                              f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")
-    _remember(key, (problem, joint_out is not None, None, None))
+    remember(key, (problem, joint_out is not None, None, None))
     return problem, joint_out

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import qkv_a2a_sm90 as K
 from fa_a2a import block
-from fa_a2a.engine import forward
+from fa_a2a.engine import forward, problem as engine_problem
 from ulysses.layout import UlyssesLayout
 
 
@@ -559,7 +559,7 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     import ulysses.transport as transport_mod
 
     seen, attended, made = [], [], []
-    monkeypatch.setattr(block, "_resolved", {})
+    monkeypatch.setattr(engine_problem, "_resolved", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
         lambda x, proj, windows, row0, *, rope_cs, config, one_launch:
@@ -610,7 +610,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
     is still refused by name."""
     seen, made, checked = [], [], []
     emulated = functools.partial(block.ulysses_qkv_attention_emulated, impl="fused")  # the prepared path, not auto
-    monkeypatch.setattr(block, "_resolved_emulated", {})
+    monkeypatch.setattr(engine_problem, "_resolved", {})
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
         lambda x, proj, windows, row0, *, rope_cs, config, one_launch: seen.append((x, row0, rope_cs))))
     monkeypatch.setattr(forward, "emulated_transport", lambda P, device: made.append(_FakeTransport()) or made[-1])

@@ -14,6 +14,7 @@ import torch
 
 from cute_kernels import qkv_a2a_sm90 as K
 from fa_a2a import block
+from fa_a2a.engine import problem
 from fa_a2a.op import ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout
 from ulysses.reference import full_attention
@@ -94,7 +95,8 @@ def test_block_bit_exact_and_close(P, S_loc, H, tuned, pace):
     poison(plan)
     got = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, pace=pace, **kw)
     if pace is not None:  # the P ranks' prepared calls of this signature pace their projections at the rate
-        blocks = [rb for p, prepared in block._resolved_emulated.values() if p.pace == pace
+        blocks = [rb for key, (p, prepared) in problem._resolved.items()
+                  if key[0] == "ulysses_qkv_attention_emulated" and p.pace == pace
                   for rbs in prepared.values() for rb in rbs]
         assert len(blocks) == P and all(rb.pacing.rate_gbps == pace for rb in blocks)
     tabs = [K.interleaved_cos_sin(*c) for c in rot]
