@@ -28,6 +28,7 @@ but not NVLink's numbers. For each (M, destination) the Burst-Gap model of FA4's
 (fa_a2a.tools.xstage, platform from --platform) is printed beside the measured E_res and hiding ratio,
 with the wave drain bound at the measured A2A-only rate (xstage.FaTiles.wave_drain_bound).
 Without a GPU nothing is measured: the script prints the model's predictions and exits 0.
+`--backward`: forward + backward of the op against FA4's instead (fa_a2a.tools.bench_backward).
 
 Measured (one H200, 2026-12-03, bf16, D=128, H=24, emulated P=8, 3 trials; `-M 8192 16384 --dest
 hbm host --platform <calibrate --dest host>`): windows in host memory, FA4 184.1 / 548.1 us, A2A-only
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "must be set before a process creates its CUDA context, so this flag only checks that the "
                    "environment says so and records it: set it for all ranks with `python -m fa_a2a.mps "
                    "--thread-percentage PERCENT -- torchrun ...`")
+    p.add_argument("--backward", action="store_true",
+                   help="forward + backward instead (fa_a2a.tools.bench_backward): FA4's forward with LSE + backward "
+                   "on one rank's problem against the op's fwd+bwd (serial; NCCL on real ranks), per M, with the "
+                   "ratios; emulated ranks in one process, or the real op under torchrun")
     p.add_argument("--per-kernel", action="store_true",
                    help="under torchrun (one GPU per process): the kernel methods above on real ranks instead of "
                    "the whole-call benchmark (fa_a2a.tools.bench_call)")
@@ -552,11 +557,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
+        if ns.backward:
+            from fa_a2a.tools.bench_backward import check_args
+
+            check_args(ns)
         cfg = make_config(ns)
     except ValueError as e:
         parser.error(str(e))
     import torch  # after the arguments: a bad flag is refused without loading torch
 
+    if ns.backward:
+        from fa_a2a.tools.bench_backward import run
+
+        return run(cfg, torch.cuda.is_available())
     if not torch.cuda.is_available():
         return no_gpu(cfg)
     if cfg.whole_call:

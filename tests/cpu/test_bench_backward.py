@@ -1,0 +1,156 @@
+"""CPU tier of `python -m fa_a2a.bench --backward` (fa_a2a.tools.bench_backward): the flag and its hand-over,
+the flags it refuses (a usage error, exit 2), the no-GPU line (exit 0, nothing written), and the
+ratios and the table from synthetic timings (nothing is timed here)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa_a2a.tools import bench, bench_backward as bb
+from fa_a2a.tools.bench_config import CALL_SEQLENS, QUICK_SEQLENS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def _cfg(argv, env=None):
+    return bench.parse_args(argv, env={} if env is None else env)
+
+
+# ------------------------------------------------------------------------------ flags
+def test_the_flag_parses_and_leaves_the_other_settings_as_bench_reads_them():
+    assert bench.build_parser().parse_args([]).backward is False
+    ns = bench.build_parser().parse_args(["--backward", "--quick", "--world-size", "2", "--heads", "8"])
+    assert ns.backward is True
+    bb.check_args(ns)
+    cfg = bench.make_config(ns, env={})
+    assert (cfg.seqlens, cfg.world_size, cfg.heads_local, cfg.trials, cfg.warmup) == (QUICK_SEQLENS, 2, 4, 5, 1)
+    assert not cfg.real_ranks
+    real = bench.make_config(bench.build_parser().parse_args(["--backward"]), env={"WORLD_SIZE": "4"})
+    assert real.real_ranks and real.world_size == 4 and real.seqlens == CALL_SEQLENS  # as the whole-call bench
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--methods", "fa"], "--methods"),
+    (["--dest", "host"], "--dest"),
+    (["--per-kernel"], "--per-kernel"),
+    (["--platform", "model.json"], "--platform"),
+])
+def test_flags_of_the_kernel_benchmark_are_refused(argv, flag):
+    with pytest.raises(ValueError, match=f"^{flag}: not with --backward"):
+        bb.check_args(bench.build_parser().parse_args(["--backward", *argv]))
+
+
+def test_a_refused_flag_is_a_usage_error_before_torch(tmp_path):
+    code = ("import sys, runpy; sys.argv = ['x', '--backward', '--methods', 'fa']\n"
+            "try:\n    runpy.run_module('fa_a2a.tools.bench', run_name='__main__')\n"
+            "finally:\n    print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and p.stdout.strip() == "False", (p.stdout, p.stderr)
+    assert p.stderr.strip().splitlines()[-1].startswith("python -m fa_a2a.bench: error: --methods: not with --backward")
+
+
+def test_main_hands_over_with_the_resolved_settings(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bb, "run", lambda cfg, gpu: seen.append((cfg, gpu)) or 7)
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert bench.main(["--backward", "-M", "1024", "--world-size", "4", "--heads", "8", "--trials", "3"]) == 7
+    [(cfg, gpu)] = seen
+    assert (cfg.seqlens, cfg.world_size, cfg.heads, cfg.trials) == ((1024,), 4, 8, 3) and isinstance(gpu, bool)
+
+
+# ------------------------------------------------------------------------------ no GPU
+def test_without_a_gpu_one_line_exit_0_and_nothing_written(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--backward", "--quick"], cwd=tmp_path,
+                       env=_env(FA_A2A_CACHE_DIR=str(tmp_path / "cache")), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [bb.NO_GPU_LINE] and p.stdout.startswith("No CUDA GPU: nothing was measured")
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # neither --out nor the cache folder
+
+
+def test_without_a_gpu_other_ranks_print_nothing(monkeypatch, capsys):
+    cfg = _cfg(["--backward", "--quick"])
+    monkeypatch.setenv("RANK", "1")
+    assert bb.run(cfg, gpu=False) == 0 and capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    assert bb.run(cfg, gpu=False) == 0 and capsys.readouterr().out == bb.NO_GPU_LINE + "\n"
+
+
+# ------------------------------------------------------------------------------ report
+def test_impls_and_methods():
+    assert bb.select_impls(False) == (("serial",), {k: bb.NCCL_EMULATED for k in ("op_fwd:nccl", "op_fwdbwd:nccl")})
+    assert bb.select_impls(True, shared_gpu=True) == (("serial",), {k: bb.NCCL_SHARED for k in bb.op_keys("nccl")})
+    assert bb.select_impls(True) == (("serial", "nccl"), {})
+    assert bb.method_keys(("serial", "nccl")) == ("fa4_fwd", "fa4_fwdbwd", "op_fwd:serial", "op_fwdbwd:serial",
+                                                  "op_fwd:nccl", "op_fwdbwd:nccl")
+
+
+RAW = {"fa4_fwd": [100.0, 110.0, 90.0], "fa4_fwdbwd": [350.0, 360.0, 340.0],
+       "op_fwd:serial": [500.0, 540.0, 460.0], "op_fwdbwd:serial": [1700.0, 1800.0, 1650.0]}
+
+
+def test_ratios_over_p_times_fa4_from_medians_and_paired():
+    r = bb.ratios({k: v[0] for k, v in RAW.items()}, RAW, "serial", 4)
+    assert r["fwdbwd"] == pytest.approx(1700 / (4 * 350)) and r["fwd"] == pytest.approx(500 / 400)
+    assert r["bwd"] == pytest.approx((1700 - 500) / (4 * (350 - 100)))
+    paired = sorted((o - f) / (4 * (fb - a)) for f, o, a, fb in zip(RAW["op_fwd:serial"], RAW["op_fwdbwd:serial"],
+                                                                     RAW["fa4_fwd"], RAW["fa4_fwdbwd"]))
+    assert r["bwd_paired"] == pytest.approx(paired[1])
+    assert r["fwdbwd_paired"] == pytest.approx(sorted(o / (4 * a) for o, a in zip(RAW["op_fwdbwd:serial"],
+                                                                                  RAW["fa4_fwdbwd"]))[1])
+    none = bb.ratios({"fa4_fwd": 100.0, "fa4_fwdbwd": 90.0, "op_fwd:serial": 1.0}, None, "serial", 1)
+    assert none == {"fwd": 0.01, "fwdbwd": None, "bwd": None, "fwd_paired": None, "fwdbwd_paired": None,
+                    "bwd_paired": None}  # fa4 bwd <= 0 and op fwd+bwd missing: no ratio
+    with pytest.raises(ValueError, match="same number of trials"):
+        bb.ratios({}, {**RAW, "fa4_fwd": [1.0]}, "serial", 1)
+    with pytest.raises(ValueError, match="factor"):
+        bb.ratios({}, None, "serial", 0)
+
+
+def test_table_from_a_fake_result_one_row_per_m_and_impl():
+    cfg = _cfg(["--backward", "-M", "8192", "16384", "--world-size", "4"])
+    impls, status = bb.select_impls(cfg.real_ranks)
+    points = []
+    for M, scale in ((8192, 1.0), (16384, 4.0)):
+        p = bb.new_point(M, cfg, impls, status)
+        p["timing_mode"], p["finite"] = "cuda-graph", {k: True for k in RAW}
+        points.append(bb.fill_point(p, {k: [scale * t for t in v] for k, v in RAW.items()}))
+    assert points[0]["factor"] == 4 and points[0]["median_us"]["op_fwdbwd:serial"] == 1700.0
+    json.dumps(points)  # the JSON record
+    lines = bb.format_table(points).splitlines()
+    assert lines[0] == "| " + " | ".join(bb.TABLE_HEAD) + " |"
+    assert lines[2] == "| 8192 | serial | 100.0 | 350.0 | 500.0 | 1700.0 | 1.200 | 1.214 | 1.214 |"
+    assert lines[3] == "| 16384 | serial | 400.0 | 1400.0 | 2000.0 | 6800.0 | 1.200 | 1.214 | 1.214 |"
+    assert lines[5:] == [f"Not timed (op_fwd:nccl: {bb.NCCL_EMULATED}) at M = 8192, 16384.",
+                         f"Not timed (op_fwdbwd:nccl: {bb.NCCL_EMULATED}) at M = 8192, 16384."]
+    title = bb.table_title(points, "NVIDIA H200", cfg)
+    assert "P=4 emulated ranks" in title and "ratios over 4 x FA4" in title and "(cuda-graph)" in title
+
+
+def test_real_ranks_ratio_over_one_fa4_and_a_non_finite_method_loses_its_time():
+    cfg = _cfg(["--backward", "-M", "4608"], env={"WORLD_SIZE": "2"})
+    impls, status = bb.select_impls(True)
+    p = bb.new_point(4608, cfg, impls, status)
+    raw = {**RAW, "op_fwd:nccl": [400.0] * 3, "op_fwdbwd:nccl": [1200.0] * 3}
+    p["timing_mode"], p["finite"] = "eager", {**{k: True for k in raw}, "op_fwdbwd:nccl": False}
+    bb.fill_point(p, raw)
+    assert p["factor"] == 1 and p["ratios"]["serial"]["fwdbwd"] == pytest.approx(1700 / 350)
+    assert p["status"] == {"op_fwdbwd:nccl": "non-finite output or grads"} and "op_fwdbwd:nccl" not in p["median_us"]
+    lines = bb.format_table([p]).splitlines()
+    assert lines[2].startswith("| 4608 | serial | 100.0 | 350.0 | 500.0 | 1700.0 | 4.800 | 4.857 |")
+    assert lines[3] == "| 4608 | nccl | 100.0 | 350.0 | 400.0 | - | - | - | - |"
+    assert lines[-1] == "Not timed (op_fwdbwd:nccl: non-finite output or grads) at M = 4608."
+    assert "P=2 real ranks" in bb.table_title([p], "H200", cfg) and "over 1 x FA4" in bb.table_title([p], "H200", cfg)
