@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 from cute_kernels.compile_cache import disk_cache
+from cute_kernels.limits import aligned16
 
 
 @disk_cache
@@ -60,13 +61,13 @@ def compile_post_a2a(torch_dtype, head_dim: int, world_size: int, broadcast: boo
 
 
 def _aligned(t, name: str):
-    """16-byte vectors need a 16-byte aligned base, contiguous last dim, 16-byte-multiple strides."""
-    es = t.element_size()
+    """16-byte vectors need a 16-byte aligned base, contiguous last dim, 16-byte-multiple strides
+    (cute_kernels.limits.aligned16)."""
     if t.stride(-1) != 1:
         raise ValueError(f"{name}: expected a contiguous last dim, got strides {tuple(t.stride())}")
-    if t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
+    if not aligned16(t):
         raise ValueError(f"{name}: expected base address and strides in multiples of 16 bytes, got address "
-                         f"{t.data_ptr():#x} and strides {tuple(t.stride())} ({es}-byte elements)")
+                         f"{t.data_ptr():#x} and strides {tuple(t.stride())} ({t.element_size()}-byte elements)")
 
 
 def pre_a2a_launcher(dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, key_rows, has_joint: bool):

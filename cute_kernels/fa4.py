@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from cute_kernels.compile_cache import disk_cache, disk_value
-from cute_kernels.limits import DTYPES, HEAD_DIMS
+from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16
 from ulysses.layout import check_rank
 
 
@@ -381,12 +381,11 @@ def check_windows(out_windows: torch.Tensor, q: torch.Tensor, rank: int) -> None
     if H != P * H_loc:
         raise ValueError(f"out_windows: H = {H} must equal P * H_loc = {P}*{H_loc}")
     check_rank(rank, P)
-    es = out_windows.element_size()
     if out_windows.stride()[1:] != (S_loc * H * D, H * D, D, 1):
         raise ValueError("out_windows: each window out_windows[d] must be a contiguous [B, S_loc, H, D]")
-    if (out_windows.stride(0) * es) % 16 != 0 and P > 1:
+    if P > 1 and not aligned16(out_windows, 0, dims=(0,)):
         raise ValueError("out_windows: the window stride (dim 0) must be a multiple of 16 bytes")
-    if _address(out_windows) % 16 != 0:
+    if not aligned16(out_windows, _address(out_windows), dims=()):
         raise ValueError("out_windows: the base address must be 16-byte aligned")
 
 

@@ -1,4 +1,5 @@
-"""What the kernels take: the one home of their dtype and head-dim limits (and the projection's norm eps).
+"""What the kernels take: the one home of their dtype and head-dim limits, the 16-byte rule of their
+TMA and vector accesses (aligned16), and the projection's norm eps.
 
 The SM90 / SM100 attention kernels (cute_kernels.fa4) and the QKV projection GEMM (qkv_a2a_sm90) take
 these; fa_a2a.engine.problem, the diffusers backend and the Flux processor check or route calls on them,
@@ -8,15 +9,31 @@ and the command lines offer HEAD_DIMS. Importing this module loads neither torch
 
 from __future__ import annotations
 
+import math
+from typing import Optional, Sequence
+
 HEAD_DIMS = (64, 128)
 MAX_WORLD_SIZE = 32  # ranks the barrier kernel (cute_kernels.signal) and so every transport take
 EPS = 1e-6  # the QKV projection's RMSNorm eps (quack's HeadRstd in its qk epilogues): Flux's and Wan's
+ALIGN_BYTES = 16  # TMA and 16-byte vector loads / stores: base addresses and strides in multiples of this
+
+
+def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = None) -> bool:
+    """The 16-byte rule of TMA and vector loads / stores: t's last dim contiguous, its base address
+    (`address`, default t.data_ptr(); a fake tensor's is its storage offset in bytes; 0: the strides
+    alone) and the byte strides of `dims` (default: every dim but the last) multiples of ALIGN_BYTES."""
+    st = t.stride()
+    strides = st[:-1] if dims is None else [st[d] for d in dims]
+    # element sizes are powers of two: every byte stride is a multiple of 16 iff their gcd's is (one
+    # call into Python's C code on the op's eager path, which checks every input tensor)
+    return (st[-1] == 1 and (t.data_ptr() if address is None else address) % ALIGN_BYTES == 0
+            and math.gcd(*strides) * t.element_size() % ALIGN_BYTES == 0)
 
 
 def tma_table(t, address: int) -> bool:
     """Whether a float32 [M, D] RoPE table at `address` (t.data_ptr()) is what the QKV projection's
     epilogue loads by TMA: contiguous rows, a 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and (t.stride(0) * 4) % 16 == 0 and address % 16 == 0
+    return aligned16(t, address)
 
 
 def __getattr__(name: str):

@@ -92,7 +92,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from cute_kernels.compile_cache import disk_value, load_or_compile
-from cute_kernels.limits import DTYPES, HEAD_DIMS, tma_table
+from cute_kernels.limits import ALIGN_BYTES, DTYPES, HEAD_DIMS, aligned16, tma_table
 
 
 def rope_kind(rope_cs) -> Optional[str]:
@@ -516,7 +516,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             raise ValueError(f"{name}: {x.dtype} on {x.device} expected, got {w.dtype} on {w.device}")
         if w.stride()[1:] != (N * heads * D, heads * D, D, 1):
             raise ValueError(f"{name}: each window [B, N, h, D] must be contiguous, got strides {w.stride()}")
-        if (P > 1 and (w.stride(0) * w.element_size()) % 16) or _address(w) % 16:
+        if not aligned16(w, _address(w), dims=(0,) if P > 1 else ()):
             raise ValueError(f"{name}: 16-byte aligned base and window stride expected")
     row0 = _check_int(row0, "row0", 0)
     if row0 + M > N:
@@ -533,7 +533,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
             a, b = windows[split[-1][-1]], windows[t]
             T = b.storage_offset() - a.storage_offset()
             same = (_same_storage(a, b) and a.stride() == b.stride() and T > 0
-                    and (T * es) % 16 == 0)
+                    and (T * es) % ALIGN_BYTES == 0)
             if same and len(split[-1]) > 1:
                 same = T == a.storage_offset() - windows[split[-1][-2]].storage_offset()
             if same:
@@ -577,8 +577,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
 def _tma_rows(x: torch.Tensor, C: int, address: int) -> bool:
     """Whether x [B, M, C] at `address` is what the GEMM's TMA loads: contiguous rows of C, a
     16-byte aligned base and batch stride."""
-    return (x.stride(2) == 1 and (x.stride(1) == C or x.shape[1] <= 1)
-            and (x.stride(0) * x.element_size()) % 16 == 0 and address % 16 == 0)
+    return (x.stride(1) == C or x.shape[1] <= 1) and aligned16(x, address, dims=(0,))
 
 
 def _no_launch(x, proj, rope_cs=None) -> None:

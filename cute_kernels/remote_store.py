@@ -52,6 +52,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_kernels.limits import aligned16
+
 MODES = ("vector", "bulk")
 PATTERN_CTA_SHIFT = 22          # word j < 2**22: at most 16 MiB per CTA per burst
 MAX_BYTES_PER_CTA = 4 << PATTERN_CTA_SHIFT
@@ -335,7 +337,7 @@ def run_bursts(dst, *, num_ctas: int, bytes_per_cta: int, n_bursts: int, gap_ite
 
     if not isinstance(dst, torch.Tensor) or dst.dtype != torch.int32 or dst.dim() != 1 or not dst.is_cuda:
         raise ValueError("dst: expected a 1-D int32 CUDA tensor")
-    if not dst.is_contiguous() or dst.data_ptr() % 16 != 0:
+    if not aligned16(dst):
         raise ValueError("dst: must be contiguous and 16-byte aligned")
     n_sm = torch.cuda.get_device_properties(dst.device).multi_processor_count
     if not 1 <= num_ctas <= n_sm:

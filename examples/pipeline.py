@@ -82,39 +82,18 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _ranks import init_ranks, pick_device  # noqa: E402
 
 
 def setup(ap, args):
-    """(rank, world size, device, process-group backend): one GPU per rank with NCCL, ranks sharing a
-    GPU with gloo, CPU ranks with gloo."""
-    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA GPU found (leave --device out, or --device cpu, for CPU ranks)")
-    if args.device == "cuda":
-        from fa_a2a.tools.mps import rank_device
-
-        shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        device = rank_device(local)  # cuda:(local rank % GPUs); ranks sharing one run under python -m fa_a2a.mps
-        backend = "gloo" if shared else "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        if args.impl and set(args.impl) - set(CPU_IMPLS):
-            ap.error(f"--impl: no CUDA GPU found, and on CPU only {' '.join(CPU_IMPLS)} run, got {' '.join(args.impl)}")
+    """(rank, world size, device, process-group backend) of this torchrun rank (_ranks), with the
+    impls that run there."""
+    world, device, backend = pick_device(ap, args)
+    if device.type == "cpu" and args.impl and set(args.impl) - set(CPU_IMPLS):
+        ap.error(f"--impl: no CUDA GPU found, and on CPU only {' '.join(CPU_IMPLS)} run, got {' '.join(args.impl)}")
     if args.impl is None:
         args.impl = list(GPU_DEFAULT if device.type == "cuda" else CPU_DEFAULT)
-    os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")  # first calls compile kernels while the peers wait
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    if device.type == "cpu":
-        from fa_a2a.models.diffusers_backend import cpu_testbed
-
-        cpu_testbed()  # diffusers' context parallelism assumes a GPU; this lets it run on CPU ranks
-    elif backend == "gloo":
-        from fa_a2a.models.diffusers_backend import gather_cuda_over_gloo
-
-        gather_cuda_over_gloo()  # diffusers' output gather through host memory (no NCCL on a shared GPU)
-    return dist.get_rank(), world, device, backend
+    return init_ranks(device, backend), world, device, backend
 
 
 def call_kwargs(pipe, args, steps, on_step):

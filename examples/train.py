@@ -76,15 +76,13 @@ import copy  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _ranks import init_ranks, pick_device  # noqa: E402
 
 
 def setup(ap, args):
-    """(rank, world size, device, process-group backend or None for one process)."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA GPU found (leave --device out, or --device cpu, for CPU ranks)")
+    """(rank, world size, device, process-group backend or None for one process) of this rank
+    (_ranks), with the impl and dtype that run there."""
+    world, device, backend = pick_device(ap, args)
     if args.device == "cpu" and args.impl not in (None, "reference"):
         ap.error(f"--impl: no CUDA GPU found, and on CPU only reference runs, got {args.impl}")
     if args.device == "cpu" and args.dtype == "bfloat16":
@@ -93,27 +91,9 @@ def setup(ap, args):
         args.impl = "auto" if args.device == "cuda" else "reference"
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.device == "cuda":
-        from fa_a2a.tools.mps import rank_device
-
-        device = rank_device(local)  # cuda:(local rank % GPUs); ranks sharing one run under python -m fa_a2a.mps
-        shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        backend = "gloo" if shared else "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if world == 1:
         return 0, 1, device, None
-    os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")  # first calls compile kernels while the peers wait
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    if device.type == "cpu":
-        from fa_a2a.models.diffusers_backend import cpu_testbed
-
-        cpu_testbed()  # diffusers' context parallelism assumes a GPU; this lets it run on CPU ranks
-    elif backend == "gloo":
-        from fa_a2a.models.diffusers_backend import gather_cuda_over_gloo
-
-        gather_cuda_over_gloo()  # diffusers' output gather through host memory (no NCCL on a shared GPU)
-    return dist.get_rank(), world, device, backend
+    return init_ranks(device, backend), world, device, backend
 
 
 def tiny_flux(args, device):

@@ -1,4 +1,4 @@
-"""Steady-state timing of CUDA-graph replays.
+"""Steady-state timing of CUDA-graph replays (and of eager batches).
 
 The method follows the X-Stage paper (Sec. 5.3, "Measurement methodology"):
 
@@ -16,6 +16,8 @@ The method follows the X-Stage paper (Sec. 5.3, "Measurement methodology"):
 - Eager calls (`time_eager`): the same N calls launched from Python without a graph, host wall
   time from before the first launch to the end of the GPU work: it shows whether a call is
   GPU-bound (eager ~ graph time) or bound by its host path (launches, checks, dispatch).
+- One loop times them all (`time_batches`): a batch is any callable that issues the N calls (a
+  graph's replay, an `eager_batch`), with a caller's `before` (untimed) and `after` (timed) step.
 - DVFS: `GpuClockMonitor` samples the SM clock and temperature through NVML while each replay runs
   and warns when a method's clock moved by more than 5% between its first and last sample.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 import warnings
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -270,6 +273,82 @@ class GpuClockMonitor:
         return info
 
 
+def eager_batch(fn: Calls, n_calls: int) -> Fn:
+    """One eager batch: `n_calls` back-to-back calls launched from Python (call i runs fn[i % k]),
+    their outputs dropped as they come."""
+    fns = _as_calls(fn)
+    _check_count(n_calls, "n_calls", 1)
+
+    def batch() -> None:
+        for i in range(n_calls):
+            fns[i % len(fns)]()
+
+    return batch
+
+
+def time_batches(batches: Mapping[str, Fn], n_calls: int, trials: int, warmup: int = 0, *,
+                 before: Optional[Fn] = None, after: Optional[Fn] = None, group=None, host_clock: bool = False,
+                 monitor: Optional[GpuClockMonitor] = None,
+                 progress: Optional[Callable[[str, int], None]] = None) -> dict:
+    """The one timing loop: per-call time in microseconds of each batch (a callable that issues
+    `n_calls` calls: a graph's replay, an eager_batch), one value per trial: {name: [t_0, ...]}.
+
+    `warmup` untimed runs of every batch, then `trials` rounds; round t runs the batches in
+    `rotated(names, t)` order. One timed run is: before() (untimed) | start | batch() | after() |
+    end, its value (end - start) / n_calls; start and end are CUDA events on the current stream, or
+    with `host_clock` the host's clock after a torch.cuda.synchronize (the host's launch path and the
+    GPU work, whichever is longer). With a process group of > 1 rank each value is the maximum over
+    ranks (one all_reduce MAX at the end; all ranks pass the same names). `monitor` samples the clocks
+    at every timed run (an event-timed batch still running) and checks each batch's drift at the end;
+    `progress(name, trial)` is called after every timed run."""
+    names = list(batches)
+    if not names:
+        raise ValueError("batches: empty")
+    _check_count(n_calls, "n_calls", 1)
+    _check_count(trials, "trials", 1)
+    _check_count(warmup, "warmup", 0)
+    before = before or (lambda: None)
+    after = after or (lambda: None)
+    if monitor is None:
+        monitor = GpuClockMonitor(enabled=False)
+    for _ in range(warmup):
+        for name in names:
+            before()
+            batches[name]()
+            after()
+    torch.cuda.synchronize()
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    raw = torch.zeros(trials, len(names), dtype=torch.float64)
+    for t in range(trials):
+        for name in rotated(names, t):
+            before()
+            if host_clock:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                batches[name]()
+                after()
+                torch.cuda.synchronize()
+                us = (time.perf_counter() - t0) * 1e6
+                monitor.sample(name)
+            else:
+                start.record()
+                batches[name]()
+                after()
+                end.record()
+                monitor.sample(name)  # read while the batch is (usually) still running
+                end.synchronize()
+                us = start.elapsed_time(end) * 1e3
+            raw[t, names.index(name)] = us / n_calls
+            if progress is not None:
+                progress(name, t)
+    for name in names:
+        monitor.check(name)
+    raw = rank_max(raw, group)
+    return {name: raw[:, j].tolist() for j, name in enumerate(names)}
+
+
 def time_graphs(methods: Mapping[str, Calls], n_calls: int, trials: int, warmup: int = 3,
                 barrier: Optional[Fn] = None, group=None, *, monitor: Optional[GpuClockMonitor] = None,
                 progress: Optional[Callable[[str, int], None]] = None,
@@ -288,44 +367,14 @@ def time_graphs(methods: Mapping[str, Calls], n_calls: int, trials: int, warmup:
     """
     names, calls = _check_methods(methods, n_calls, trials, barrier)
     _check_count(warmup, "warmup", 0)
-    if monitor is None:
-        monitor = GpuClockMonitor(enabled=False)
-
     # One private memory pool per graph: graphs that share a pool must replay in capture order,
     # and the order here rotates.
     graphs = {name: capture(calls[name], n_calls) for name in names}
-    sync = barrier if barrier is not None else (lambda: None)
     if after_capture is not None:
         after_capture()
         torch.cuda.synchronize()
-
-    for _ in range(warmup):
-        for name in names:
-            sync()
-            graphs[name].replay()
-            sync()
-    torch.cuda.synchronize()
-
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    raw = torch.zeros(trials, len(names), dtype=torch.float64)
-    for t in range(trials):
-        for name in rotated(names, t):
-            sync()
-            start.record()
-            graphs[name].replay()
-            sync()
-            end.record()
-            monitor.sample(name)  # read while the replay is (usually) still running
-            end.synchronize()
-            raw[t, names.index(name)] = start.elapsed_time(end) * 1000.0 / n_calls
-            if progress is not None:
-                progress(name, t)
-    for name in names:
-        monitor.check(name)
-    del graphs
-    raw = rank_max(raw, group)
-    return {name: raw[:, j].tolist() for j, name in enumerate(names)}
+    return time_batches({name: graphs[name].replay for name in names}, n_calls, trials, warmup, before=barrier,
+                        after=barrier, group=group, monitor=monitor, progress=progress)
 
 
 def time_eager(methods: Mapping[str, Calls], n_calls: int, trials: int, barrier: Optional[Fn] = None,
@@ -335,21 +384,6 @@ def time_eager(methods: Mapping[str, Calls], n_calls: int, trials: int, barrier:
     n_calls calls (call i runs fn[i % k]) | barrier() | synchronize | host clock; so it covers the
     host's launch path and the GPU work, whichever is longer. Method order rotated per trial,
     maximum over the ranks of `group` as in `time_graphs`. Call every method once before (compiles)."""
-    import time
-
     names, calls = _check_methods(methods, n_calls, trials, barrier)
-    sync = barrier if barrier is not None else (lambda: None)
-    raw = torch.zeros(trials, len(names), dtype=torch.float64)
-    for t in range(trials):
-        for name in rotated(names, t):
-            fns = calls[name]
-            sync()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n_calls):
-                fns[i % len(fns)]()
-            sync()
-            torch.cuda.synchronize()
-            raw[t, names.index(name)] = (time.perf_counter() - t0) * 1e6 / n_calls
-    raw = rank_max(raw, group)
-    return {name: raw[:, j].tolist() for j, name in enumerate(names)}
+    return time_batches({name: eager_batch(calls[name], n_calls) for name in names}, n_calls, trials,
+                        before=barrier, after=barrier, group=group, host_clock=True)

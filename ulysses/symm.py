@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from cute_kernels.limits import ALIGN_BYTES
 from ulysses.transport_base import (DEFAULT_SETUP_TIMEOUT_S, DEFAULT_TIMEOUT_S, Transport, _round_up,
                                tensor_from_address)
 
@@ -24,7 +25,7 @@ def uniform_window_stride(buffer_ptrs: Sequence[int], nbytes: int) -> int:
         return _round_up(nbytes, 128)
     stride = ptrs[1] - ptrs[0]
     uniform = all(p == ptrs[0] + d * stride for d, p in enumerate(ptrs))
-    if not uniform or stride < nbytes or stride % 16:
+    if not uniform or stride < nbytes or stride % ALIGN_BYTES:
         raise ValueError(
             f"buffer_ptrs: peers' buffers are not at one positive stride >= {nbytes} bytes "
             f"(offsets from rank 0: {[p - ptrs[0] for p in ptrs]}); use the 'vmm' transport")

@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from cute_kernels.limits import aligned16
 from ulysses.reference import local_attention as reference_attention
 
 from .problem import Problem
@@ -71,11 +72,8 @@ def _capture_id() -> Optional[int]:
 
 
 def contiguous16(t: torch.Tensor) -> torch.Tensor:
-    """t itself when the A2A kernels can read it (16-byte base and strides), else a copy."""
-    es = t.element_size()
-    if t.data_ptr() % 16 == 0 and (
-            (t.is_contiguous() and t.shape[-1] * es % 16 == 0)  # the common case, one call into torch
-            or (t.stride(-1) == 1 and all((s * es) % 16 == 0 for s in t.stride()[:-1]))):
+    """t itself when the A2A kernels can read it (cute_kernels.limits.aligned16), else a copy."""
+    if aligned16(t):
         return t
     return t.clone(memory_format=torch.contiguous_format)  # fresh storage: aligned base
 
@@ -215,17 +213,16 @@ class WindowPlan:
         return self._launches[key]
 
     def pacer(self, rank: int, causal: bool, pace):
-        """The store pacer of rank's fused launch (fa_a2a.engine.pacing.launch_pacer), or None for an
+        """The store pacer of rank's fused launch (fa_a2a.engine.pacing.fused_pacer), or None for an
         unpaced one: fa_a2a.engine.pacing decides (pace "auto": collective the first time)."""
         if pace is None:
             return None
-        from fa_a2a.engine.pacing import launch_pacer, link_gbps, pace_path, plan_pacing
+        from fa_a2a.engine.pacing import fused_pacer, link_gbps
 
         lay, t = self.layout, self.transport
-        tile_m, path = pace_path(self.dq, lay.seq_loc, self.D, causal)
-        self.pacing = plan_pacing(pace, lambda: link_gbps(t), t.device, lay.seq_pad, lay.heads_loc, self.B, self.D,
-                                  self.dtype, causal, tile_m, path, ranks_per_gpu=t.ranks_per_gpu)
-        return launch_pacer(self.pacing, t.device, tile_m, self.D, self.dtype)
+        self.pacing, pacer = fused_pacer(pace, lambda: link_gbps(t), self.dq, lay.seq_loc, lay.seq_pad, lay.heads_loc,
+                                         self.B, causal, ranks_per_gpu=t.ranks_per_gpu)
+        return pacer
 
     def _pre_launch(self, rank: int):
         from cute_kernels.a2a import pre_a2a_launcher

@@ -66,7 +66,7 @@ from fa_a2a.engine.log import log_once
 
 __all__ = ["PACE_FRACTION", "QUEUE_FRACTION", "FA4_TFLOPS", "GEMM_TFLOPS", "Pacing", "check_pace", "encode_pace",
            "decode_pace", "decide", "measure_store_rate", "link_gbps", "pace_path", "plan_pacing", "launch_pacer",
-           "decide_projection", "plan_projection_pacing", "projection_pacer"]
+           "fused_pacer", "decide_projection", "plan_projection_pacing", "projection_pacer"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +208,6 @@ def link_gbps(transport, side: str = "out") -> float:
     return rate
 
 
-
-
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -265,6 +263,18 @@ def launch_pacer(decision: Pacing, device, tile_m: int, head_dim: int, dtype: to
 
     tile_bytes = tile_m * head_dim * torch.empty(0, dtype=dtype).element_size()
     return make_pacer(device, decision.rate_gbps, tile_bytes, BURST_TILES)
+
+
+def fused_pacer(pace: Pace, link: Callable[[], float], q: torch.Tensor, seq_loc: int, seqlen: int, heads_loc: int,
+                batch: int, causal: bool, *, ranks_per_gpu: int = 1) -> tuple:
+    """(decision, pacer) of one fused attention launch, the one path of the op and the benchmarks:
+    pace_path, plan_pacing and launch_pacer on q's device, dtype and head dim (q: the launch's query
+    rows, any shape); seq_loc: the output rows per rank; the other arguments as plan_pacing's."""
+    head_dim = q.shape[-1]
+    tile_m, path = pace_path(q, seq_loc, head_dim, causal)
+    decision = plan_pacing(pace, link, q.device, seqlen, heads_loc, batch, head_dim, q.dtype, causal, tile_m, path,
+                           ranks_per_gpu=ranks_per_gpu)
+    return decision, launch_pacer(decision, q.device, tile_m, head_dim, q.dtype)
 
 
 # ---- the QKV projection's stores (the block's pre-A2A, cute_kernels.qkv_a2a_sm90's pacer) -------

@@ -27,11 +27,12 @@ only and the NCCL call is skipped with that reason. Per M (the full sequence S),
 Timing: a method is n_calls back-to-back calls; before each timed batch the ranks line up with
 torch.cuda.synchronize + dist.barrier + one in-stream barrier of the transport (so the start
 events of all ranks fire together). The batch is a CUDA-graph replay when every rank could capture
-every method (graphs.capture; the in-stream barriers replay), else the same calls eagerly; the JSON
-says which ("timing_mode", and the capture error). Per trial the maximum over ranks, the method
-order rotated every trial (graphs.timing.rotated), medians over trials; ratios also paired (the
-median over trials of the per-trial ratio: every method ran back to back in that trial). The
-eager time of every method is measured too (host launch cost shows as eager > graph).
+every method (graphs.capture; the in-stream barriers replay), else the same calls eagerly
+(graphs.eager_batch); the JSON says which ("timing_mode", and the capture error). Timed by
+graphs.time_batches (CUDA events): per trial the maximum over ranks, the method order rotated
+every trial, medians over trials; ratios also paired (the median over trials of the per-trial
+ratio: every method ran back to back in that trial). The eager time of every method is measured
+too (host launch cost shows as eager > graph).
 
 Ratios: fused / (fa4_local + pre_a2a) (target <= 1.03: the fused call should cost what its
 attention and pre-A2A kernel cost alone), block / (qkv_gemm + fa4_local) (targets <= 1.10 at
@@ -465,14 +466,6 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
     return calls, steps, plan
 
 
-def _repeat(f, n: int):
-    """One eager batch: n calls of f, their outputs dropped as they come."""
-    def batch():
-        for _ in range(n):
-            f()
-    return batch
-
-
 def _aligner(group):
     """Line the ranks up before a timed batch: own GPU idle, hosts met, then one in-stream barrier
     so that the start events that follow it fire together on every rank."""
@@ -489,32 +482,6 @@ def _aligner(group):
         transport.barrier()
 
     return align
-
-
-def _time_batches(batches: dict, n_calls: int, trials: int, warmup: int, align, group) -> dict:
-    """{key: [us per call, one per trial]}: each batch (n_calls calls) after align(), timed by CUDA
-    events; method order rotated per trial; per trial the maximum over ranks."""
-    import torch
-
-    from graphs import rank_max, rotated
-
-    names = list(batches)
-    for _ in range(warmup):
-        for name in names:
-            align()
-            batches[name]()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    raw = torch.zeros(trials, len(names), dtype=torch.float64)
-    for t in range(trials):
-        for name in rotated(names, t):
-            align()
-            start.record()
-            batches[name]()
-            end.record()
-            end.synchronize()
-            raw[t, names.index(name)] = start.elapsed_time(end) * 1e3 / n_calls
-    raw = rank_max(raw, group)
-    return {name: raw[:, j].tolist() for j, name in enumerate(names)}
 
 
 def _breakdown(steps, n_calls: int, trials: int, align) -> tuple:
@@ -545,7 +512,7 @@ def _breakdown(steps, n_calls: int, trials: int, align) -> tuple:
 def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     import torch
 
-    from graphs import capture, rank_max
+    from graphs import capture, eager_batch, rank_max, time_batches
 
     group = ctx["group"]
     keys, status = select_methods(ctx["shared_gpu"])
@@ -608,14 +575,15 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     point["capture_error"] = error
     point["timing_mode"] = "cuda-graph" if graphs else "eager"
     align = _aligner(group)
-    eager = {k: _repeat(calls[k], n_calls) for k in names}
+    eager = {k: eager_batch(calls[k], n_calls) for k in names}
     log(f"M={M}: {n_calls} calls per batch, {point['timing_mode']}"
         + (f" (graph capture failed: {error})" if error else ""))
     if graphs:
-        raw = _time_batches({k: g.replay for k, g in graphs.items()}, n_calls, cfg.trials, cfg.warmup, align, group)
-        eager_raw = _time_batches(eager, n_calls, EAGER_TRIALS, 0, align, group)
+        raw = time_batches({k: g.replay for k, g in graphs.items()}, n_calls, cfg.trials, cfg.warmup, before=align,
+                           group=group)
+        eager_raw = time_batches(eager, n_calls, EAGER_TRIALS, before=align, group=group)
     else:
-        raw = eager_raw = _time_batches(eager, n_calls, cfg.trials, cfg.warmup, align, group)
+        raw = eager_raw = time_batches(eager, n_calls, cfg.trials, cfg.warmup, before=align, group=group)
     del graphs
     for key in ("serial", "fused", "fused_unpaced", "fused_st", "nccl", "auto", "block"):  # fresh outputs, checked once
         # after the timing

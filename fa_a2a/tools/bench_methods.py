@@ -10,6 +10,7 @@ from METHODS.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -113,32 +114,36 @@ def _build_fused_st(pt, s):
 
 
 def _build_fused_auto(pt, s):
-    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.engine.pacing.plan_pacing), decided
-    once per point: real ranks from their transport's link (link_gbps, as the op) and its ranks per
-    GPU; emulated ranks (one kernel at a time, the whole GPU) from the link measured into windows
-    where this point's windows are."""
+    """The fused kernel paced as the op's pace="auto" decides (fa_a2a.engine.pacing.fused_pacer, the op's
+    path), the link measured once per point: real ranks' from their transport (link_gbps, as the op)
+    with its ranks per GPU; emulated ranks' (one kernel at a time, the whole GPU) into windows where
+    this point's windows are."""
     from cute_kernels.fa4 import fa4_a2a_forward
-    from fa_a2a.engine.pacing import launch_pacer, link_gbps, measure_store_rate, pace_path, plan_pacing, probe_shape
+    from fa_a2a.engine.pacing import fused_pacer
 
     cfg = pt.cfg
-    tile_m, path = pace_path(s["q"], pt.S_loc, cfg.head_dim, cfg.causal)
-    if not hasattr(pt, "pacing"):
-        if cfg.real_ranks:
-            from ulysses.transport import get_transport
-
-            t = get_transport(pt.group)
-            link, ranks_per_gpu = (lambda: link_gbps(t)), t.ranks_per_gpu
-        else:
-            def link():
-                return measure_store_rate(pt.windows("pacing.link", probe_shape(cfg.world_size)), pt.rank)
-
-            ranks_per_gpu = 1
-        pt.pacing = plan_pacing("auto", link, pt.dev, pt.M, cfg.heads_local, cfg.batch, cfg.head_dim, pt.dtype,
-                                cfg.causal, tile_m, path, ranks_per_gpu=ranks_per_gpu)
-        print(f"[fused_auto M={pt.M} {pt.dest}] {pt.pacing.reason}", flush=True)
-    pacer = launch_pacer(pt.pacing, pt.dev, tile_m, cfg.head_dim, pt.dtype)
+    first = not hasattr(pt, "pacing_link")
+    if first:
+        pt.pacing_link, pt.ranks_per_gpu = _pacing_link(pt)
+    pacing, pacer = fused_pacer("auto", pt.pacing_link, s["q"], pt.S_loc, pt.M, cfg.heads_local, cfg.batch,
+                                cfg.causal, ranks_per_gpu=pt.ranks_per_gpu)
+    if first:
+        print(f"[fused_auto M={pt.M} {pt.dest}] {pacing.reason}", flush=True)
     w = pt.windows(f"fused_auto.{s['i']}")
     return (lambda: fa4_a2a_forward(s["q"], s["k"], s["v"], w, pt.rank, causal=pt.cfg.causal, pacer=pacer)), pt.mine(w)
+
+
+def _pacing_link(pt) -> tuple:
+    """(link(): the point's link in GB/s, measured at its first call; ranks per GPU) for the pacing."""
+    from fa_a2a.engine.pacing import link_gbps, measure_store_rate, probe_shape
+
+    if pt.cfg.real_ranks:
+        from ulysses.transport import get_transport
+
+        t = get_transport(pt.group)
+        return (lambda: link_gbps(t)), t.ranks_per_gpu
+    return functools.cache(lambda: measure_store_rate(pt.windows("pacing.link", probe_shape(pt.cfg.world_size)),
+                                                      pt.rank)), 1
 
 
 def _nccl_buffers(pt):
