@@ -1,0 +1,379 @@
+"""Torch entry point of the fused SM90 backward (cute_kernels.fa4_bwd_a2a_sm90): FA4's backward of one
+rank's heads with the post-A2A of dq, dk, dv in its kernels.
+
+fa4_bwd_a2a_launcher checks and compiles once (cute_kernels.compile_cache: the kernels are keyed by
+their configuration, shapes and strides are dynamic) and returns the launch: FA4's preprocess (its own
+function and compile cache), the main kernel, the routed postprocesses, on the current stream through
+TVM-FFI, no host sync (CUDA-graph capturable). FA4's configuration is its own backward's
+(flash_attn.cute.interface._flash_attn_bwd on SM90), so the results are FA4's bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from cute_kernels.compile_cache import disk_cache, disk_value
+from cute_kernels.limits import DTYPES, HEAD_DIMS
+from ulysses.layout import check_rank
+
+DKV_STORES = ("tma", "st")  # the non-GQA dK/dV paths (cute_kernels.fa4_bwd_a2a_sm90)
+
+
+# ---- FA4's SM90 backward configuration ------------------------------------------------------------
+class Sm90BwdConfig(NamedTuple):
+    """flash_attn.cute.interface._tile_size_bwd_sm90's BwdConfig, as a plain tuple."""
+
+    m_block_size: int
+    n_block_size: int
+    num_stages_Q: int
+    num_stages_dO: int
+    num_stages_PdS: int
+    SdP_swapAB: bool
+    dKV_swapAB: bool
+    dQ_swapAB: bool
+    AtomLayoutMSdP: int
+    AtomLayoutNdKV: int
+    AtomLayoutMdQ: int
+    num_wg: int
+    dQ_single_wg: bool
+
+
+@disk_value
+def fa4_sm90_bwd_config(head_dim: int, causal: bool) -> Sm90BwdConfig:
+    """FA4's SM90 backward configuration for this head dim (head_dim_v = head_dim, no local window,
+    no block sparsity): the table FA4's own backward uses. D=128: tile_m 80 (64 causal), tile_n 128."""
+    import dataclasses
+
+    from flash_attn.cute.interface import _tile_size_bwd_sm90
+
+    cfg = dataclasses.asdict(_tile_size_bwd_sm90(head_dim, head_dim, causal, False))
+    return Sm90BwdConfig(**{f: cfg[f] for f in Sm90BwdConfig._fields})
+
+
+def bwd_tiles(head_dim: int, causal: bool = False) -> tuple:
+    """(tile_m, tile_n) of FA4's SM90 backward: dQ rows per postprocess tile, dK/dV rows per KV block."""
+    cfg = fa4_sm90_bwd_config(head_dim, causal)
+    return cfg.m_block_size, cfg.n_block_size
+
+
+# ---- compile (fake tensors of the key's shape class; shapes and strides are dynamic) --------------
+def _cute_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+def _main_kernel(dkv_store: str, dtype, head_dim: int, qhead_per_kvhead: int, causal: bool, deterministic: bool):
+    """FA4's SM90 backward object (dkv_store "accum": FA4's own class, GQA) or the routed subclass,
+    configured as flash_attn.cute.interface._flash_attn_bwd configures it."""
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+
+    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardSm90
+
+    cfg = fa4_sm90_bwd_config(head_dim, causal)
+    cls, extra = FlashAttentionBackwardSm90, {}
+    if dkv_store != "accum":
+        cls, extra = FlashAttentionA2ABackwardSm90, {"dkv_store": dkv_store}
+    return cls(
+        _cute_dtype(dtype), head_dim, head_dim, qhead_per_kvhead, causal, is_local=False,
+        deterministic=deterministic, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
+        Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS,
+        SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB,
+        AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV, AtomLayoutMdQ=cfg.AtomLayoutMdQ,
+        num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False, q_subtile_factor=2,
+        dQ_single_wg=cfg.dQ_single_wg, **extra,
+    )
+
+
+class _Scratch(NamedTuple):
+    """FA4's backward buffers of one call: dPsum, the LSE in base 2, dq_accum, GQA's dk/dv_accum and
+    the deterministic mode's semaphores (None where unused)."""
+
+    dpsum: torch.Tensor
+    lse_log2: torch.Tensor
+    dq_accum: torch.Tensor
+    dk_accum: Optional[torch.Tensor]
+    dv_accum: Optional[torch.Tensor]
+    dq_sem: Optional[torch.Tensor]
+    dk_sem: Optional[torch.Tensor]
+    dv_sem: Optional[torch.Tensor]
+
+
+def _scratch(B: int, N: int, H: int, H_kv: int, D: int, cfg: Sm90BwdConfig, gqa: bool, deterministic: bool,
+             device) -> _Scratch:
+    """As flash_attn.cute.interface._flash_attn_bwd allocates them (SM90, D a multiple of 32)."""
+    tm, tn = cfg.m_block_size, cfg.n_block_size
+    n_m, n_n = -(-N // tm) * tm, -(-N // tn) * tn
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    dpsum, lse_log2 = torch.empty(B, H, n_m, **f32), torch.empty(B, H, n_m, **f32)
+    dq_accum = torch.empty(B, H, n_m * D, **f32)
+    dk_accum = dv_accum = dq_sem = dk_sem = dv_sem = None
+    if gqa:
+        dk_accum, dv_accum = torch.zeros(B, H_kv, n_n * D, **f32), torch.zeros(B, H_kv, n_n * D, **f32)
+    if deterministic:
+        dq_sem = torch.zeros(B, H, n_m // tm, 1, **i32)
+        if gqa:
+            dk_sem, dv_sem = torch.zeros(B, H_kv, n_n // tn, 2, **i32), torch.zeros(B, H_kv, n_n // tn, 2, **i32)
+    return _Scratch(dpsum, lse_log2, dq_accum, dk_accum, dv_accum, dq_sem, dk_sem, dv_sem)
+
+
+def _semaphore_tensor(t):
+    """A deterministic-mode semaphore (b, h, blocks, k) int32, its last mode contiguous."""
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    return None if t is None else to_cute_tensor(t, assumed_align=4, leading_dim=3)
+
+
+@disk_cache
+def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
+                         has_seqused_k: bool, deterministic: bool, single_q_block: bool, single_k_block: bool,
+                         extra_options: str = ""):
+    """The main backward kernel of one key: dkv_store "tma" / "st" (FlashAttentionA2ABackwardSm90, dK, dV
+    into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm90 with fp32 dK,
+    dV accumulators, GQA). single_q_block / single_k_block: one m / n block (FA4 compiles those apart).
+    extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the compiler."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.testing import active_fake_mode
+    from flash_attn.cute.utils import AuxData
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gqa = dkv_store == "accum"
+    if gqa != (qhead_per_kvhead > 1):
+        raise ValueError(f"dkv_store: 'accum' exactly when qhead_per_kvhead > 1, got {dkv_store!r} "
+                         f"with qhead_per_kvhead={qhead_per_kvhead}")
+    fa = _main_kernel(dkv_store, dtype, head_dim, qhead_per_kvhead, causal, deterministic)
+    cfg = fa4_sm90_bwd_config(head_dim, causal)
+    P, B, H_kv, D = 2, 1, 1, head_dim
+    N = cfg.m_block_size if single_q_block else 640 * P
+    if single_k_block:
+        N = min(N, cfg.n_block_size)
+    if single_q_block != (N <= cfg.m_block_size) or single_k_block != (N <= cfg.n_block_size):
+        raise ValueError("single_q_block, single_k_block: no sequence length has this pair of block counts")
+    H = H_kv * qhead_per_kvhead
+    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
+        q = torch.empty(B, N, H, D, dtype=dtype, device="cuda")
+        k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
+        s = _scratch(B, N, H, H_kv, D, cfg, gqa, deterministic, "cuda")
+        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused_k else None
+        if gqa:
+            dk, dv = s.dk_accum, s.dv_accum
+        else:
+            dk = torch.empty(P, B, N // P, P * H_kv, D, dtype=dtype, device="cuda").narrow(3, 0, H_kv)
+            dv = dk
+        tq, tk, tdk, tdv = (to_cute_tensor(t) for t in (q, k, dk, dv))
+        tdpsum, tlse, tacc = (to_cute_tensor(t) for t in (s.dpsum, s.lse_log2, s.dq_accum))
+        tsk = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
+        tsems = [_semaphore_tensor(t) for t in (s.dq_sem, s.dk_sem, s.dv_sem)]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi {extra_options}".strip()
+    if gqa:
+        # FA4 SM90 backward __call__: (..., dk, dv, scale, cu_q, cu_k, seqused_q, seqused_k, window_l,
+        # window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
+        return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, None, None, None, tsk, None,
+                            None, *tsems, AuxData(None, None), None, None, stream, options=options)
+    return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], stream=stream,
+                        options=options)
+
+
+@disk_cache
+def compile_bwd_a2a_post(dtype: torch.dtype, head_dim: int, tile_m: int, num_threads: int, atom_layout: int,
+                         swap_ab: bool, has_seqused: bool, extra_options: str = ""):
+    """The routed postprocess of one key (FlashAttentionA2ABackwardPostprocessSm90): FA4's postprocess
+    configuration of dQ (tile_m = the backward's m block, AtomLayoutMdQ, dQ_swapAB) or of GQA's dK, dV
+    (n block, AtomLayoutNdKV, dKV_swapAB)."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.testing import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardPostprocessSm90
+
+    fa = FlashAttentionA2ABackwardPostprocessSm90(_cute_dtype(dtype), head_dim, tile_m, num_threads, atom_layout,
+                                                  swap_ab)
+    P, B, S_loc, H_loc = 2, 1, 640, 1
+    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
+        accum = torch.empty(B, H_loc, P * S_loc * head_dim, dtype=torch.float32, device="cuda")
+        windows = torch.empty(P, B, S_loc, P * H_loc, head_dim, dtype=dtype, device="cuda").narrow(3, 0, H_loc)
+        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused else None
+        tacc, twin = to_cute_tensor(accum), to_cute_tensor(windows)
+        tsu = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(fa, tacc, twin, 1.0, tsu, stream=stream, options=f"--enable-tvm-ffi {extra_options}".strip())
+
+
+# ---- the launcher -----------------------------------------------------------------------------------
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size() if _is_fake(t) else t.data_ptr()
+
+
+def _check_heads(name: str, t, B: int, N: int, D: int, dtype, device, heads: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        raise ValueError(f"{name}: expected a tensor [B, N, H, D]")
+    if t.dtype not in DTYPES or t.dtype != dtype:
+        raise ValueError(f"{name}: dtype must be q's (bfloat16 or float16), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: must be on q's device ({device})")
+    if t.shape[0] != B or t.shape[1] != N or t.shape[3] != D or (heads is not None and t.shape[2] != heads):
+        want = f"[{B}, {N}, {'H' if heads is None else heads}, {D}]"
+        raise ValueError(f"{name}: expected {want}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def _check_windows(name: str, w, x: torch.Tensor, rank: int) -> None:
+    """w [P, B, S_loc, P * h_loc, D] of x [B, P * S_loc, h_loc, D]: each window contiguous, the window
+    stride a multiple of 16 bytes, a 16-byte aligned base."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 5:
+        raise ValueError(f"{name}: expected a tensor [P, B, S_loc, P * heads, D]")
+    P, B, S_loc, H, D = w.shape
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"{name}: must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    if B != x.shape[0] or D != x.shape[3] or P * S_loc != x.shape[1] or H != P * x.shape[2]:
+        raise ValueError(f"{name}: expected [P, {x.shape[0]}, S_loc, P * {x.shape[2]}, {x.shape[3]}] with "
+                         f"P * S_loc = {x.shape[1]}, got {tuple(w.shape)}")
+    check_rank(rank, P)
+    if w.stride()[1:] != (S_loc * H * D, H * D, D, 1):
+        raise ValueError(f"{name}: each window {name}[d] must be a contiguous [B, S_loc, H, D]")
+    if P > 1 and (w.stride(0) * w.element_size()) % 16:
+        raise ValueError(f"{name}: the window stride (dim 0) must be a multiple of 16 bytes")
+    if _address(w) % 16:
+        raise ValueError(f"{name}: the base address must be 16-byte aligned")
+
+
+def fa4_bwd_a2a_launcher(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dq_windows: torch.Tensor,
+    dk_windows: torch.Tensor,
+    dv_windows: torch.Tensor,
+    rank: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    dkv_store: Optional[str] = None,
+) -> Callable[[], None]:
+    """FA4's SM90 backward of rank `rank` with the post-A2A of dq, dk, dv in its kernels, checked and
+    compiled once: the returned function launches it on the current stream (preprocess, main kernel,
+    postprocesses; FA4's scratch is allocated here once and reused, so one launch at a time).
+
+    q, out, dout [B, N, H_loc, D]; k, v [B, N, H_kv_loc, D] (rows in slot order, N = P * S_loc, all
+    contiguous); lse [B, H_loc, N] fp32, the forward's (natural log). dq_windows [P, B, S_loc, P*H_loc, D],
+    dk_windows, dv_windows [P, B, S_loc, P*H_kv_loc, D] (window d is rank d's buffer, any window stride
+    that is a multiple of 16 bytes). Writes dq_windows[s // S_loc][b, s % S_loc, rank * H_loc + h] =
+    dq[b, s, h], and dk, dv likewise at heads rank * H_kv_loc + h; rows >= seqused_k of dk, dv are not
+    written. Stores are left to drain: the consumer needs a barrier after it (module docstring).
+    deterministic: FA4's deterministic mode (dQ and GQA's dK, dV summed in a fixed order).
+    dkv_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the backward's tile_n and
+    there is no seqused_k); with GQA dK, dV go through the postprocess and it has no effect.
+    The rows of k must be in slot order (key row s = sequence row s): ulysses.layout's key order is
+    that when the padding is a suffix and there are no joint rows."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a tensor [B, N, H, D]")
+    B, N, H_loc, D = q.shape
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q: dtype must be bfloat16 or float16, got {q.dtype}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim must be one of {HEAD_DIMS}, got {D}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q: must be a CUDA tensor (SM90), got device {q.device}")
+    _check_heads("q", q, B, N, D, q.dtype, q.device)
+    _check_heads("k", k, B, N, D, q.dtype, q.device)
+    _check_heads("v", v, B, N, D, q.dtype, q.device, heads=k.shape[2])
+    _check_heads("out", out, B, N, D, q.dtype, q.device, heads=H_loc)
+    _check_heads("dout", dout, B, N, D, q.dtype, q.device, heads=H_loc)
+    if H_loc % k.shape[2]:
+        raise ValueError(f"k: {k.shape[2]} KV heads do not divide q's {H_loc} heads")
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (B, H_loc, N)
+            or not lse.is_contiguous() or lse.device != q.device):
+        raise ValueError(f"lse: expected a contiguous float32 [{B}, {H_loc}, {N}] on {q.device}")
+    if not _is_fake(q):
+        if torch.cuda.get_device_capability(q.device) != (9, 0):
+            raise ValueError(f"q: device of compute capability 9.0 (SM90) expected, got "
+                             f"{torch.cuda.get_device_capability(q.device)}")
+    _check_windows("dq_windows", dq_windows, q, rank)
+    _check_windows("dk_windows", dk_windows, k, rank)
+    _check_windows("dv_windows", dv_windows, v, rank)
+    if dk_windows.shape[0] != dq_windows.shape[0] or dv_windows.shape[0] != dq_windows.shape[0]:
+        raise ValueError("dk_windows, dv_windows: must have dq_windows' P")
+    if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
+                                  or tuple(seqused_k.shape) != (B,) or seqused_k.device != q.device):
+        raise ValueError(f"seqused_k: expected int32 of shape ({B},) on {q.device}")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
+    H_kv_loc, S_loc = k.shape[2], dq_windows.shape[2]
+    qpk = H_loc // H_kv_loc
+    cfg = fa4_sm90_bwd_config(D, causal)
+    tm, tn = cfg.m_block_size, cfg.n_block_size
+    tma_ok = S_loc % tn == 0 and seqused_k is None
+    if dkv_store is None:
+        dkv_store = "tma" if tma_ok else "st"
+    elif dkv_store not in DKV_STORES or (dkv_store == "tma" and not tma_ok):
+        raise ValueError(f"dkv_store: {dkv_store!r} is not 'st', or 'tma' with S_loc a multiple of {tn} "
+                         f"(the backward's tile_n) and no seqused_k")
+    if qpk > 1:
+        dkv_store = "accum"
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), seqused_k is not None, deterministic,
+                                N <= tm, N <= tn)
+    post_dq = compile_bwd_a2a_post(q.dtype, D, tm, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
+                                   cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)
+    post_dkv = None
+    if qpk > 1:
+        post_dkv = compile_bwd_a2a_post(q.dtype, D, tn, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
+                                        seqused_k is not None)
+    s = _scratch(B, N, H_loc, H_kv_loc, D, cfg, qpk > 1, deterministic, q.device)
+    from flash_attn.cute.cute_dsl_utils import torch2cute_dtype_map
+    from flash_attn.cute.interface import _bwd_preprocess
+
+    def preprocess(compile_only: bool = False):
+        # FA4's own: dPsum = rowsum(dO * O), the LSE in base 2, dq_accum zeroed (its compile cache;
+        # fake_mode: compile, do not launch)
+        _bwd_preprocess(out, dout, s.dpsum, lse, s.lse_log2, s.dq_accum, None, None, None,
+                        torch2cute_dtype_map[q.dtype], D, D, tm, fake_mode=compile_only, hdim_multiple_of=32)
+
+    preprocess(compile_only=True)
+    if _is_fake(q):
+        return lambda: None
+    dq_dst = dq_windows.narrow(3, rank * H_loc, H_loc)
+    dk_dst = dk_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
+    dv_dst = dv_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
+    if qpk > 1:
+        main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, s.dk_accum, s.dv_accum, scale, None, None,
+                     None, seqused_k, None, None, s.dq_sem, s.dk_sem, s.dv_sem, (None, None), None, None)
+    else:
+        main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, dk_dst, dv_dst, scale, seqused_k, s.dq_sem)
+    zero = [t for t in (s.dk_accum, s.dv_accum, s.dq_sem, s.dk_sem, s.dv_sem) if t is not None]
+
+    def launch() -> None:
+        for t in zero:
+            t.zero_()
+        preprocess()
+        main(*main_args)
+        post_dq(s.dq_accum, dq_dst, scale, None)
+        if post_dkv is not None:
+            post_dkv(s.dk_accum, dk_dst, scale, seqused_k)
+            post_dkv(s.dv_accum, dv_dst, 1.0, seqused_k)
+
+    return launch
+
+
+def fa4_bwd_a2a(q, k, v, out, dout, lse, dq_windows, dk_windows, dv_windows, rank: int, **kwargs) -> None:
+    """fa4_bwd_a2a_launcher(...)() : one fused backward (see the launcher for the arguments)."""
+    fa4_bwd_a2a_launcher(q, k, v, out, dout, lse, dq_windows, dk_windows, dv_windows, rank, **kwargs)()

@@ -1,0 +1,154 @@
+"""CPU tier: the fused SM90 backward (cute_kernels.fa4_bwd_a2a: FA4's backward with the post-A2A of dq,
+dk, dv in its kernels) compiles for sm_90a with fake tensors, its PTX holds the routed stores, and bad
+arguments are refused by name."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cute_kernels import fa4_bwd_a2a as bwd
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The keys the launcher compiles (main kernel, postprocess), in call order."""
+    keys = {"main": [], "post": []}
+    main, post = bwd.compile_bwd_a2a_main, bwd.compile_bwd_a2a_post
+
+    def spy_main(*key, **kw):
+        keys["main"].append(key)
+        return main(*key, **kw)
+
+    def spy_post(*key, **kw):
+        keys["post"].append(key)
+        return post(*key, **kw)
+
+    monkeypatch.setattr(bwd, "compile_bwd_a2a_main", spy_main)
+    monkeypatch.setattr(bwd, "compile_bwd_a2a_post", spy_post)
+    return keys
+
+
+def _inputs(P=2, B=1, S_loc=256, H_loc=2, H_kv=None, D=128, dtype=BF16, seqused=None):
+    """Fake q, k, v, out, dout, lse of one rank and its windows (call under FakeTensorMode)."""
+    H_kv = H_kv or H_loc
+    N = P * S_loc
+    q = torch.empty(B, N, H_loc, D, dtype=dtype, device="cuda")
+    k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
+    lse = torch.empty(B, H_loc, N, dtype=torch.float32, device="cuda")
+    dqw = torch.empty(P, B, S_loc, P * H_loc, D, dtype=dtype, device="cuda")
+    dkw = torch.empty(P, B, S_loc, P * H_kv, D, dtype=dtype, device="cuda")
+    sk = None if seqused is None else torch.full((B,), seqused, dtype=torch.int32, device="cuda")
+    return dict(q=q, k=k, v=torch.empty_like(k), out=torch.empty_like(q), dout=torch.empty_like(q), lse=lse,
+                dq_windows=dqw, dk_windows=dkw, dv_windows=torch.empty_like(dkw)), sk
+
+
+CASES = [
+    # D, P, S_loc, H_loc, H_kv, causal, seqused, deterministic -> the dK/dV path the launcher picks
+    (128, 2, 256, 2, 2, False, None, False, "tma"),  # S_loc a multiple of tile_n (128)
+    (128, 8, 100, 1, 1, True, None, False, "st"),  # S_loc < tile: a block spans several ranks
+    (64, 2, 320, 2, 2, True, None, True, "st"),  # straddling blocks, FA4's deterministic mode
+    (64, 8, 256, 3, 3, False, None, False, "tma"),
+    (128, 4, 384, 2, 2, False, 1400, False, "st"),  # padded keys (seqused_k): per-thread stores
+    (128, 4, 384, 4, 1, False, 1400, False, "accum"),  # GQA: FA4's fp32 dK/dV, routed by the postprocess
+    (64, 8, 200, 4, 2, False, None, True, "accum"),  # GQA, straddling, deterministic
+]
+
+
+@pytest.mark.parametrize("D,P,S_loc,H_loc,H_kv,causal,seqused,det,store", CASES)
+def test_compiles_without_gpu(D, P, S_loc, H_loc, H_kv, causal, seqused, det, store, compiled):
+    with FakeTensorMode():
+        args, sk = _inputs(P=P, S_loc=S_loc, H_loc=H_loc, H_kv=H_kv, D=D, seqused=seqused)
+        bwd.fa4_bwd_a2a(**args, rank=P - 1, causal=causal, seqused_k=sk, deterministic=det)
+    cfg = bwd.fa4_sm90_bwd_config(D, causal)
+    N = P * S_loc
+    assert compiled["main"] == [(store, BF16, D, H_loc // H_kv, causal, seqused is not None, det,
+                                 N <= cfg.m_block_size, N <= cfg.n_block_size)]
+    dq_threads = 128 if cfg.dQ_single_wg else 128 * cfg.num_wg
+    posts = [(BF16, D, cfg.m_block_size, dq_threads, cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)]
+    if store == "accum":
+        posts.append((BF16, D, cfg.n_block_size, 128 * cfg.num_wg, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
+                      seqused is not None))
+    assert compiled["post"] == posts
+
+
+def test_st_forced_on_aligned_windows_and_fp16(compiled):
+    with FakeTensorMode():
+        args, _ = _inputs(P=4, S_loc=256, D=128, dtype=torch.float16)
+        bwd.fa4_bwd_a2a(**args, rank=0, dkv_store="st")
+    assert compiled["main"][0][:2] == ("st", torch.float16)
+
+
+def test_tiles_are_fa4s():
+    assert bwd.bwd_tiles(128) == (80, 128) and bwd.bwd_tiles(128, True) == (64, 128)
+    assert bwd.bwd_tiles(64) == (128, 128)
+
+
+def _ptx(fn, *key, tmp_path):
+    return fn(*key, extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+
+
+TMA_STORE = "cp.async.bulk.tensor.5d.global.shared::cta"  # a TMA store through the 5-mode window view
+
+
+def test_ptx_shows_the_stores(tmp_path):
+    st = _ptx(bwd.compile_bwd_a2a_main, "st", BF16, 128, 1, False, False, False, False, False, tmp_path=tmp_path)
+    assert "st.global.v4.b32" in st and TMA_STORE not in st  # per-thread 16-byte stores of dK, dV
+    tma = _ptx(bwd.compile_bwd_a2a_main, "tma", BF16, 128, 1, False, False, False, False, False, tmp_path=tmp_path)
+    assert TMA_STORE in tma and "st.global" not in tma
+    # GQA: FA4's own kernel, dK/dV as fp32 bulk reduce-adds into the accumulators beside dQ's
+    gqa = _ptx(bwd.compile_bwd_a2a_main, "accum", BF16, 128, 2, False, False, False, False, False, tmp_path=tmp_path)
+    add = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    assert gqa.count(add) > st.count(add) == tma.count(add) > 0 and TMA_STORE not in gqa
+    cfg = bwd.fa4_sm90_bwd_config(128, False)
+    post = _ptx(bwd.compile_bwd_a2a_post, BF16, 128, cfg.m_block_size, 256, cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False,
+                tmp_path=tmp_path)
+    assert "st.global.v4.b32" in post
+
+
+def test_refusals():
+    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardSm90
+
+    with FakeTensorMode():
+        args, sk = _inputs(P=2, S_loc=200)
+
+        def refused(match, rank=0, **over):
+            with pytest.raises(ValueError, match=match):
+                bwd.fa4_bwd_a2a_launcher(**{**args, **over}, rank=rank)
+
+        q, k = args["q"], args["k"]
+        refused("q: dtype", q=q.float())
+        refused("q: head dim", q=torch.empty(1, 400, 2, 96, dtype=BF16, device="cuda"))
+        refused("k: expected", k=k[:, :300])
+        refused("k: 3 KV heads do not divide", k=torch.empty(1, 400, 3, 128, dtype=BF16, device="cuda"),
+                v=torch.empty(1, 400, 3, 128, dtype=BF16, device="cuda"))
+        refused("v: expected", v=torch.empty(1, 400, 1, 128, dtype=BF16, device="cuda"))
+        refused("out: expected", out=torch.empty(1, 400, 3, 128, dtype=BF16, device="cuda"))
+        refused("dout: must be contiguous", dout=torch.empty(1, 400, 128, 2, dtype=BF16, device="cuda").transpose(2, 3))
+        refused("lse: expected", lse=args["lse"].transpose(1, 2))
+        refused("lse: expected", lse=args["lse"].half())
+        refused("rank", rank=2)
+        refused("rank", rank=1.0)
+        refused("dq_windows: expected", dq_windows=args["dq_windows"][:, :, :, :3])
+        refused("dk_windows: expected", dk_windows=args["dk_windows"][:1])
+        refused("dv_windows: must be", dv_windows=args["dv_windows"].half())
+        win = args["dq_windows"]
+        flat = torch.empty(win.numel() + 8, dtype=BF16, device="cuda")
+        refused("dq_windows: the base address", dq_windows=flat[1:1 + win.numel()].view(win.shape))
+        odd = flat.as_strided(win.shape, (win.stride(0) + 1,) + win.stride()[1:])
+        refused("dq_windows: the window stride", dq_windows=odd)
+        heads_inner = flat.as_strided(win.shape, win.stride()[:3] + (1, win.shape[3]))
+        refused("dq_windows: each window", dq_windows=heads_inner)
+        refused("seqused_k: expected", seqused_k=torch.full((1,), 300, dtype=torch.int64, device="cuda"))
+        refused("deterministic: expected a bool", deterministic=1)
+        refused("dkv_store", dkv_store="tma")  # S_loc 200 is not a multiple of tile_n
+        refused("dkv_store", dkv_store="x")
+        args, sk = _inputs(P=2, S_loc=256, seqused=400)
+        refused("dkv_store", dkv_store="tma", seqused_k=sk)  # padded keys: TMA would write past them
+    with pytest.raises(ValueError, match="dkv_store: 'accum' exactly when"):
+        bwd.compile_bwd_a2a_main("st", BF16, 128, 2, False, False, False, False, False)
+    with pytest.raises(ValueError, match="qhead_per_kvhead"):
+        bwd._main_kernel("tma", BF16, 128, 2, False, False)
+    with pytest.raises(ValueError, match="dkv_store: one of"):
+        FlashAttentionA2ABackwardSm90(bwd._cute_dtype(BF16), 128, dkv_store="x")
