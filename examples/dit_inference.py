@@ -123,11 +123,12 @@ def parse_args(argv=None):
 if __name__ == "__main__":
     PARSER, ARGS = parse_args()  # a bad flag is refused before torch and diffusers load
 
+import _ranks  # noqa: E402  (the examples' rank set-up: pick_device, init_ranks)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def pick_device(ap, args) -> None:
+def pick_device_and_impls(ap, args) -> None:
     """--device / --impls left out: a CUDA GPU when there is one, else the CPU with the impls that run
     there (said in one line). Asked for explicitly: cuda without a GPU, or a GPU impl on CPU, is refused."""
     has_gpu = torch.cuda.is_available()
@@ -215,18 +216,10 @@ def denoise(model, latents, cond, t_scale, steps, dtype, *, sync=None):
 
 
 def run(rank, world_size, args, device, group_backend):
+    """One rank's runs, its process group joined (_ranks.init_ranks); rank 0 prints the table."""
     from diffusers import ContextParallelConfig
 
     from fa_a2a.models.diffusers_backend import register_diffusers_backend, route_counts
-
-    if device.type == "cpu":
-        from fa_a2a.models.diffusers_backend import cpu_testbed
-
-        cpu_testbed()  # diffusers' CP assumes a GPU; this answers it as a CPU run needs (no arithmetic changes)
-    if device.type == "cuda" and group_backend == "gloo":
-        from fa_a2a.models.diffusers_backend import gather_cuda_over_gloo
-
-        gather_cuda_over_gloo()
 
     def host_barrier():
         dist.barrier()
@@ -315,14 +308,11 @@ def run(rank, world_size, args, device, group_backend):
     return rows
 
 
-def _spawned(rank, world_size, port, args):
-    os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")  # first calls compile kernels while peers wait
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+def _serve(world_size, args, device, backend):
+    """This rank: join the process group (_ranks.init_ranks), run, leave."""
+    rank = _ranks.init_ranks(device, backend)
     try:
-        run(rank, world_size, args, device, "gloo")
+        run(rank, world_size, args, device, backend)
         if device.type == "cuda":
             from ulysses.transport import close_transports
 
@@ -331,29 +321,22 @@ def _spawned(rank, world_size, port, args):
         dist.destroy_process_group()
 
 
+def _spawned(rank, world_size, port, args):
+    """One of --nproc processes on this host (sharing GPU 0, or CPU ranks): a gloo group over a TCP
+    rendezvous on 127.0.0.1:port, set up as a torchrun rank's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _serve(world_size, args, device, "gloo")
+
+
 def main(ap, args):
-    pick_device(ap, args)
+    pick_device_and_impls(ap, args)
     t0 = time.time()
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        world_size, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-        if args.device == "cuda":
-            from fa_a2a.tools.mps import rank_device
-
-            shared = torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            device = rank_device(local)  # cuda:(local % GPUs); ranks sharing a GPU: run under python -m fa_a2a.mps
-            backend = "gloo" if shared else "nccl"  # NCCL refuses two ranks on one GPU
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        os.environ.setdefault("FA_A2A_TIMEOUT_S", "300")
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-        try:
-            run(dist.get_rank(), world_size, args, device, backend)
-            if device.type == "cuda":
-                from ulysses.transport import close_transports
-
-                close_transports()
-        finally:
-            dist.destroy_process_group()
+    if "WORLD_SIZE" in os.environ:  # torchrun: this rank's device and backend as the other examples pick them
+        world_size, device, backend = _ranks.pick_device(ap, args)
+        _serve(world_size, args, device, backend)
     else:
         import torch.multiprocessing as mp
 

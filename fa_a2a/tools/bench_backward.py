@@ -42,9 +42,11 @@ Real ranks (torchrun --nproc-per-node=P, one GPU per process, or P processes on 
 and FA4 on its own problem, both on all ranks at once; ratios over 1 x FA4. Timing is eager, never
 a graph: every call and every backward of the op agrees its signature across the ranks on the host
 (fa_a2a.engine.problem.agree_call), which a replay would skip. A batch is n_calls back-to-back calls
-between two CUDA events after torch.cuda.synchronize + dist.barrier + one in-stream barrier of the
-transport (the ranks' start events fire together); per trial the max over ranks, method order
-rotated every trial, medians over trials. Eager means the host's launch path is in the time where
+(graphs.eager_batch) between two CUDA events after torch.cuda.synchronize + dist.barrier + one
+in-stream barrier of the transport (the ranks' start events fire together); timed by
+graphs.time_batches, as the whole-call benchmark times its batches: per trial the max over ranks,
+method order rotated every trial, medians over trials. The ranks are set up as the whole-call
+benchmark sets them up (fa_a2a.tools.bench_call.setup_ranks). Eager means the host's launch path is in the time where
 it is longer than the GPU's work (small M).
 
 Both: the fixed inputs and dO come from --seed; the FA4 baseline rotates over enough input sets
@@ -191,15 +193,9 @@ def format_table(points: Sequence[dict]) -> str:
                 str(p["M"]), impl, _cell(s["fa4_fwd"]), _cell(s["fa4_fwdbwd"]), _cell(s["op_fwd"]),
                 _cell(s["op_fwdbwd"]), _cell(r.get("bwd"), "{:.3f}"), _cell(r.get("fwdbwd"), "{:.3f}"),
                 _cell(r.get("fwdbwd_paired"), "{:.3f}")]) + " |")
-    why = {}
-    for p in points:
-        for key, reason in p["status"].items():
-            if key not in p["median_us"]:
-                why.setdefault(f"{key}: {reason}", []).append(str(p["M"]))
-    if why:
-        lines.append("")
-        lines += [f"Not timed ({text}) at M = {', '.join(ms)}." for text, ms in why.items()]
-    return "\n".join(lines)
+    from fa_a2a.tools.bench_call import not_run_lines
+
+    return "\n".join(lines + not_run_lines(points, "Not timed"))
 
 
 def table_title(points: Sequence[dict], card: str, cfg: BenchConfig) -> str:
@@ -223,26 +219,17 @@ def _rank_from_env() -> int:
 
 
 def _setup(cfg: BenchConfig) -> dict:
+    """Real ranks: the whole-call benchmark's rank set-up (bench_call.setup_ranks); emulated ranks: GPU 0,
+    no process group."""
     import torch
 
-    if not cfg.real_ranks:
-        torch.cuda.set_device(0)
-        return {"rank": 0, "group": None, "device": torch.device("cuda", 0), "shared_gpu": False,
-                "local_world_size": 1, "gpus": torch.cuda.device_count(), "backend": None}
-    import torch.distributed as dist
+    if cfg.real_ranks:
+        from fa_a2a.tools.bench_call import setup_ranks
 
-    from fa_a2a.tools.mps import rank_device  # cuda:(LOCAL_RANK % device count), made current
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(cfg.world_size)))
-    shared = local_world > torch.cuda.device_count()
-    dev = rank_device()
-    backend = "gloo" if shared else "cpu:gloo,cuda:nccl"
-    if shared:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, device_id=dev)
-    return {"rank": dist.get_rank(), "group": dist.group.WORLD, "device": dev, "shared_gpu": shared,
-            "local_world_size": local_world, "gpus": torch.cuda.device_count(), "backend": backend}
+        return setup_ranks(cfg)
+    torch.cuda.set_device(0)
+    return {"rank": 0, "group": None, "device": torch.device("cuda", 0), "shared_gpu": False,
+            "local_world_size": 1, "gpus": torch.cuda.device_count(), "backend": None}
 
 
 def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
@@ -326,64 +313,22 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
 
 
 def _aligner(ctx: dict):
-    """Before a timed batch: this GPU idle; with real ranks also the hosts met (dist.barrier) and one
-    in-stream barrier of the transport, so that every rank's start event fires together."""
+    """Before a timed batch: this GPU idle; with real ranks also the hosts met and one in-stream barrier
+    of the transport (bench_call.rank_aligner), so that every rank's start event fires together."""
     import torch
 
     if ctx["group"] is None:
         return torch.cuda.synchronize
-    import torch.distributed as dist
+    from fa_a2a.tools.bench_call import rank_aligner
 
-    from ulysses.transport import get_transport
-
-    transport = get_transport(ctx["group"])
-
-    def align():
-        torch.cuda.synchronize()
-        dist.barrier(ctx["group"])
-        transport.barrier()
-
-    return align
-
-
-def _batch(fns: Sequence, n: int):
-    def run():
-        for i in range(n):
-            fns[i % len(fns)]()
-    return run
-
-
-def _time_eager(calls: dict, n_calls: int, trials: int, warmup: int, align, group) -> dict:
-    """{key: [us per call, one per trial]}: n_calls eager back-to-back calls between two CUDA events after
-    align(); method order rotated per trial; per trial the max over ranks."""
-    import torch
-
-    from graphs import rank_max, rotated
-
-    names = list(calls)
-    batches = {k: _batch(calls[k], n_calls) for k in names}
-    for _ in range(warmup):
-        for k in names:
-            align()
-            batches[k]()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    raw = torch.zeros(trials, len(names), dtype=torch.float64)
-    for t in range(trials):
-        for k in rotated(names, t):
-            align()
-            start.record()
-            batches[k]()
-            end.record()
-            end.synchronize()
-            raw[t, names.index(k)] = start.elapsed_time(end) * 1e3 / n_calls
-    raw = rank_max(raw, group)
-    return {k: raw[:, j].tolist() for j, k in enumerate(names)}
+    return rank_aligner(ctx["group"])
 
 
 def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     import torch
 
-    from graphs import GpuClockMonitor, capture, rank_max, round_up, time_graphs
+    from fa_a2a.tools.bench_call import calls_per_batch, first_calls
+    from graphs import GpuClockMonitor, capture, eager_batch, rank_max, time_batches, time_graphs
 
     group = ctx["group"]
     impls, status = select_impls(cfg.real_ranks, ctx["shared_gpu"])
@@ -391,40 +336,21 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     calls, sets = _build(cfg, M, ctx, impls)
     point["input_sets"] = sets
     keys = list(calls)
-    # First calls (compiles, window allocations: collective, so the same order on every rank), then
-    # one timed call each. A method that fails is dropped on every rank.
-    failed, est = torch.zeros(len(keys)), {}
-    for stage in ("first", "timed"):
-        for j, key in enumerate(keys):
-            if failed[j]:
-                continue
-            try:
-                if stage == "first":
-                    for f in calls[key]:
-                        f()
-                    torch.cuda.synchronize()
-                    continue
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                calls[key][0]()
-                t1.record()
-                t1.synchronize()
-                est[key] = t0.elapsed_time(t1) * 1e3
-            except Exception as e:
-                point["status"][key] = f"skipped ({_first_line(e)})"
-                failed[j] = 1
-    failed = rank_max(failed, group)
-    names = [k for j, k in enumerate(keys) if failed[j] == 0]
-    for j, key in enumerate(keys):
-        if failed[j] > 0:
-            point["status"].setdefault(key, "skipped (failed on another rank)")
+
+    def first(key):  # every input set's first call (compiles, window allocations), its outputs dropped
+        for f in calls[key]:
+            f()
+
+    # First calls (collective: the same order on every rank), then one timed call each; a method that
+    # fails is dropped on every rank (bench_call.first_calls, as the whole-call benchmark does it)
+    est = first_calls(keys, first, lambda key: calls[key][0](), point["status"], group)
+    names = list(est)
+    for key in keys:
+        if key not in est:
             log(f"  M={M} {key}: {point['status'][key]}")
     if not names:
         return fill_point(point, {})
-    t_est = max(est.get(k, 0.0) for k in names)  # the slowest method's batch lasts about --target-ms
-    n_calls = cfg.calls or max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(t_est, 1e-3))))
-    n_calls = round_up(n_calls, sets["fa4"])
-    n_calls = int(rank_max(torch.tensor([float(n_calls)]), group)[0])
+    n_calls = calls_per_batch(cfg, est.values(), group, multiple=sets["fa4"])
     point["n_calls"] = n_calls
 
     error = None
@@ -443,14 +369,14 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     log(f"M={M}: {n_calls} calls per batch, input sets FA4 {sets['fa4']} / op {sets['op']}, {point['timing_mode']}"
         + (f" (no graph: {error})" if error and not cfg.real_ranks else ""))
     align = _aligner(ctx)
-    timed = {k: calls[k] for k in names}
+    eager = {k: eager_batch(calls[k], n_calls) for k in names}  # timed after align(), between CUDA events
     if error is None:
         monitor = GpuClockMonitor(ctx["device"])
-        raw = time_graphs(timed, n_calls, cfg.trials, cfg.warmup, monitor=monitor)
+        raw = time_graphs({k: calls[k] for k in names}, n_calls, cfg.trials, cfg.warmup, monitor=monitor)
         point["clock_warnings"] = list(monitor.warnings)
-        eager_raw = _time_eager(timed, n_calls, EAGER_TRIALS, 0, align, group)
+        eager_raw = time_batches(eager, n_calls, EAGER_TRIALS, before=align, group=group)
     else:
-        raw = eager_raw = _time_eager(timed, n_calls, cfg.trials, cfg.warmup, align, group)
+        raw = eager_raw = time_batches(eager, n_calls, cfg.trials, cfg.warmup, before=align, group=group)
     torch.cuda.synchronize()
     ok = torch.tensor([0.0 if _finite(calls[k][0]()) else 1.0 for k in names])  # fresh outputs and grads
     torch.cuda.synchronize()

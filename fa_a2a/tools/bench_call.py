@@ -245,6 +245,18 @@ def _target_cell(value, target) -> str:
     return f"<= {target:g}: {'yes' if value <= target else 'NO'}"
 
 
+def not_run_lines(points: Sequence[dict], word: str, label=str) -> list:
+    """What goes under a table (also bench --backward's): a blank line, then one line per method and
+    reason a point's status gives for a method without a time, "<word> (<label(key)>: <reason>) at
+    M = <those points' M>."; nothing when every method has its time."""
+    why = {}
+    for p in points:
+        for key, reason in p["status"].items():
+            if key not in p["median_us"]:
+                why.setdefault(f"{label(key)}: {reason}", []).append(str(p["M"]))
+    return [""] + [f"{word} ({text}) at M = {', '.join(ms)}." for text, ms in why.items()] if why else []
+
+
 def format_call_table(points: Sequence[dict]) -> str:
     """Markdown table: one row per M, a column per method that ran anywhere, the ratios and targets;
     the methods that ran nowhere are named under it with the reason."""
@@ -270,14 +282,7 @@ def format_call_table(points: Sequence[dict]) -> str:
                   _cell(r.get("hiding_post_fused_paired"), "{:.0%}"),
                   _cell(r.get("hiding_post_unpaced_paired"), "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
-    why = {}
-    for p in points:
-        for key, reason in p["status"].items():
-            if key not in p["median_us"]:
-                why.setdefault(f"{CALL_BY_KEY[key].label}: {reason}", []).append(str(p["M"]))
-    if why:
-        lines.append("")
-        lines += [f"Not run ({text}) at M = {', '.join(ms)}." for text, ms in why.items()]
+    lines += not_run_lines(points, "Not run", lambda key: CALL_BY_KEY[key].label)
     decided = [p for p in points if p.get("auto")]
     if decided:
         lines.append("")
@@ -359,7 +364,11 @@ def write_call_plots(result: dict, out_dir: Path) -> list:
 
 
 # ------------------------------------------------------------------------------ GPU
-def _setup(cfg: BenchConfig) -> dict:
+def setup_ranks(cfg: BenchConfig) -> dict:
+    """This process's rank of a torchrun job (also `python -m fa_a2a.bench --backward`'s real ranks): its
+    GPU (fa_a2a.tools.mps.rank_device) and the default process group, gloo only where ranks share a
+    GPU (NCCL refuses two ranks on one device), else cpu:gloo,cuda:nccl -> {rank, group, device,
+    shared_gpu, local_world_size, gpus, backend}."""
     import torch
     import torch.distributed as dist
 
@@ -385,6 +394,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
     from cute_kernels.qkv_a2a_sm90 import interleaved_cos_sin, qkv_projection_plain
     from fa_a2a import block
     from fa_a2a.engine.forward import rank_call
+    from fa_a2a.engine.projection import auto_tiles
     from cute_kernels.fa4 import fa4_forward
     from fa_a2a.op import ulysses_attention
     from fa_a2a.engine.problem import check_call
@@ -402,7 +412,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
 
     def block_inputs():
         """x [B, S_loc, C], Flux-style weights (bias, per-head RMSNorm), this rank's RoPE table, the
-        plain projection's output and the tiles the block's projection picks (block.auto_tiles)."""
+        plain projection's output and the tiles the block's projection picks (engine.projection.auto_tiles)."""
         if not made:
             x = randn(B, S_loc, C)
             f32 = torch.float32
@@ -412,7 +422,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
             rows = torch.arange(rank * S_loc, (rank + 1) * S_loc, device=dev)
             table = interleaved_cos_sin(*block.rotary_pair(rows, D))
             y = torch.empty(B, S_loc, proj.weight.shape[0], device=dev, dtype=dtype)
-            made.extend((x, proj, table, y, *block.auto_tiles(S_loc, proj, table)))
+            made.extend((x, proj, table, y, *auto_tiles(S_loc, proj, table)))
         return made
 
     problem, _ = check_call(q, k, v, None, "fused", causal, None, None, P, None, rank, pace="auto")
@@ -466,7 +476,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, keys: Sequence[str]) -> tuple:
     return calls, steps, plan
 
 
-def _aligner(group):
+def rank_aligner(group):
     """Line the ranks up before a timed batch: own GPU idle, hosts met, then one in-stream barrier
     so that the start events that follow it fire together on every rank."""
     import torch
@@ -509,6 +519,58 @@ def _breakdown(steps, n_calls: int, trials: int, align) -> tuple:
     return {p: statistics.median(v) for p, v in per.items()}, statistics.median(launch)
 
 
+def first_calls(keys: Sequence[str], first, timed, status: dict, group, after_first=None) -> dict:
+    """Every method's first call, then one timed call each (before a point is timed; also bench
+    --backward's): first(key) for every key in `keys` order (compiles, window allocations: collective,
+    so the same order on every rank; what it returns is kept until every method's first call ran),
+    then after_first(), then timed(key) between two CUDA events. A method whose call raised gets
+    status[key] = "skipped (<its error>)" and is dropped on every rank (the others: "skipped (failed
+    on another rank)") -> {key: us of its timed call} of the methods left, in `keys` order."""
+    import torch
+
+    from graphs import rank_max
+
+    est, failed, held = {}, torch.zeros(len(keys)), []
+    for stage in ("first", "timed"):
+        for j, key in enumerate(keys):
+            if failed[j]:
+                continue
+            try:
+                if stage == "first":
+                    held.append(first(key))
+                    torch.cuda.synchronize()
+                    continue
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                timed(key)
+                t1.record()
+                t1.synchronize()
+                est[key] = t0.elapsed_time(t1) * 1e3
+            except Exception as e:  # reported in the table; the other ranks drop the method too
+                status[key] = f"skipped ({_first_line(e)})"
+                failed[j] = 1
+        held.clear()
+        if stage == "first" and after_first is not None:
+            after_first()
+    failed = rank_max(failed, group)
+    for j, key in enumerate(keys):
+        if failed[j] > 0:
+            status.setdefault(key, "skipped (failed on another rank)")
+    return {key: est[key] for j, key in enumerate(keys) if failed[j] == 0}
+
+
+def calls_per_batch(cfg: BenchConfig, us: Sequence[float], group, multiple: int = 1) -> int:
+    """n_calls of every method's batch: --calls, else enough that the slowest method's batch (us: each
+    method's one timed call) lasts about --target-ms (3 to 200); rounded up to a multiple of
+    `multiple`, the maximum over the ranks."""
+    import torch
+
+    from graphs import rank_max, round_up
+
+    n_calls = cfg.calls or max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(max(us), 1e-3))))
+    return int(rank_max(torch.tensor([float(round_up(n_calls, multiple))]), group)[0])
+
+
 def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     import torch
 
@@ -523,44 +585,22 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
                            "link_gbps": getattr(plan.transport, "pacing_link_gbps", None),
                            "transport": type(plan.transport).__name__}
         log(f"M={M}: {point['pacing']['transport']}, pace='auto': {plan.pacing.reason}")
-    est, failed = {}, torch.zeros(len(keys))
+    def decided():  # impl "auto" decides at its first call
+        point["auto"] = decision_text("ulysses_attention", M // cfg.world_size)
+        log(f"M={M}: impl='auto': {point['auto']}")
+
     # First calls (compiles) in one order on every rank, each output kept until every method ran: each
     # call leaves its own out-slot allocated (fa_a2a.engine.forward's delivery), one for each method's CUDA
     # graph to own, and no timed call below allocates one. Then one timed call each.
-    held = []
-    for stage in ("first", "timed"):
-        for j, key in enumerate(keys):
-            if failed[j]:
-                continue
-            try:
-                if stage == "first":
-                    held.append(calls[key]())
-                    torch.cuda.synchronize()
-                    continue
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                calls[key]()
-                t1.record()
-                t1.synchronize()
-                est[key] = t0.elapsed_time(t1) * 1e3
-            except Exception as e:  # reported in the table; the other ranks drop the method too
-                status[key] = f"skipped ({_first_line(e)})"
-                failed[j] = 1
-        held.clear()
-        if stage == "first" and "auto" in keys:  # decided at its first call
-            point["auto"] = decision_text("ulysses_attention", M // cfg.world_size)
-            log(f"M={M}: impl='auto': {point['auto']}")
-    failed = rank_max(failed, group)
-    names = [k for j, k in enumerate(keys) if failed[j] == 0]
-    for j, key in enumerate(keys):
-        if failed[j] > 0:
-            status.setdefault(key, "skipped (failed on another rank)")
+    est = first_calls(keys, lambda key: calls[key](), lambda key: calls[key](), status, group,
+                      decided if "auto" in keys else None)
+    names = list(est)
+    for key in keys:
+        if key not in est:
             log(f"  M={M} {CALL_BY_KEY[key].label}: {status[key]}")
     if not names:
         return point
-    t_est = max(est.get(k, 0.0) for k in names)  # the slowest method's batch lasts about --target-ms
-    n_calls = cfg.calls or max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(t_est, 1e-3))))
-    n_calls = int(rank_max(torch.tensor([float(n_calls)]), group)[0])
+    n_calls = calls_per_batch(cfg, est.values(), group)
     point["n_calls"] = n_calls
 
     graphs, error = {}, None
@@ -574,7 +614,7 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
         error = error or "capture failed on another rank"
     point["capture_error"] = error
     point["timing_mode"] = "cuda-graph" if graphs else "eager"
-    align = _aligner(group)
+    align = rank_aligner(group)
     eager = {k: eager_batch(calls[k], n_calls) for k in names}
     log(f"M={M}: {n_calls} calls per batch, {point['timing_mode']}"
         + (f" (graph capture failed: {error})" if error else ""))
@@ -606,7 +646,7 @@ def run_calls(cfg: BenchConfig) -> int:
 
     from ulysses.transport import close_transports, get_transport
 
-    ctx = _setup(cfg)
+    ctx = setup_ranks(cfg)
     log = _Log(ctx["rank"])
     props = torch.cuda.get_device_properties(ctx["device"])
     mps = {"thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), "mps_share": cfg.mps_share,

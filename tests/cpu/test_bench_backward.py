@@ -1,26 +1,17 @@
 """CPU tier of `python -m fa_a2a.bench --backward` (fa_a2a.tools.bench_backward): the flag and its hand-over,
-the flags it refuses (a usage error, exit 2), the no-GPU line (exit 0, nothing written), and the
-ratios and the table from synthetic timings (nothing is timed here)."""
+the flags it refuses (a usage error, exit 2), the no-GPU line (exit 0, nothing written), the
+ratios and the table from synthetic timings (nothing is timed here), and the first calls and batch
+size it shares with the whole-call benchmark (on a fake clock)."""
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from fa_a2a.tools import bench, bench_backward as bb
 from fa_a2a.tools.bench_config import CALL_SEQLENS, QUICK_SEQLENS
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _env(**extra):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
+from tests.cpu.test_bench_call import _env  # a CPU-only environment without torchrun's variables
 
 
 def _cfg(argv, env=None):
@@ -154,3 +145,57 @@ def test_real_ranks_ratio_over_one_fa4_and_a_non_finite_method_loses_its_time():
     assert lines[3] == "| 4608 | nccl | 100.0 | 350.0 | 400.0 | - | - | - | - |"
     assert lines[-1] == "Not timed (op_fwdbwd:nccl: non-finite output or grads) at M = 4608."
     assert "P=2 real ranks" in bb.table_title([p], "H200", cfg) and "over 1 x FA4" in bb.table_title([p], "H200", cfg)
+
+
+# ------------------------------------------------------------------------------ first calls (shared)
+def test_first_calls_and_batch_size_are_the_whole_call_benchmarks(monkeypatch):
+    """bench --backward makes its first calls and sizes its batches through bench_call.first_calls /
+    calls_per_batch (one process: no rank to agree with): every method's first call in order, its
+    outputs kept until all ran, then after_first, then one CUDA-event-timed call each; a method that
+    raises is dropped with its reason; n_calls from the slowest, rounded up to the input sets."""
+    import types
+
+    import torch
+
+    from fa_a2a.tools import bench_call
+
+    clock = [0.0]  # ms
+
+    def event(enable_timing=False):  # a CUDA event on the fake clock
+        e = types.SimpleNamespace(t=None, synchronize=lambda: None, elapsed_time=lambda end: end.t - e.t)
+        e.record = lambda: setattr(e, "t", clock[0])
+        return e
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    order, alive = [], []
+
+    class Out:  # an output whose life the first stage must keep until every method ran
+        def __init__(self, key):
+            self.key = key
+            alive.append(key)
+
+        def __del__(self):
+            alive.remove(self.key)
+
+    def first(key):
+        order.append(("first", key, tuple(alive)))
+        if key == "bad":
+            raise RuntimeError("no kernel\nsecond line")
+        return Out(key)
+
+    def timed(key):
+        order.append(("timed", key))
+        clock[0] += {"a": 0.2, "b": 0.05}[key]  # ms
+
+    status = {}
+    est = bench_call.first_calls(["a", "bad", "b"], first, timed, status, None,
+                                 lambda: order.append(("after_first", tuple(alive))))
+    assert order == [("first", "a", ()), ("first", "bad", ("a",)), ("first", "b", ("a",)), ("after_first", ()),
+                     ("timed", "a"), ("timed", "b")]
+    assert list(est) == ["a", "b"] and est == pytest.approx({"a": 200.0, "b": 50.0})
+    assert status == {"bad": "skipped (RuntimeError: no kernel)"}
+    cfg = _cfg(["--backward", "--target-ms", "5"])
+    assert bench_call.calls_per_batch(cfg, est.values(), None) == 25  # 5 ms / 200 us
+    assert bench_call.calls_per_batch(cfg, est.values(), None, multiple=4) == 28
+    assert bench_call.calls_per_batch(_cfg(["--backward", "--calls", "7"]), est.values(), None, multiple=4) == 8

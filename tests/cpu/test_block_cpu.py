@@ -1,7 +1,8 @@
-"""CPU tier of the attention block from hidden states (fa_a2a.block): the launches the projection
-makes for each rank (row offsets of q and k/v, padding rows, joint rows into the rank's own window),
-the sm_90a compile of those launches against fake tensors, the torch chain's RoPE against
-diffusers', and the argument checks ("arg: expected, got")."""
+"""CPU tier of the attention block from hidden states (fa_a2a.block; its projection stage and prepared
+call: fa_a2a.engine.projection): the launches the projection makes for each rank (row offsets of q
+and k/v, padding rows, joint rows into the rank's own window), the sm_90a compile of those launches
+against fake tensors, the torch chain's RoPE against diffusers', and the argument checks ("arg:
+expected, got")."""
 
 import dataclasses
 import functools
@@ -12,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import qkv_a2a_sm90 as K
 from fa_a2a import block
-from fa_a2a.engine import forward, problem as engine_problem
+from fa_a2a.engine import forward, problem as engine_problem, projection
 from ulysses.layout import UlyssesLayout
 
 
@@ -49,7 +50,7 @@ def test_project_even_rows_one_launch(launches):
     wins = _windows(4, 1, lay.num_rows, 2, 2, 64)
     x, cs = torch.zeros(1, 64, 32), torch.zeros(64, 64)
     for r in range(4):
-        block.project(wins, lay, r, x, "proj", cs, config=None)
+        projection.project(wins, lay, r, x, "proj", cs, config=None)
     assert [(s["which"], s["row0"], s["rows"], s["rope_rows"]) for s in launches] == [
         ((True, True, True), 64 * r, 64, 64) for r in range(4)]
 
@@ -62,7 +63,7 @@ def test_project_uneven_rows_and_joint(launches):
     lay = UlyssesLayout.from_shard(S_loc, 8, 8, P, seq_len=P * S_loc - 3, joint_len=J)
     wins = _windows(P, 1, lay.num_rows, 2, 2, 64)
     x, cs, jx, jcs = torch.zeros(1, S_loc, 32), torch.zeros(S_loc, 64), torch.zeros(1, J, 16), torch.zeros(J, 64)
-    block.project(wins, lay, P - 1, x, "proj", cs, jx, "own", jcs, config=None)
+    projection.project(wins, lay, P - 1, x, "proj", cs, jx, "own", jcs, config=None)
     valid = S_loc - 3
     S = lay.seq_len
     got = [(s["proj"], s["which"], s["P"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
@@ -125,14 +126,14 @@ def test_project_segments(launches):
     wins = _windows(2, 1, lay.num_rows, 2, 2, 64)
     text = (torch.zeros(1, 4, 16), "text", torch.zeros(4, 64))
     image = (torch.zeros(1, 31, 32), "image", torch.zeros(31, 64))
-    block.project(wins, lay, 1, [text, image], config=None)
+    projection.project(wins, lay, 1, [text, image], config=None)
     got = [(s["proj"], s["which"], s["row0"], s["rows"], s["rope_rows"]) for s in launches]
     assert got == [("text", (True, True, True), 36, 4, 4),  # q row 36 = key row 36 (rank 0 full)
                    ("image", (True, True, True), 40, 31, 31),
                    ("image", (True, True, True), 71, 1, 1)]  # the padding row: q at its slot 71,
     #                                                  k|v after S = 71 (no joint rows): one launch
     launches.clear()
-    block.project(wins, lay, 0, [text, (torch.zeros(1, 32, 32), "image", None)], config=None)
+    projection.project(wins, lay, 0, [text, (torch.zeros(1, 32, 32), "image", None)], config=None)
     assert [(s["proj"], s["row0"], s["rows"], s["rope_rows"]) for s in launches] == [
         ("text", 0, 4, 4), ("image", 4, 32, None)]
 
@@ -180,7 +181,7 @@ def test_project_compiles_for_sm90(monkeypatch):
         proj = _fake_proj(P, 6, 1, D, C)
         wins = _windows(P, 1, lay.num_rows, lay.heads_loc, lay.kv_heads_loc, D, "cuda")
         x, cs = torch.empty(1, S_loc, C, dtype=torch.bfloat16, device="cuda"), torch.empty(S_loc, D, device="cuda")
-        block.project(wins, lay, 1, x, proj, cs, config=None)
+        projection.project(wins, lay, 1, x, proj, cs, config=None)
     assert [(a[1], a[4], a[5]) for a in seen] == [(256, True, "table"), (128, True, "table"), (128, False, None)]
 
 
@@ -192,15 +193,15 @@ def test_auto_tiles():
     h = lay.heads_loc
     full = K.QKVWeights(torch.empty(1), torch.empty(1), torch.empty(1), 8, h, h, 128, None)
     cs = torch.empty(1)
-    assert block.auto_tiles(576, full, cs) == (K.GemmConfig(192, 128, 1, 2, True), True)
-    assert block.auto_tiles(576, full, None) == (K.GemmConfig(192, 128, 1, 2, True), False)
-    assert block.auto_tiles(1024, full, cs) == (None, False)
-    assert block.auto_tiles(4096, full, cs) == (None, False)
-    assert block.auto_tiles(128, full, cs) == (None, True)
-    assert block.auto_tiles(128, full, None) == (None, False)
-    assert block.auto_tiles(block.ONE_LAUNCH_ROWS + 128, full, cs) == (None, False)
+    assert projection.auto_tiles(576, full, cs) == (K.GemmConfig(192, 128, 1, 2, True), True)
+    assert projection.auto_tiles(576, full, None) == (K.GemmConfig(192, 128, 1, 2, True), False)
+    assert projection.auto_tiles(1024, full, cs) == (None, False)
+    assert projection.auto_tiles(4096, full, cs) == (None, False)
+    assert projection.auto_tiles(128, full, cs) == (None, True)
+    assert projection.auto_tiles(128, full, None) == (None, False)
+    assert projection.auto_tiles(projection.ONE_LAUNCH_ROWS + 128, full, cs) == (None, False)
     narrow = K.QKVWeights(torch.empty(1), None, None, 8, 1, 1, 64, None)
-    assert block.auto_tiles(576, narrow, None) == (None, False)
+    assert projection.auto_tiles(576, narrow, None) == (None, False)
 
 
 def test_rope_matches_diffusers():
@@ -402,22 +403,22 @@ def test_rope_operands_are_the_callers_tensors_where_the_epilogue_reads_them():
     rows, D = 6, 8
     g = torch.Generator().manual_seed(0)
     cos, sin = torch.randn(rows, D, generator=g), torch.randn(rows, D, generator=g)
-    assert block._rope_operand(None) is None
-    got = block._rope_operand((cos, sin))
+    assert projection._rope_operand(None) is None
+    got = projection._rope_operand((cos, sin))
     assert got[0] is cos and got[1] is sin
-    assert block._rope_operand(cos) is cos
+    assert projection._rope_operand(cos) is cos
     wide = torch.randn(rows, 2 * D, generator=g)
-    got = block._rope_operand((wide[:, :D], wide[:, D:]))  # row views of a wider table: loadable
+    got = projection._rope_operand((wide[:, :D], wide[:, D:]))  # row views of a wider table: loadable
     assert got[0].data_ptr() == wide.data_ptr() and got[1].data_ptr() == wide[:, D:].data_ptr()
     for odd in (cos.bfloat16(), torch.randn(rows * D + 1, generator=g)[1:].view(rows, D)):
-        got = block._rope_operand((odd, sin))
+        got = projection._rope_operand((odd, sin))
         assert got[0].dtype == torch.float32 and got[0].data_ptr() % 16 == 0 and torch.equal(got[0], odd.float())
         assert got[1] is sin
-    long = tuple(torch.randn(block.PAIR_ROWS_MAX + 1, D, generator=g) for _ in range(2))
-    assert block._rope_table_for((cos, sin), D) is None and block._rope_table_for(cos, D) is None
-    table = block._rope_table_for(long, D)
-    assert torch.equal(block._rope_operand(long, table), K.interleaved_cos_sin(*long))  # quack's table
-    assert block._rope_operand(long, table) is table.table  # stacked into the kept buffer, call after call
+    long = tuple(torch.randn(projection.PAIR_ROWS_MAX + 1, D, generator=g) for _ in range(2))
+    assert projection._rope_table_for((cos, sin), D) is None and projection._rope_table_for(cos, D) is None
+    table = projection._rope_table_for(long, D)
+    assert torch.equal(projection._rope_operand(long, table), K.interleaved_cos_sin(*long))  # quack's table
+    assert projection._rope_operand(long, table) is table.table  # stacked into the kept buffer, call after call
 
 
 def test_rope_table_follows_every_change_of_its_pair():
@@ -426,7 +427,7 @@ def test_rope_table_follows_every_change_of_its_pair():
     a tensor elsewhere (its kept views are then rebuilt), for bf16 pairs and strided ones."""
     rows, D = 6, 8
     g = torch.Generator().manual_seed(0)
-    rt = block._RopeTable(rows, D, "cpu")
+    rt = projection._RopeTable(rows, D, "cpu")
     pair = lambda dtype=torch.float32: (torch.randn(rows, D, generator=g, dtype=dtype),  # noqa: E731
                                         torch.randn(rows, D, generator=g, dtype=dtype))
     cos, sin = pair()
@@ -464,7 +465,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     transport = _FakeTransport()
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: _FakePlan(t, lay, B, D, dtype, "cpu"))
     sliced = []
-    monkeypatch.setattr(block, "_rank_slice", lambda w, r: sliced.append((w, r)) or f"{w}@{r}")
+    monkeypatch.setattr(projection, "_rank_slice", lambda w, r: sliced.append((w, r)) or f"{w}@{r}")
 
     def call_args(seed):
         g = torch.Generator().manual_seed(seed)
@@ -478,7 +479,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
                                                                                               b.stride())
 
     segs, jx, jpair = call_args(0)
-    rb = block._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
+    rb = projection._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
     windows = (rb.plan.dq, rb.plan.dk, rb.plan.dv)
     prepared = []
     for seed in (1, 2):
@@ -488,7 +489,7 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
         got = list(seen)
         prepared.append(got)
         seen.clear()
-        block.project(windows, lay, rank, list(segs), joint_x=jx, joint_proj="joint@1", joint_rope=jpair,
+        projection.project(windows, lay, rank, list(segs), joint_x=jx, joint_proj="joint@1", joint_rope=jpair,
                       config=None)
         assert [a[1] for a in got] == ["text", "image", "image", "image", "joint@1", "joint@1"]
         assert len(got) == len(seen)
@@ -537,7 +538,7 @@ def test_rank_block_paces_its_projection_as_pace_says(monkeypatch, pace, split, 
     if in_link is not None:
         transport.pacing_in_link_gbps = in_link
     segs = ((torch.randn(1, S_loc, C), _fake_proj_cpu(P, 4, D, C), None),)
-    rb = block._RankBlock(transport, p, 0, segs, None, None, None, None, False)
+    rb = projection._RankBlock(transport, p, 0, segs, None, None, None, None, False)
     assert pacers and all(q is pacers[0] for q in pacers)  # one state for all the rank's launches
     assert (rb.pacing.rate_gbps if rb.pacing is not None else None) == (pytest.approx(rate) if rate else None)
     if rate is None:
@@ -570,8 +571,8 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     monkeypatch.setattr(forward, "local_attention", lambda q, k, v, **kw: attended.append((q, k, v, kw)) or
                         torch.empty(q.shape, dtype=q.dtype, device=q.device))
     routed = []
-    inner = block.segment_writes
-    monkeypatch.setattr(block, "segment_writes", lambda *a: routed.append(a) or inner(*a))
+    inner = projection.segment_writes
+    monkeypatch.setattr(projection, "segment_writes", lambda *a: routed.append(a) or inner(*a))
     with FakeTensorMode():
         S, D, C = 32, 64, 64
         proj = _fake_proj(1, 4, 4, D, C)
@@ -595,10 +596,10 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
                                          2, 0)
         segs = block._rank_segments(xs[0], proj2, table)
         calls = {}
-        first = block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
-        assert block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False) is first
+        first = projection._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
+        assert projection._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False) is first
         made[0].closed = True
-        again = block._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
+        again = projection._rank_block(calls, "group", 2, 0, problem, segs, None, None, None, None, False)
         assert again is not first and not again.transport.closed and made[1:] == ["plan", again.transport, "plan"]
 
 
@@ -645,7 +646,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
 
         sliced = []  # joint rows: each rank's own slice of the joint weights, sliced once per rank
-        monkeypatch.setattr(block, "_rank_slice", lambda w, r: sliced.append((w, r)) or w)
+        monkeypatch.setattr(projection, "_rank_slice", lambda w, r: sliced.append((w, r)) or w)
         J = 5
         for _ in range(2):
             xs, rots = call_args()
