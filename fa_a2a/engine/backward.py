@@ -39,28 +39,47 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               barrier (the serial forward: "fused" runs it too when grad is
                               required, so both give the same gradients bit for bit; the fused
                               kernel does not leave O in the heads layout, which FA4's backward
-                              reads). The backward: FA4's backward between two all_to_all_single
-                              exchanges over the group. Faster, not done: dO through the pre-A2A
-                              kernel into the in-windows and dq/dk/dv through the post-A2A kernel
-                              (or FA4's dQ postprocess and dK/dV epilogues storing to the peers).
-  impl "auto" decides as the forward does (fa_a2a.engine.forward); its choices all run FA4 on CUDA.
+                              reads).
+                              The backward of "serial" (the reference the fused one must equal):
+                              FA4's backward between two all_to_all_single exchanges over the group.
+                              The backward of "fused" (fused_backward_applies: CUDA SM90, no joint
+                              rows, suffix padding; otherwise the exchanges above): no
+                              torch.distributed collective at all, the ranks meet in the
+                              transport's barriers. dO (padding rows zeroed) -> the pre-A2A kernel
+                              into the forward's q in-windows (its q part alone: the k, v part gets
+                              no heads) -> barrier -> cute_kernels.fa4_bwd_a2a (FA4's SM90
+                              backward whose kernels store dq, dk, dv rows into the owners'
+                              windows "ulysses.dq" / "ulysses.dk" / "ulysses.dv": dK, dV in its
+                              epilogue, dQ and GQA's dK, dV in the postprocess) -> barrier -> the
+                              rank's own windows read out (dq's first H heads; dk, dv summed over
+                              the ranks' KV heads as the exchange path sums them; rows >=
+                              valid_rows zeroed), copied before the next call's first barrier.
+                              Emulated ranks: every rank's pre-A2A, one barrier, every rank's
+                              backward, one barrier. The backward kernels are bound per call (they
+                              read that call's saved tensors) and compiled at the first, before
+                              the first barrier; the ranks then line up on the host once.
+  impl "auto" decides as the forward does (fa_a2a.engine.forward); its choices all run FA4 on CUDA,
+  and where it decides "fused" the backward is the fused one above.
 Every rank must run the backward of every call that required grad, in the same order (it is
 collective, as the forward is): a rank whose loss does not reach an output still backpropagates
 through it (e.g. loss + 0 * out.sum()). Each backward is agreed across ranks like a forward
 (fa_a2a.engine.problem.agree_call): ranks whose backwards differ raise the same ValueError, a rank that
 never comes makes the others raise TimeoutError (FA_A2A_TIMEOUT_S), never a hang.
 FA4's backward accumulates dQ with atomics: its bits vary from run to run unless
-torch.use_deterministic_algorithms(True) (then FA4's deterministic mode).
+torch.use_deterministic_algorithms(True) (then FA4's deterministic mode, in the fused backward too;
+the ranks agree on that mode with the rest of the backward's signature).
 
 Autograd: eagerly a torch.autograd.Function calls the Python paths below directly (the op's eager
 host cost, fa_a2a.op); under torch.compile the public function calls the functional custom op
 `fa_a2a::ulysses_attention_grad`, whose backward (torch.library.register_autograd) is the custom
-op `fa_a2a::ulysses_attention_grad_backward`. Inputs that do not require grad (or no_grad /
-inference_mode) never come here. Double backward is not supported.
+op `fa_a2a::ulysses_attention_grad_backward` (fused where the forward op's run decided so: its
+arguments are fixed at trace time, impl "auto" is decided at run time). Inputs that do not require
+grad (or no_grad / inference_mode) never come here. Double backward is not supported.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -68,14 +87,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from ulysses.layout import UlyssesLayout, take_heads
 from ulysses.reference import local_attention as reference_attention
 from ulysses.reference import local_attention_backward as reference_attention_backward
 
 from .problem import KERNEL_IMPLS, Problem, group_by_name
 
-__all__ = ["Saved", "Spec", "wants_grad", "forward_saving", "forward_emulated_saving", "backward",
-           "attention_with_grad", "attention_emulated_with_grad", "traced_attention_with_grad", "saved_bytes"]
+__all__ = ["Saved", "Spec", "wants_grad", "fused_backward_applies", "forward_saving", "forward_emulated_saving",
+           "backward", "attention_with_grad", "attention_emulated_with_grad", "traced_attention_with_grad",
+           "saved_bytes"]
 
 
 class Saved(NamedTuple):
@@ -90,16 +111,46 @@ class Saved(NamedTuple):
 
 
 class Spec(NamedTuple):
-    """What the backward of one call needs besides tensors: fa4 = FA4's backward (else the reference's)."""
+    """What the backward of one call needs besides tensors: fa4 = FA4's backward (else the reference's);
+    fused = the fused backward (cute_kernels.fa4_bwd_a2a through the transport's windows; else FA4's
+    backward between two exchanges)."""
 
     layout: UlyssesLayout
     causal: bool
     scale: float
     fa4: bool
+    fused: bool = False
 
 
-def spec_of(p: Problem) -> Spec:
-    return Spec(p.layout, p.causal, p.scale, p.device_type == "cuda" and p.impl != "reference")
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _sm90(device) -> bool:
+    """Whether `device` is a CUDA device of compute capability 9.0 (what the fused backward's kernels take)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+def fused_backward_applies(p: Problem, device) -> bool:
+    """Whether the backward of p's call (p: impl decided, "auto" resolved) on tensors of `device` is the
+    fused one (cute_kernels.fa4_bwd_a2a): impl "fused" on several ranks (real or emulated), FA4 on an
+    SM90 GPU, no joint rows and the padding a suffix (the ceil split), so that the saved keys are in slot
+    order and every head-layout row is a sequence row (the launcher's rows: N = P * S_loc). Every other
+    call's backward is FA4's (or the reference's) between two exchanges."""
+    lay = p.layout
+    return (p.impl == "fused" and p.world_size > 1 and p.device_type == "cuda" and lay.joint_len == 0
+            and lay.is_suffix_padded and p.dtype in KERNEL_DTYPES and p.head_dim in KERNEL_HEAD_DIMS
+            and device is not None and _sm90(device))
+
+
+def spec_of(p: Problem, device=None) -> Spec:
+    """The backward's Spec of p's call (impl decided); device: its tensors' (None: never the fused backward)."""
+    return Spec(p.layout, p.causal, p.scale, p.device_type == "cuda" and p.impl != "reference",
+                fused_backward_applies(p, device))
 
 
 def wants_grad(q, k, v, joint=None) -> bool:
@@ -378,61 +429,75 @@ def _decided(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
 
 
 def forward_saving(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
-    """One rank's forward that keeps what its backward reads -> (out, joint out or None, Saved)."""
+    """One rank's forward that keeps what its backward reads -> (out, joint out or None, Saved, the
+    backward's Spec: impl "auto" decided, fused or not)."""
     from .forward import _deliver
 
     p = _decided(p, q, k, v, joint, group, rank)
+    spec = spec_of(p, q.device)
     if p.world_size > 1 and p.impl in KERNEL_IMPLS:
-        return _kernel_forward(p, q, k, v, joint, group, rank)
+        return (*_kernel_forward(p, q, k, v, joint, group, rank), spec)
     lay, rows = p.layout, q.shape[1]
     padded = [_padded(lay, rank, x) for x in (q, k, v)]
-    [(res, saved)] = _collective_forward(spec_of(p), [rank], *([x] for x in padded), joint,
+    [(res, saved)] = _collective_forward(spec, [rank], *([x] for x in padded), joint,
                                          _exchanger(group if p.world_size > 1 else None))
     out, jout = _deliver(lay, rank, res, rows)
-    return out, jout, saved
+    return out, jout, saved, spec
+
+
+def _kernel_forward_emulated(p: Problem, qs, ks, vs, joint, rows) -> tuple:
+    """serial / fused on P emulated ranks (padded, zeroed shards) -> ([(out, joint out)] per rank, [Saved])."""
+    from .forward import emulated_transport, window_plan
+
+    lay, P = p.layout, p.world_size
+    transport = emulated_transport(P, qs[0].device)
+    plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
+    attends = [_grad_attend(plan, r, p.causal, p.scale) for r in range(P)]
+    for r in range(P):
+        plan.pre(r, qs[r], ks[r], vs[r], joint)
+    transport.barrier()
+    for attend in attends:
+        attend()
+    transport.barrier()
+    return [plan.finish(r, rows[r]) for r in range(P)], [a.take() for a in attends]
 
 
 def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
-    """All P emulated ranks -> (outs, joint outs or None, [Saved] per rank)."""
-    from .forward import _auto_problem_emulated, _deliver, emulated_transport, window_plan
+    """All P emulated ranks -> (outs, joint outs or None, [Saved] per rank, the backward's Spec)."""
+    from .forward import _auto_problem_emulated, _deliver
 
     if p.impl == "auto":
         p = _auto_problem_emulated(p, qs, ks, vs, joint)
     lay, P = p.layout, p.world_size
+    spec = spec_of(p, qs[0].device)
     rows = [q.shape[1] for q in qs]
     qs, ks, vs = ([_padded(lay, r, x) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
     if p.impl in KERNEL_IMPLS:
-        transport = emulated_transport(P, qs[0].device)
-        plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-        attends = [_grad_attend(plan, r, p.causal, p.scale) for r in range(P)]
-        for r in range(P):
-            plan.pre(r, qs[r], ks[r], vs[r], joint)
-        transport.barrier()
-        for attend in attends:
-            attend()
-        transport.barrier()
-        done = [plan.finish(r, rows[r]) for r in range(P)]
-        saved = [a.take() for a in attends]
+        done, saved = _kernel_forward_emulated(p, qs, ks, vs, joint, rows)
     else:
-        results = _collective_forward(spec_of(p), range(P), qs, ks, vs, joint, _transpose)
+        results = _collective_forward(spec, range(P), qs, ks, vs, joint, _transpose)
         done = [_deliver(lay, r, res, rows[r]) for r, (res, _) in enumerate(results)]
         saved = [s for _, s in results]
-    return [o for o, _ in done], (None if joint is None else [j for _, j in done]), saved
+    return [o for o, _ in done], (None if joint is None else [j for _, j in done]), saved, spec
 
 
 # ---- the backward -------------------------------------------------------------------------------------
 def _agree_backward(spec: Spec, group) -> None:
-    """Every real rank's backward of a call agrees like a forward (problem.agree_call)."""
+    """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes,
+    its path (fused or the exchanges: they meet in different collectives) and FA4's deterministic mode
+    (the fused backward's first build lines the ranks up per mode)."""
     from .problem import agree_call, signature_word
 
-    key = (spec, group.group_name)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = (spec, group.group_name, deterministic)
     entry = _backward_words.get(key)
     if entry is None:
         lay = spec.layout
         fields = dict(entry="ulysses_attention (backward)", group=group.group_name, world_size=lay.world_size,
                       seq_len=lay.seq_len, shard_rows=lay.shard_rows, num_heads=lay.num_heads,
                       num_kv_heads=lay.num_kv_heads, joint_len=lay.joint_len, causal=spec.causal,
-                      softmax_scale=spec.scale)
+                      softmax_scale=spec.scale, impl="fused backward" if spec.fused else "exchange backward",
+                      deterministic=deterministic)
         entry = _backward_words[key] = (fields, signature_word(fields))
     agree_call(*entry, None, group)
 
@@ -440,12 +505,131 @@ def _agree_backward(spec: Spec, group) -> None:
 _backward_words: dict = {}
 
 
+# ---- the fused backward (fused_backward_applies) ------------------------------------------------------
+def _no_heads(w: torch.Tensor) -> torch.Tensor:
+    """In-windows w [P, B, N, h, D] with no heads: the pre-A2A kernel launches no block for them. A single
+    batch gets B stride 0, the contiguous pattern after an empty dim: a DLPack export that normalizes the
+    strides of size-1 dims where they break that pattern would also set the empty dim's stride to 1,
+    which the kernel's 16-byte stride check refuses."""
+    P, B, N, _, D = w.shape
+    st = w.stride()
+    return w.as_strided((P, B, N, 0, D), (st[0], 0 if B == 1 else st[1], st[2], st[3], st[4]), w.storage_offset())
+
+
+class _FusedRank:
+    """One rank's fused backward on one window plan, built once: dO's pre-A2A into the plan's q
+    in-windows (the forward's; free once the forward's attention copied them out), and the gradient
+    windows [P, B, S_loc, P * h, D] the backward kernels store into (h = H_loc for dq, H_kv_loc for dk,
+    dv). The backward kernels themselves are bound per call (launcher): they read that call's saved
+    tensors."""
+
+    def __init__(self, plan, rank: int):
+        from cute_kernels.a2a import pre_a2a_launcher
+
+        lay, t = plan.layout, plan.transport
+        self.plan, self.rank = plan, rank
+        # the pre-A2A kernel's q part alone: its k, v windows (and head map) get no heads, so it launches
+        # no block for them (the sources it is handed there are never read)
+        none = [_no_heads(w) for w in (plan.dk, plan.dv)]
+        self._pre = pre_a2a_launcher(plan.dq, *none, plan.q_map, plan.kv_map.narrow(0, 0, 0), rank, lay.seq_len,
+                                     plan.key_rows[rank], False)
+        self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad (no joint rows): dO of the rank's heads
+        B, S, D, P = plan.B, lay.seq_loc, plan.D, lay.world_size
+        self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
+        self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
+        self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
+        self._built: set = set()
+
+    def pre(self, dout) -> None:
+        """Launch the pre-A2A of this rank's dO [B, S_loc, H, D] (padding rows zero) into every rank's dO window."""
+        from .forward import contiguous16
+
+        dout = contiguous16(dout)
+        self._pre(dout, dout, dout, None)
+
+    def launcher(self, spec: Spec, s: Saved, deterministic: bool):
+        """FA4's fused backward of this call (saved tensors s), checked and bound; compiled at its first
+        build, after which the ranks line up on the host (as the forward's attention launch does)."""
+        from cute_kernels.fa4_bwd_a2a import fa4_bwd_a2a_launcher
+
+        launch = fa4_bwd_a2a_launcher(s.q, s.k, s.v, s.o, self.dout, s.lse, self.dq_w, self.dk_w, self.dv_w,
+                                      self.rank, causal=spec.causal, softmax_scale=spec.scale,
+                                      seqused_k=None if spec.causal else self.plan.seqused,
+                                      deterministic=deterministic)
+        key = (spec.causal, spec.scale, deterministic)
+        if key not in self._built:
+            self._built.add(key)
+            self.plan.transport.host_barrier()
+        return launch
+
+    def grads(self, rows: int) -> tuple:
+        """(dq, dk, dv) [B, rows, ., D] of this rank's slot out of its own windows (copies: the peers store
+        into them again at the next call), rows >= valid_rows zero (dk, dv rows >= seqused_k are not
+        written by the kernels)."""
+        lay, r = self.plan.layout, self.rank
+        dq = self.dq_w[r][:, :rows, :lay.num_heads].clone(memory_format=torch.contiguous_format)
+        hk = lay.kv_heads_loc
+        dk, dv = (_sum_heads(list(w[r][:, :rows].split(hk, dim=2)), lay.kv_head_index, lay.num_kv_heads)
+                  for w in (self.dk_w, self.dv_w))
+        n = lay.valid_rows(r)
+        for g in (dq, dk, dv):
+            if n < rows:
+                g[:, n:] = 0
+        return dq, dk, dv
+
+
+_fused_ranks: dict = {}  # (id(plan), rank) -> _FusedRank
+
+
+def _fused_rank(plan, rank: int) -> _FusedRank:
+    for stale in [key for key, f in _fused_ranks.items() if f.plan.transport.closed]:
+        del _fused_ranks[stale]
+    key = (id(plan), rank)
+    f = _fused_ranks.get(key)
+    if f is None or f.plan is not plan:
+        f = _fused_ranks[key] = _FusedRank(plan, rank)
+    return f
+
+
+def _fused_backward(spec: Spec, ranks, saved, douts, rows, group) -> list:
+    """The fused backward of these local ranks' calls (group: the real ranks' group; None: P emulated
+    ranks) -> per rank (dq, dk, dv, None, None, None). The kernels are bound (compiled at the first call)
+    before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's
+    heads is in its window) -> every local rank's backward -> barrier (every gradient row is in its
+    owner's window) -> each rank's grads copied out of its own windows."""
+    from .forward import emulated_transport, window_plan
+
+    lay, s0 = spec.layout, saved[0]
+    if group is None:
+        transport = emulated_transport(lay.world_size, s0.q.device)
+    else:
+        from ulysses.transport import get_transport
+
+        transport = get_transport(group)
+    B, _, _, D = s0.q.shape
+    plan = window_plan(transport, lay, B, D, s0.q.dtype)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fused = [_fused_rank(plan, r) for r in ranks]
+    launches = [f.launcher(spec, s, deterministic) for f, s in zip(fused, saved)]
+    for f, r, do in zip(fused, ranks, douts):
+        f.pre(_padded(lay, r, do))
+    transport.barrier()
+    for launch in launches:
+        launch()
+    transport.barrier()
+    return [f.grads(n) + (None,) * 3 for f, n in zip(fused, rows)]
+
+
 def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None) -> list:
     """The backward of these local ranks' calls (group: the real ranks' group, None for P = 1 or
-    emulated ranks) -> per rank (dq, dk, dv, djq, djk, djv), joint grads None without joint rows."""
+    emulated ranks) -> per rank (dq, dk, dv, djq, djk, djv), joint grads None without joint rows.
+    spec.fused: the fused backward (no torch.distributed collective); else FA4's (or the reference's)
+    backward between two exchanges."""
     lay = spec.layout
     if group is not None:
         _agree_backward(spec, group)
+    if spec.fused:
+        return _fused_backward(spec, ranks, saved, douts, rows, group)
     exchange = _exchanger(group)
     recvs = exchange([_dout_sends(lay, r, do, djo) for r, do, djo in zip(ranks, douts, djouts)])
     grads = [_attention_backward(spec, s, _heads_dout(lay, recv)) for s, recv in zip(saved, recvs)]
@@ -466,8 +650,8 @@ class _UlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, q, k, v, jq, jk, jv):
         joint = None if jq is None else (jq, jk, jv)
-        out, jout, saved = forward_saving(call.problem, q, k, v, joint, call.group, call.rank)
-        ctx.spec, ctx.group, ctx.rank, ctx.rows = spec_of(call.problem), call.group, call.rank, q.shape[1]
+        out, jout, saved, spec = forward_saving(call.problem, q, k, v, joint, call.group, call.rank)
+        ctx.spec, ctx.group, ctx.rank, ctx.rows = spec, call.group, call.rank, q.shape[1]
         ctx.has_joint = joint is not None
         ctx.save_for_backward(*saved)
         return out, jout
@@ -492,8 +676,8 @@ class _EmulatedFunction(torch.autograd.Function):
         P = p.world_size
         qs, ks, vs = tensors[:P], tensors[P:2 * P], tensors[2 * P:3 * P]
         joint = tuple(tensors[3 * P:]) or None
-        outs, jouts, saved = forward_emulated_saving(p, qs, ks, vs, joint)
-        ctx.spec, ctx.rows, ctx.n_saved = spec_of(p), [q.shape[1] for q in qs], len(saved[0])
+        outs, jouts, saved, spec = forward_emulated_saving(p, qs, ks, vs, joint)
+        ctx.spec, ctx.rows, ctx.n_saved = spec, [q.shape[1] for q in qs], len(saved[0])
         ctx.save_for_backward(*(t for s in saved for t in s))
         return (*outs, *(jouts or ()))
 
@@ -522,6 +706,21 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _call_words(impl: str, causal: bool, softmax_scale, seq_len, shard_rows, pace: str) -> str:
+    """The traced call's arguments (as the op was given them) in one string: part of _traced_paths' key."""
+    return repr((impl, causal, softmax_scale, seq_len, None if shard_rows is None else list(shard_rows), pace))
+
+
+def _traced_key(group_name: str, words: str, q_shape, num_kv_heads: int, joint_len: int, dtype, device) -> tuple:
+    return (group_name, words, tuple(q_shape), num_kv_heads, joint_len, dtype, device)
+
+
+# whether the backward of a traced call is fused, by its signature (_traced_key): set by the forward op
+# when it runs (impl "auto" is decided there, once per signature and alike on every rank), read by the
+# backward op, whose arguments are fixed when the graph is traced
+_traced_paths: dict = {}
+
+
 @torch.library.custom_op("fa_a2a::ulysses_attention_grad", mutates_args=())
 def _grad_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint_q: Optional[torch.Tensor],
@@ -532,11 +731,15 @@ def _grad_op(
     from .pacing import decode_pace
     from .problem import resolve
 
+    key_name = group_name  # the backward op's key names the group as the call did
     group, group_name, P, rank = group_by_name(group_name)
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                              rank=rank, group=group, group_name=group_name, pace=decode_pace(pace), grad=True)
-    out, jout, saved = forward_saving(problem, q, k, v, joint, group, rank)
+    out, jout, saved, spec = forward_saving(problem, q, k, v, joint, group, rank)
+    words = _call_words(impl, causal, softmax_scale, seq_len, shard_rows, pace)
+    key = _traced_key(key_name, words, q.shape, k.shape[2], problem.layout.joint_len, q.dtype, q.device)
+    _traced_paths[key] = spec.fused
     if jout is None:
         jout = out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
     return [out, jout, *(t if t is not None else _empty(q) for t in saved)]
@@ -571,13 +774,15 @@ def _layout_of(group_name: str, rows: int, H: int, H_kv: int, J: int, seq_len, s
 def _grad_backward_op(
     dout: torch.Tensor, djout: torch.Tensor, q_heads: torch.Tensor, k_heads: torch.Tensor, v_heads: torch.Tensor,
     o_heads: torch.Tensor, lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, fa4: bool,
-    num_kv_heads: int, seq_len: Optional[int], shard_rows: Optional[list[int]],
+    num_kv_heads: int, seq_len: Optional[int], shard_rows: Optional[list[int]], words: str,
 ) -> list[torch.Tensor]:
-    """-> [dq, dk, dv, djq, djk, djv] (joint grads [B, 0, ., D] without joint rows)."""
+    """-> [dq, dk, dv, djq, djk, djv] (joint grads [B, 0, ., D] without joint rows). words: the call's
+    _call_words (its backward is fused where the forward op's run said so)."""
     B, rows, H, D = dout.shape
     lay, P, rank = _layout_of(group_name, rows, H, num_kv_heads, djout.shape[1], seq_len, shard_rows)
     group, _, _, _ = group_by_name(group_name)
-    spec = Spec(lay, causal, softmax_scale, fa4)
+    key = _traced_key(group_name, words, dout.shape, num_kv_heads, djout.shape[1], dout.dtype, dout.device)
+    spec = Spec(lay, causal, softmax_scale, fa4, _traced_paths.get(key, False))
     saved = Saved(q_heads, k_heads, v_heads, o_heads if fa4 else None, lse if fa4 else None)
     [grads] = backward(spec, [rank], [saved], [dout], [djout], [rows], group if P > 1 else None)
     if not lay.joint_len:
@@ -588,7 +793,7 @@ def _grad_backward_op(
 
 @_grad_backward_op.register_fake
 def _(dout, djout, q_heads, k_heads, v_heads, o_heads, lse, group_name, causal, softmax_scale, fa4, num_kv_heads,
-      seq_len, shard_rows):
+      seq_len, shard_rows, words):
     B, rows, H, D = dout.shape
     J = djout.shape[1]
     return [dout.new_empty(B, rows, H, D), dout.new_empty(B, rows, num_kv_heads, D),
@@ -600,7 +805,8 @@ def _setup_grad_op(ctx, inputs, output) -> None:
     q, k, v, jq, jk, jv, group_name, impl, causal, softmax_scale, seq_len, shard_rows, pace = inputs
     ctx.save_for_backward(*output[2:])
     ctx.args = (group_name, causal, softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]),
-                q.is_cuda and impl != "reference", k.shape[2], seq_len, shard_rows)
+                q.is_cuda and impl != "reference", k.shape[2], seq_len, shard_rows,
+                _call_words(impl, causal, softmax_scale, seq_len, shard_rows, pace))
     ctx.shapes = (tuple(q.shape), tuple(output[1].shape))
     ctx.has_joint = jq is not None
 

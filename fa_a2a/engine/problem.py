@@ -120,7 +120,8 @@ _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size=
                  batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
-                 joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)")
+                 joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)",
+                 deterministic="torch.use_deterministic_algorithms (FA4's deterministic backward)")
 
 
 # ---- the process group -----------------------------------------------------------------------------

@@ -5,10 +5,17 @@ on the unsplit sequence) <= 2x the error of FA4's own backward on the unsplit pr
 (flash_attn.cute.flash_attn_func, bf16, joint rows appended) + 1e-3. Checked for impl "serial"
 and "fused" on emulated ranks (P = 2, 3, 4, 8: seq_len padding, joint, causal, GQA with KV heads
 repeated within a rank and across ranks, uneven shards), P = 1, and 2 rank processes sharing the
-GPU (VMM windows; the backward's exchanges over their gloo group). Under
+GPU (VMM windows; the serial backward's exchanges over their gloo group). Under
 torch.use_deterministic_algorithms (FA4's deterministic backward) "fused" and "serial" give the
 same gradients bit for bit, real ranks the emulated ranks' bits; the output of a call with grad
 equals the no-grad call's. Padding rows get zero grads; joint grads summed over the ranks match.
+impl "fused" without joint rows and with suffix padding takes the fused backward (cute_kernels.
+fa4_bwd_a2a: dq, dk, dv stored into the owners' windows by FA4's backward kernels, dO's pre-A2A kernel
+before it, no torch.distributed collective): checked to run there (and nowhere else) and to equal the
+serial backward bit for bit also with every window it reads NaN-poisoned first (an unwritten tile
+shows), emulated P = 2, 3, 4, 8 (D 64 and 128, GQA through FA4's accumulators and through the fp32 head
+sums, seq_len padding, causal, B = 2) and 2 real ranks under MPS; with joint rows or uneven shards it
+falls back to the exchanges and still equals serial.
 The cases share FA4's compiles (forward with LSE and backward per D, GQA ratio, causal, seqused_k).
 
     python -m pytest -q tests/gpu/test_backward_gpu.py
@@ -20,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fa_a2a.engine import backward as fab
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import full_attention
@@ -155,8 +163,21 @@ def emulated_grads(case, impl, shards, joint, douts, djouts):
     return outs, per_rank, (got[3 * P:] if jins else None)
 
 
+def takes_fused_backward(case) -> bool:
+    """Whether impl "fused" takes the fused backward on this case (no joint rows, suffix padding)."""
+    return case[6] == 0 and layout(case).is_suffix_padded
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The specs of the fused backwards that ran (fa_a2a.engine.backward._fused_backward)."""
+    calls, inner = [], fab._fused_backward
+    monkeypatch.setattr(fab, "_fused_backward", lambda spec, *a: calls.append(spec) or inner(spec, *a))
+    return calls
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_emulated_gradients_within_fa4_rule_and_fused_equals_serial(case):
+def test_emulated_gradients_within_fa4_rule_and_fused_equals_serial(case, fused_calls):
     full, joint, shards, douts, djouts = make(case, seed=sum(case[:6]))
     ref = oracle(case, full, joint, douts, djouts)
     base = fa4_baseline(case, full, joint, douts, djouts)
@@ -164,6 +185,8 @@ def test_emulated_gradients_within_fa4_rule_and_fused_equals_serial(case):
     with deterministic():
         for impl in ("serial", "fused"):
             results[impl] = emulated_grads(case, impl, shards, joint, douts, djouts)
+            # serial never, fused where it applies (else the exchanges: joint rows, uneven shards)
+            assert len(fused_calls) == (impl == "fused" and takes_fused_backward(case)), (case, impl)
     for impl, (_, per_rank, jgrads) in results.items():
         for r, grads in enumerate(per_rank):
             check_rank(case, r, grads, ref, base, impl)
@@ -214,3 +237,115 @@ def _real_ranks(P, group, rank):
 
 def test_real_ranks_gradients():
     run_on_gloo_groups(_real_ranks, (2,), cuda=True, timeout_s=120)
+
+
+# ---- the fused backward (impl "fused": fa_a2a.engine.backward.fused_backward_applies) -------------------
+# no joint rows, suffix padding: FA4's backward kernels store dq, dk, dv into the owners' windows
+FUSED_CASES = [
+    (2, 1, 999, 4, 4, 128, 0, False, None),  # seq_len padding: S_loc 500, keys masked (per-thread dK/dV stores)
+    (2, 1, 1024, 4, 2, 64, 0, True, None),  # causal, GQA (dK, dV through FA4's accumulators), S_loc 512 (TMA)
+    (3, 1, 768, 6, 2, 64, 0, True, None),  # causal, KV heads (0, 0), (0, 1), (1, 1): summed over the ranks
+    (4, 2, 1000, 8, 2, 128, 0, False, [250, 250, 250, 250]),  # B 2, rows given (the ceil split), GQA
+    (4, 1, 768, 12, 6, 128, 0, True, None),  # a rank reads a KV head twice (fp32 head sums)
+    (8, 1, 1024, 24, 24, 128, 0, False, None),  # Flux's 24 heads, S_loc 128 (TMA)
+    (8, 1, 1999, 16, 8, 64, 0, False, None),  # GQA, S_loc 250 with a padding row
+]
+
+
+def poison_windows(case):
+    """NaN into every window the emulated fused backward reads: dO's (the forward's q in-windows) and
+    the gradients' (each allocated here if the backward has not yet)."""
+    from fa_a2a.engine import forward
+
+    P, B, S, H, H_kv, D = case[:6]
+    lay = layout(case)
+    transport = forward.emulated_transport(P, torch.device("cuda", torch.cuda.current_device()))
+    forward.window_plan(transport, lay, B, D, DTYPE).dq.fill_(float("nan"))
+    for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
+        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), DTYPE).fill_(float("nan"))
+
+
+def fused_grads_poisoned(case, shards, douts):
+    """The fused call's forward, every window poisoned, then its backward -> per-rank (dq, dk, dv)."""
+    P, B, S, H, H_kv, D, J, causal, rows = case
+    qs, ks, vs = ([t.clone().requires_grad_() for t in xs] for xs in shards)
+    kw = dict(shard_rows=rows) if rows else dict(seq_len=S)
+    outs = ulysses_attention_emulated(qs, ks, vs, impl="fused", causal=causal, **kw)
+    poison_windows(case)
+    got = torch.autograd.grad(outs, [*qs, *ks, *vs], douts)
+    return [(got[r], got[P + r], got[2 * P + r]) for r in range(P)]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_emulated_fused_backward_equals_serial_bit_for_bit(case, fused_calls):
+    full, joint, shards, douts, djouts = make(case, seed=sum(case[:6]))
+    assert takes_fused_backward(case)
+    with deterministic():
+        _, serial, _ = emulated_grads(case, "serial", shards, joint, douts, djouts)
+        assert not fused_calls
+        _, fused, _ = emulated_grads(case, "fused", shards, joint, douts, djouts)
+        assert len(fused_calls) == 1 and fused_calls[0].fused
+        poisoned = fused_grads_poisoned(case, shards, douts)
+        assert len(fused_calls) == 2
+    ref = oracle(case, full, joint, douts, djouts)
+    base = fa4_baseline(case, full, joint, douts, djouts)
+    for r in range(case[0]):
+        check_rank(case, r, fused[r], ref, base, "fused backward")
+        for name, a, b, c in zip(("dq", "dk", "dv"), serial[r], fused[r], poisoned[r]):
+            assert torch.equal(a, b), (case, r, name, "fused backward differs from serial")
+            assert torch.equal(a, c), (case, r, name, "fused backward over poisoned windows differs: unwritten rows")
+
+
+def test_fused_backward_without_deterministic_mode_is_close():
+    """FA4's default mode: dQ (and GQA's dK, dV) summed by reduce-adds in any order, in the fused
+    backward as in FA4's own: within the FA4 rule, not bit-compared."""
+    case = FUSED_CASES[1]
+    full, joint, shards, douts, djouts = make(case, seed=5)
+    _, fused, _ = emulated_grads(case, "fused", shards, joint, douts, djouts)
+    ref = oracle(case, full, joint, douts, djouts)
+    base = fa4_baseline(case, full, joint, douts, djouts)
+    for r in range(case[0]):
+        check_rank(case, r, fused[r], ref, base, "fused backward (FA4's default mode)")
+
+
+def _real_ranks_fused(P, group, rank):
+    """Real ranks (VMM windows, MPS): impl "fused" takes the fused backward with no all_to_all_single
+    over the (gloo) group; its grads equal the emulated ranks' serial ones and the real serial ones."""
+    calls = {"a2a": 0, "fused": 0}
+    real_a2a, real_fused = dist.all_to_all_single, fab._fused_backward
+
+    def a2a(*args, **kwargs):
+        calls["a2a"] += 1
+        return real_a2a(*args, **kwargs)
+
+    def fused(*args):
+        calls["fused"] += 1
+        return real_fused(*args)
+
+    dist.all_to_all_single, fab._fused_backward = a2a, fused
+    try:
+        for case in (c for c in FUSED_CASES if c[0] == P):
+            _, joint, shards, douts, djouts = make(case, seed=sum(case[:6]))
+            kw = dict(shard_rows=case[8]) if case[8] else dict(seq_len=case[2])
+            with deterministic():
+                _, emulated, _ = emulated_grads(case, "serial", shards, joint, douts, djouts)
+                got = {}
+                for impl in ("fused", "serial"):
+                    before = dict(calls)
+                    ins = [s[rank].clone().requires_grad_() for s in shards]
+                    out = ulysses_attention(*ins, group=group, impl=impl, causal=case[7], **kw)
+                    got[impl] = torch.autograd.grad(out, ins, douts[rank])
+                    if impl == "fused":
+                        assert calls == {"a2a": before["a2a"], "fused": before["fused"] + 1}, (case, calls)
+                        for x, y in zip(got[impl], emulated[rank]):
+                            assert torch.equal(x, y), (case, rank, "fused real ranks differ from emulated serial")
+                    else:
+                        assert calls["fused"] == before["fused"] and calls["a2a"] > before["a2a"], (case, calls)
+                for x, y in zip(got["fused"], got["serial"]):
+                    assert torch.equal(x, y), (case, rank, "fused and serial backward differ on real ranks")
+    finally:
+        dist.all_to_all_single, fab._fused_backward = real_a2a, real_fused
+
+
+def test_real_ranks_fused_backward():
+    run_on_gloo_groups(_real_ranks_fused, (2,), cuda=True, timeout_s=300)

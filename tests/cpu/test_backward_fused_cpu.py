@@ -1,0 +1,482 @@
+"""The fused backward's routing and data movement on CPU (fa_a2a.engine.backward, impl "fused").
+
+Routing: fused_backward_applies (impl "fused" decided, several ranks, CUDA SM90, bf16/fp16, D 64/128,
+no joint rows, suffix padding) and what each call then runs. Data movement: the kernels are stood in
+for by torch code that does what their docstrings say (cute_kernels.a2a's pre-A2A: dO rows of rank r to
+window d at rows r * S_loc + s, padding heads zero; cute_kernels.fa4_bwd_a2a: FA4's backward, here the
+reference backward as the stand-in of FA4's, with its dq, dk, dv rows stored into the owners' windows,
+dk, dv rows >= seqused_k left unwritten), over an emulated transport on CPU whose barriers are recorded
+(or, for real ranks, threads meeting in a threading.Barrier). The windows are NaN-poisoned first, so a
+row read that no kernel wrote, or a padding row not zeroed, shows. The serial impl's backward (the
+exchanges around the same stand-in of FA4's backward) is the reference: equal bit for bit.
+"""
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+import cute_kernels.a2a as a2a
+from cute_kernels.limits import aligned16
+from fa_a2a.engine import backward as fab, forward
+from fa_a2a.engine.problem import Problem
+from ulysses.layout import UlyssesLayout, split_seq
+from ulysses.reference import local_attention as reference_attention
+from ulysses.reference import local_attention_backward as reference_attention_backward
+from ulysses.transport import EmulatedTransport
+
+DTYPE = torch.bfloat16
+D = 64
+
+
+def layout(P, S, H, H_kv, J=0, rows=None):
+    return UlyssesLayout(S, H, H_kv, P, J) if rows is None else UlyssesLayout.from_shard_rows(rows, H, H_kv, P,
+                                                                                            joint_len=J)
+
+
+def problem(impl, P, B, S, H, H_kv, J=0, causal=False, rows=None, dtype=DTYPE, head_dim=D, device_type="cuda"):
+    """The Problem check_call would build for CUDA tensors of these shapes (the CPU tensors stand in)."""
+    lay = layout(P, S, H, H_kv, J, rows)
+    return Problem(impl, B, lay.seq_loc, H, H_kv, head_dim, dtype, device_type, J, causal, None,
+                   None if rows is not None else S, None if rows is None else tuple(rows), P, None, lay,
+                   "st" if impl == "fused" else None)
+
+
+# ---- stand-ins of the kernels -----------------------------------------------------------------------
+def fake_fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal, seqused_k=None, deterministic=False, **kw):
+    """flash_attn.cute.interface._flash_attn_bwd's stand-in: the reference backward; rows >= seqused_k of
+    dk, dv NaN (FA4 leaves them unwritten: the callers zero them)."""
+    used = None if seqused_k is None else int(seqused_k[0])
+    dq, dk, dv = reference_attention_backward(q, k, v, dout, causal=causal, softmax_scale=softmax_scale,
+                                              seqused_k=used)
+    if used is not None:
+        dk[:, used:] = float("nan")
+        dv[:, used:] = float("nan")
+    return dq, dk, dv
+
+
+class Kernels:
+    """The stand-ins and what they saw: events (in order), the transports (per P)."""
+
+    def __init__(self):
+        self.events, self.transports = [], {}
+
+    def transport(self, P, device="cpu"):
+        if P not in self.transports:
+            t = EmulatedTransport(P, device="cpu")
+            t.barrier = lambda: self.events.append("barrier")
+            t.host_barrier = lambda *a, **kw: self.events.append("host barrier")
+            self.transports[P] = t
+        return self.transports[P]
+
+    def pre_a2a_launcher(self, dq, dk, dv, q_map, kv_map, rank, seq_len, key_rows, has_joint):
+        for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+            a2a._aligned(t, name)  # the real launcher's checks
+        assert dk.shape[3] == dv.shape[3] == kv_map.numel() == 0, "dO's pre-A2A moves q heads only"
+        assert not has_joint
+        self.events.append(("bind pre", rank))
+
+        def launch(q, k, v, joint=None):
+            assert joint is None and aligned16(q)
+            self.events.append(("pre", rank))
+            P, B, N, h, _ = dq.shape
+            S_loc = q.shape[1]
+            for d in range(P):
+                for j in range(h):
+                    src = int(q_map[d * h + j])
+                    dq[d, :, rank * S_loc:(rank + 1) * S_loc, j] = q[:, :, src] if src >= 0 else 0
+
+        return launch
+
+    def bwd_a2a_launcher(self, q, k, v, out, dout, lse, dq_w, dk_w, dv_w, rank, *, causal=False, softmax_scale=None,
+                         seqused_k=None, deterministic=False, dkv_store=None):
+        B, N, h, _ = q.shape
+        hk = k.shape[2]
+        P, _, S_loc = dq_w.shape[:3]
+        assert N == P * S_loc and dq_w.shape[3] == P * h and dk_w.shape[3] == dv_w.shape[3] == P * hk
+        for t in (q, k, v, out, dout):
+            assert t.is_contiguous() and t.shape[1] == N
+        assert tuple(dout.shape) == tuple(q.shape) and tuple(lse.shape) == (B, h, N)
+        self.events.append(("build", rank, causal, deterministic, None if seqused_k is None else int(seqused_k[0])))
+
+        def launch():
+            self.events.append(("launch", rank))
+            dq, dk, dv = fake_fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal, seqused_k, deterministic)
+            used = N if seqused_k is None else int(seqused_k[0])
+            for d in range(P):
+                lo = d * S_loc
+                dq_w[d][:, :, rank * h:(rank + 1) * h] = dq[:, lo:lo + S_loc]
+                n = max(0, min(S_loc, used - lo))  # rows >= seqused_k: not written
+                dk_w[d][:, :n, rank * hk:(rank + 1) * hk] = dk[:, lo:lo + n]
+                dv_w[d][:, :n, rank * hk:(rank + 1) * hk] = dv[:, lo:lo + n]
+
+        return launch
+
+
+def kernel_forward_emulated(p, qs, ks, vs, joint, rows):
+    """_kernel_forward_emulated's stand-in: the reference forward of the exchange path, its Saved with
+    the heads-layout O and an LSE (what the serial forward keeps)."""
+    spec = fab.Spec(p.layout, p.causal, p.scale, False)
+    results = fab._collective_forward(spec, range(p.world_size), qs, ks, vs, joint, fab._transpose)
+    done = [forward._deliver(p.layout, r, res, rows[r]) for r, (res, _) in enumerate(results)]
+    saved = []
+    for _, s in results:
+        used = p.layout.seqused_k(p.causal)
+        o = reference_attention(s.q, s.k, s.v, causal=p.causal, softmax_scale=p.scale, seqused_k=used).to(s.q.dtype)
+        B, N, h, _ = s.q.shape
+        saved.append(fab.Saved(s.q, s.k, s.v, o, torch.zeros(B, h, N)))
+    return done, saved
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    import flash_attn.cute.interface as fa4_interface
+
+    import cute_kernels.fa4_bwd_a2a as bwd_a2a
+
+    k = Kernels()
+    monkeypatch.setattr(fab, "_sm90", lambda device: True)
+    monkeypatch.setattr(fab, "_kernel_forward_emulated", kernel_forward_emulated)
+    monkeypatch.setattr(fab, "_fused_ranks", {})
+    monkeypatch.setattr(forward, "_plans", {})
+    monkeypatch.setattr(forward, "emulated_transport", k.transport)
+    monkeypatch.setattr(forward.WindowPlan, "_warm", lambda self: None)
+    monkeypatch.setattr(a2a, "pre_a2a_launcher", k.pre_a2a_launcher)
+    monkeypatch.setattr(bwd_a2a, "fa4_bwd_a2a_launcher", k.bwd_a2a_launcher)
+    monkeypatch.setattr(fa4_interface, "_flash_attn_bwd", fake_fa4_bwd)
+    return k
+
+
+def poison_windows(transport, p):
+    """NaN into the windows the fused backward uses (allocated here first, as it would allocate them)."""
+    lay, B, P = p.layout, p.batch, p.world_size
+    plan = forward.window_plan(transport, lay, B, D, p.dtype)
+    plan.dq.fill_(float("nan"))
+    for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
+        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), p.dtype).fill_(float("nan"))
+
+
+def inputs(p, seed):
+    """Per-rank shards (padding rows poisoned, a NaN included), per-rank dO (poisoned likewise)."""
+    g = torch.Generator().manual_seed(seed)
+    lay, B, P = p.layout, p.batch, p.world_size
+
+    def shards(H):
+        x = torch.randn(B, lay.seq_len, H, D, generator=g).to(DTYPE)
+        parts = split_seq(x, P) if p.shard_rows is None else list(x.split(list(p.shard_rows), dim=1))
+        out = []
+        for r, t in enumerate(parts):
+            t = t.clone()
+            n = lay.valid_rows(r)
+            if n < t.shape[1]:
+                t[:, n:] = 1e3
+                t[:, n:, :1, :1] = float("nan")
+            out.append(t)
+        return out
+
+    qkv = [shards(h) for h in (p.num_heads, p.num_kv_heads, p.num_kv_heads)]
+    joint = ([torch.randn(B, p.joint_len, h, D, generator=g).to(DTYPE) for h in
+              (p.num_heads, p.num_kv_heads, p.num_kv_heads)] if p.joint_len else None)
+    return qkv, joint, shards(p.num_heads), ([torch.randn(B, p.joint_len, p.num_heads, D, generator=g).to(DTYPE)
+                                             for _ in range(P)] if p.joint_len else None)
+
+
+def emulated_grads(p, seed):
+    """-> grads of every input (per-rank dq, dk, dv, then the joint ones) of an emulated call with grad."""
+    (qs, ks, vs), joint, douts, djouts = inputs(p, seed)
+    ins = [t.requires_grad_() for xs in (qs, ks, vs) for t in xs]
+    jins = [t.requires_grad_() for t in joint] if joint else []
+    P = p.world_size
+    outs, jouts = fab.attention_emulated_with_grad(p, ins[:P], ins[P:2 * P], ins[2 * P:], tuple(jins) or None)
+    return torch.autograd.grad([*outs, *(jouts or ())], ins + jins, [*douts, *(djouts or ())])
+
+
+def check_equal(a, b, p):
+    P, lay = p.world_size, p.layout
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (i, x.shape, y.shape)
+        assert torch.isfinite(x).all(), (p, i, "non-finite grads")
+        assert torch.equal(x, y), (p, i, "fused and serial grads differ")
+        if i < 3 * P:
+            n = lay.valid_rows(i % P)
+            assert (x[:, n:] == 0).all(), (p, i, "padding rows must get zero grads")
+
+
+def expected_events(P, first: bool, deterministic=False, seqused=None, causal=False):
+    ev = [("bind pre", r) for r in range(P)] if first else []
+    for r in range(P):
+        ev.append(("build", r, causal, deterministic, seqused))
+        if first:
+            ev.append("host barrier")
+    return ev + [("pre", r) for r in range(P)] + ["barrier"] + [("launch", r) for r in range(P)] + ["barrier"]
+
+
+# ---- routing ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,fused", [
+    (dict(), True),
+    (dict(impl="serial"), False),
+    (dict(impl="nccl"), False),
+    (dict(impl="reference"), False),
+    (dict(P=1, S=64, H=4, H_kv=4), False),  # one rank: no exchange to fuse
+    (dict(J=5), False),  # joint rows: key rows not in slot order, N != P * S_loc
+    (dict(rows=[40, 24]), False),  # uneven shards: keys compacted
+    (dict(rows=[32, 31]), True),  # explicit rows equal to the ceil split: suffix padding
+    (dict(S=63), True),  # seq_len padding (a suffix)
+    (dict(causal=True), True),
+    (dict(dtype=torch.float32), False),
+    (dict(head_dim=96), False),
+    (dict(device_type="cpu"), False),
+])
+def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
+    monkeypatch.setattr(fab, "_sm90", lambda device: True)
+    args = dict(impl="fused", P=2, B=1, S=64, H=4, H_kv=2)
+    args.update(change)
+    p = problem(args.pop("impl"), args.pop("P"), args.pop("B"), args.pop("S"), args.pop("H"), args.pop("H_kv"),
+                **args)
+    assert fab.fused_backward_applies(p, "cuda") is fused
+    spec = fab.spec_of(p, "cuda")
+    assert spec.fused is fused and spec.fa4 == (p.device_type == "cuda" and p.impl != "reference")
+    monkeypatch.setattr(fab, "_sm90", lambda device: False)  # another GPU (SM100, SM80)
+    assert not fab.fused_backward_applies(p, "cuda")
+    assert not fab.fused_backward_applies(p, None) and not fab.spec_of(p).fused
+
+
+def test_sm90_reads_the_device_capability(monkeypatch):
+    """Once per device (the op's eager path asks every call with grad)."""
+    assert not fab._sm90("cpu")
+    asked = []
+    capability = {0: (9, 0), 1: (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(fab, "_capability", fab.functools.lru_cache(maxsize=None)(fab._capability.__wrapped__))
+    assert fab._sm90("cuda:0") and fab._sm90(torch.device("cuda", 0)) and not fab._sm90(torch.device("cuda", 1))
+    assert not fab._sm90("cuda")  # the current device: 1
+    assert asked == [0, 1]
+
+
+def test_auto_takes_the_fused_backward_where_it_decides_fused(kernels, monkeypatch):
+    from fa_a2a.engine import autotune
+
+    p = problem("auto", 2, 1, 20, 4, 4)
+    for label, fused in (("fused:st", True), ("fused:tma", True), ("serial", False)):
+        monkeypatch.setattr(forward, "_auto_problem_emulated", lambda p, *a, label=label: autotune.concrete(p, label))
+        kernels.events.clear()
+        emulated_grads(p, seed=1)
+        assert any(e[0] == "launch" for e in kernels.events if isinstance(e, tuple)) is fused, label
+
+
+# ---- emulated ranks: the data movement --------------------------------------------------------------------
+# (P, B, S, H, H_kv, causal, rows): GQA with a KV head replicated over ranks, KV heads read twice by one
+# rank (H 12, H_kv 6, P 4: the fp32 head sums), head padding (H 5 over 2), seq_len padding with a rank of
+# padding only, explicit rows of the ceil split, causal
+CASES = [
+    (2, 1, 20, 4, 1, False, None),
+    (2, 2, 19, 5, 5, True, None),
+    (3, 1, 16, 6, 3, False, None),
+    (4, 1, 13, 12, 6, True, None),
+    (4, 2, 15, 8, 2, False, [4, 4, 4, 3]),
+    (8, 1, 13, 8, 8, False, None),  # rows (2, 2, 2, 2, 2, 2, 1, 0)
+    (8, 1, 32, 24, 24, True, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_emulated_fused_backward_equals_serial(kernels, case):
+    P, B, S, H, H_kv, causal, rows = case
+    serial = emulated_grads(problem("serial", P, B, S, H, H_kv, causal=causal, rows=rows), seed=sum(case[:5]))
+    assert not any(isinstance(e, tuple) and e[0] in ("pre", "launch") for e in kernels.events)
+    p = problem("fused", P, B, S, H, H_kv, causal=causal, rows=rows)
+    lay = p.layout
+    seqused = None if causal else lay.seqused_k(False)
+    for call in range(2):  # built and lined up once; the second call binds its own saved tensors
+        poison_windows(kernels.transport(P), p)
+        kernels.events.clear()
+        fused = emulated_grads(p, seed=sum(case[:5]))
+        assert kernels.events == expected_events(P, call == 0, seqused=seqused, causal=causal), kernels.events
+        check_equal(fused, serial, p)
+    # the grads are copies: the windows written again leave them as they were
+    kept = [g.clone() for g in fused]
+    poison_windows(kernels.transport(P), p)
+    assert all(torch.equal(a, b) for a, b in zip(fused, kept))
+
+
+def test_deterministic_mode_reaches_the_kernels(kernels):
+    p = problem("fused", 2, 1, 20, 4, 2)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        emulated_grads(p, seed=3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    builds = [e for e in kernels.events if isinstance(e, tuple) and e[0] == "build"]
+    assert [e[3] for e in builds] == [True, True]
+    kernels.events.clear()
+    emulated_grads(p, seed=3)  # the other mode: built again, the ranks lined up again for its compiles
+    assert kernels.events == expected_events(2, False)[:1] + ["host barrier"] + expected_events(2, False)[1:2] + \
+        ["host barrier"] + expected_events(2, False)[2:]
+
+
+@pytest.mark.parametrize("change", [dict(J=3), dict(rows=[12, 8]), dict(rows=[0, 10, 10])], ids=str)
+def test_fused_falls_back_to_the_exchanges_and_equals_serial(kernels, change):
+    """Joint rows, uneven shards: impl "fused" takes the exchange backward (no kernel launched, no
+    barrier) with the same grads as serial."""
+    P = len(change.get("rows", [0, 0]))
+    p = problem("fused", P, 1, sum(change.get("rows", [10, 10])), 4, 2, **change)
+    assert not fab.fused_backward_applies(p, "cuda")
+    serial = emulated_grads(dataclasses.replace(p, impl="serial", o_store=None), seed=4)
+    kernels.events.clear()
+    check_equal(emulated_grads(p, seed=4), serial, p)
+    assert kernels.events == []
+
+
+def test_dout_pre_a2a_zeroes_padding_rows_and_heads(kernels):
+    """dO's window after the pre-A2A: every rank's rows of every rank's heads, padding rows (poisoned
+    in the caller's dO) and padding heads (H 5 over 2 ranks: head 5) zero."""
+    p = problem("fused", 2, 1, 7, 5, 5)
+    (qs, ks, vs), _, douts, _ = inputs(p, seed=5)
+    transport = kernels.transport(2)
+    poison_windows(transport, p)
+    plan = forward.window_plan(transport, p.layout, 1, D, DTYPE)
+    for r in range(2):
+        f = fab._fused_rank(plan, r)
+        f.pre(fab._padded(p.layout, r, douts[r]))
+    full = torch.cat([douts[0], douts[1][:, :3]], dim=1)  # the 7 valid rows
+    for d in range(2):
+        got = plan.dq[d]  # [B, 8, 3, D]
+        for j in range(3):
+            h = 3 * d + j
+            if h < 5:
+                assert torch.equal(got[:, :7, j], full[:, :, h]) and (got[:, 7:, j] == 0).all()
+            else:
+                assert (got[:, :, j] == 0).all()
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_dout_pre_a2a_kv_windows_have_no_heads_and_pass_the_stride_checks(B):
+    """The k, v windows of dO's pre-A2A: no heads (no block launched for them), views of the plan's own
+    windows, and every stride the kernel's TVM-FFI entry checks (dims of extent != 1 but the head dim,
+    whose stride is 1) a multiple of 16 bytes as DLPack exports it."""
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    transport = EmulatedTransport(4, device="cpu")
+    plan = forward.WindowPlan.__new__(forward.WindowPlan)  # the windows alone (no kernel compiles)
+    lay = layout(4, 30, 8, 2)
+    plan.dq, plan.dk, plan.dv = forward.in_windows(lambda n: transport.windows("ulysses.in", (n,), DTYPE), lay, B, D)
+    for w in (plan.dk, plan.dv):
+        z = fab._no_heads(w)
+        assert tuple(z.shape) == (4, B, lay.num_rows, 0, D) and z.storage_offset() == w.storage_offset()
+        assert z.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        a2a._aligned(z, "dk")
+        exported = tvm_ffi.from_dlpack(z)
+        elems = 16 // z.element_size()
+        shape, strides = exported.shape, exported.strides
+        assert strides[-1] == 1 and all(st % elems == 0 for n, st in zip(shape[:-1], strides[:-1]) if n != 1), strides
+    transport.close()
+
+
+# ---- real ranks: one rank's path per thread, meeting in the transport's barriers -----------------------
+class _Group:
+    group_name = "fake"
+
+
+def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
+    """The real-rank path (group given): each of P threads runs one rank's backward over a shared
+    transport whose barriers are a threading.Barrier; no torch.distributed call is made (the backward's
+    agreement is stood in for); every rank's grads equal the serial backward's."""
+    import torch.distributed as dist
+
+    import ulysses.transport as transport_mod
+
+    P = 4
+    p = problem("fused", P, 2, 30, 8, 2)
+    lay = p.layout
+    (qs, ks, vs), _, douts, _ = inputs(p, seed=6)
+    rows = [q.shape[1] for q in qs]
+    padded = [[fab._padded(lay, r, x) for r, x in enumerate(xs)] for xs in (qs, ks, vs)]
+    _, saved = kernel_forward_emulated(p, *padded, None, rows)
+    serial_spec = fab.Spec(lay, False, p.scale, True, False)
+    serial = fab.backward(serial_spec, range(P), saved, douts, [None] * P, rows)
+
+    meet = threading.Barrier(P, timeout=60)
+    transport = kernels.transport(P)
+    transport.barrier = lambda: meet.wait()
+    transport.host_barrier = lambda *a, **kw: meet.wait()
+    monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
+    agreed = []
+    monkeypatch.setattr(fab, "_agree_backward", lambda spec, group: agreed.append((spec, group.group_name)))
+    for name in ("all_to_all_single", "all_reduce", "barrier", "all_gather"):
+        monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("a torch.distributed collective ran"))
+    poison_windows(transport, p)
+    plan = forward.window_plan(transport, lay, p.batch, D, DTYPE)
+    for r in range(P):  # the plan's per-rank state exists before the threads (one process per rank builds its own)
+        fab._fused_rank(plan, r)
+    spec = fab.spec_of(p, "cuda")
+    assert spec.fused
+    results, errors = [None] * P, []
+
+    def rank(r):
+        try:
+            [results[r]] = fab.backward(spec, [r], [saved[r]], [douts[r]], [None], [rows[r]], group=_Group())
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+            meet.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert agreed == [(spec, "fake")] * P
+    for r in range(P):
+        assert results[r][3:] == (None, None, None)
+        for x, y in zip(results[r][:3], serial[r][:3]):
+            assert torch.equal(x, y), r
+
+
+def test_backward_agreement_names_its_path_and_mode(monkeypatch):
+    """Ranks whose backwards would meet in different collectives (fused / exchanges) or build for
+    another deterministic mode disagree on the host before any data moves."""
+    from fa_a2a.engine import problem as engine_problem
+
+    seen = []
+    monkeypatch.setattr(engine_problem, "agree_call", lambda fields, word, error, group: seen.append((fields, word)))
+    monkeypatch.setattr(fab, "_backward_words", {})
+    lay = layout(2, 20, 4, 2)
+    fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), _Group())
+    fab._agree_backward(fab.Spec(lay, False, 0.125, True, False), _Group())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), _Group())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (f0, w0), (f1, w1), (f2, w2) = seen
+    assert (f0["impl"], f1["impl"]) == ("fused backward", "exchange backward")
+    assert (f0["deterministic"], f2["deterministic"]) == (False, True)
+    assert len({w0, w1, w2}) == 3
+    assert engine_problem._ARGUMENT["impl"] == "impl"  # a disagreement on the path names the argument
+
+
+# ---- torch.compile: the backward op reads the forward op's decision --------------------------------------
+def test_traced_backward_op_keys_the_forward_ops_decision(monkeypatch):
+    """The backward op's arguments are fixed at trace time; whether it is fused is what the forward op
+    decided when it ran, looked up by the same key from the backward op's own arguments."""
+    keys = []
+    inner = fab._traced_key
+    monkeypatch.setattr(fab, "_traced_key", lambda *a: keys.append(inner(*a)) or keys[-1])
+    monkeypatch.setattr(fab, "_traced_paths", {})
+    from fa_a2a.op import ulysses_attention
+
+    g = torch.Generator().manual_seed(7)
+    ins = [torch.randn(1, 6, h, 8, generator=g) for h in (4, 2, 2)]
+    joint = [torch.randn(1, 3, h, 8, generator=g) for h in (4, 2, 2)]
+
+    def f(q, k, v, jq, jk, jv):
+        out, jout = ulysses_attention(q, k, v, impl="reference", joint=(jq, jk, jv), softmax_scale=0.25)
+        return out.square().sum() + jout.sum()
+
+    xs = [t.clone().requires_grad_() for t in ins + joint]
+    torch.compile(f, backend="aot_eager", fullgraph=True)(*xs).backward()
+    assert len(keys) == 2 and keys[0] == keys[1], keys
+    assert fab._traced_paths == {keys[0]: False}
+    assert all(torch.isfinite(x.grad).all() for x in xs)
