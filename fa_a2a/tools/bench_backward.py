@@ -1,11 +1,11 @@
 """`python -m fa_a2a.bench --backward`: forward + backward of the Ulysses op against FA4's alone (issue 39).
 
-The baseline of the next step, the backward's All-to-Alls fused into FA4's backward kernels: today
-the op's backward (fa_a2a.engine.backward) is FA4's backward
-(flash_attn.cute.interface._flash_attn_bwd) between two all_to_all exchanges, and its forward with
-grad is the serial forward (the pre-A2A kernel, FA4 with its LSE, copies of what the backward reads,
-the post-A2A kernel; impl "fused" runs the same forward when grad is required, so it is not timed
-apart). Per sequence length M (the full sequence; --seqlens / --quick / --world-size / --heads /
+The op's forward with grad is the serial forward (the pre-A2A kernel, FA4 with its LSE, copies of
+what the backward reads, the post-A2A kernel) for every kernel impl; its backward
+(fa_a2a.engine.backward) is, for impl "serial", FA4's backward
+(flash_attn.cute.interface._flash_attn_bwd) between two exchanges (all_to_all_single on real ranks),
+and for impl "fused" dO's pre-A2A kernel, then FA4's backward storing dq, dk, dv straight into their
+owners' windows (cute_kernels.fa4_bwd_a2a), no collective. Per sequence length M (the full sequence; --seqlens / --quick / --world-size / --heads /
 --head-dim / --batch / --dtype / --causal / --trials / --warmup / --calls / --target-ms as
 `python -m fa_a2a.bench` reads them), side by side in one run:
 
@@ -20,7 +20,7 @@ apart). Per sequence length M (the full sequence; --seqlens / --quick / --world-
                    (the inputs' .grad reset to None before every call: no accumulation kernel)
   bwd              (not timed itself) fwd+bwd - fwd, for FA4 and for the op
 
-impl: "serial" always; "nccl" (all_to_all_single around FA4) on real ranks with one GPU each (it
+impl: "serial" and "fused" always; "nccl" (all_to_all_single around FA4) on real ranks with one GPU each (it
 needs NCCL: skipped, with the reason, when ranks share a GPU); "reference" (the fp32 reference
 attention) is not timed. Emulated ranks have no NCCL path.
 
@@ -77,7 +77,7 @@ RESULT_NAME = "bench_backward.json"
 NO_GPU_LINE = ("No CUDA GPU: nothing was measured (the forward + backward benchmark needs an SM90 GPU for FA4's "
                "backward; run it there, or under torchrun --nproc-per-node=N for N ranks); nothing written.")
 FA4_KEYS = ("fa4_fwd", "fa4_fwdbwd")
-IMPLS = ("serial", "nccl")  # the op's impls timed, where they apply
+IMPLS = ("serial", "fused", "nccl")  # the op's impls timed, where they apply
 NCCL_SHARED = "skipped (ranks share a GPU: NCCL refuses two ranks on one device, 'Duplicate GPU detected')"
 NCCL_EMULATED = "n/a (emulated ranks: the NCCL path needs real ranks, one GPU each)"
 # bench's flags that select what the per-kernel benchmark times: refused with --backward (a usage error)
@@ -92,7 +92,7 @@ def check_args(ns) -> None:
         value = getattr(ns, attr, None)
         if value not in (None, False):
             raise ValueError(f"{flag}: not with --backward (the forward + backward benchmark times FA4 and the "
-                             f"op's serial / NCCL calls, windows in HBM, no model), got {value!r}")
+                             f"op's serial / fused / NCCL calls, windows in HBM, no model), got {value!r}")
 
 
 def op_keys(impl: str) -> tuple:

@@ -82,15 +82,16 @@ def test_without_a_gpu_other_ranks_print_nothing(monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------ report
 def test_impls_and_methods():
-    assert bb.select_impls(False) == (("serial",), {k: bb.NCCL_EMULATED for k in ("op_fwd:nccl", "op_fwdbwd:nccl")})
-    assert bb.select_impls(True, shared_gpu=True) == (("serial",), {k: bb.NCCL_SHARED for k in bb.op_keys("nccl")})
-    assert bb.select_impls(True) == (("serial", "nccl"), {})
+    assert bb.select_impls(False) == (("serial", "fused"), {k: bb.NCCL_EMULATED for k in ("op_fwd:nccl", "op_fwdbwd:nccl")})
+    assert bb.select_impls(True, shared_gpu=True) == (("serial", "fused"), {k: bb.NCCL_SHARED for k in bb.op_keys("nccl")})
+    assert bb.select_impls(True) == (("serial", "fused", "nccl"), {})
     assert bb.method_keys(("serial", "nccl")) == ("fa4_fwd", "fa4_fwdbwd", "op_fwd:serial", "op_fwdbwd:serial",
                                                   "op_fwd:nccl", "op_fwdbwd:nccl")
 
 
 RAW = {"fa4_fwd": [100.0, 110.0, 90.0], "fa4_fwdbwd": [350.0, 360.0, 340.0],
-       "op_fwd:serial": [500.0, 540.0, 460.0], "op_fwdbwd:serial": [1700.0, 1800.0, 1650.0]}
+       "op_fwd:serial": [500.0, 540.0, 460.0], "op_fwdbwd:serial": [1700.0, 1800.0, 1650.0],
+       "op_fwd:fused": [500.0, 540.0, 460.0], "op_fwdbwd:fused": [1500.0, 1600.0, 1450.0]}
 
 
 def test_ratios_over_p_times_fa4_from_medians_and_paired():
@@ -124,8 +125,9 @@ def test_table_from_a_fake_result_one_row_per_m_and_impl():
     lines = bb.format_table(points).splitlines()
     assert lines[0] == "| " + " | ".join(bb.TABLE_HEAD) + " |"
     assert lines[2] == "| 8192 | serial | 100.0 | 350.0 | 500.0 | 1700.0 | 1.200 | 1.214 | 1.214 |"
-    assert lines[3] == "| 16384 | serial | 400.0 | 1400.0 | 2000.0 | 6800.0 | 1.200 | 1.214 | 1.214 |"
-    assert lines[5:] == [f"Not timed (op_fwd:nccl: {bb.NCCL_EMULATED}) at M = 8192, 16384.",
+    assert lines[3] == "| 8192 | fused | 100.0 | 350.0 | 500.0 | 1500.0 | 1.000 | 1.071 | 1.071 |"
+    assert lines[4] == "| 16384 | serial | 400.0 | 1400.0 | 2000.0 | 6800.0 | 1.200 | 1.214 | 1.214 |"
+    assert lines[7:] == [f"Not timed (op_fwd:nccl: {bb.NCCL_EMULATED}) at M = 8192, 16384.",
                          f"Not timed (op_fwdbwd:nccl: {bb.NCCL_EMULATED}) at M = 8192, 16384."]
     title = bb.table_title(points, "NVIDIA H200", cfg)
     assert "P=4 emulated ranks" in title and "ratios over 4 x FA4" in title and "(cuda-graph)" in title
@@ -142,7 +144,8 @@ def test_real_ranks_ratio_over_one_fa4_and_a_non_finite_method_loses_its_time():
     assert p["status"] == {"op_fwdbwd:nccl": "non-finite output or grads"} and "op_fwdbwd:nccl" not in p["median_us"]
     lines = bb.format_table([p]).splitlines()
     assert lines[2].startswith("| 4608 | serial | 100.0 | 350.0 | 500.0 | 1700.0 | 4.800 | 4.857 |")
-    assert lines[3] == "| 4608 | nccl | 100.0 | 350.0 | 400.0 | - | - | - | - |"
+    assert lines[3].startswith("| 4608 | fused | 100.0 | 350.0 | 500.0 | 1500.0 |")
+    assert lines[4] == "| 4608 | nccl | 100.0 | 350.0 | 400.0 | - | - | - | - |"
     assert lines[-1] == "Not timed (op_fwdbwd:nccl: non-finite output or grads) at M = 4608."
     assert "P=2 real ranks" in bb.table_title([p], "H200", cfg) and "over 1 x FA4" in bb.table_title([p], "H200", cfg)
 

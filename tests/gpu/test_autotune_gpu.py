@@ -7,6 +7,7 @@ poisoned (NaN) before each call, so an unwritten tile shows."""
 import pytest
 import torch
 
+from cute_kernels.fa4 import tile_m_for
 from fa_a2a.engine import autotune
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 
@@ -14,7 +15,7 @@ from tests import helpers
 from tests.gpu.test_ulysses_attention import DTYPE, check_exact, make_inputs, reference_outputs
 from tests.multiproc import run_on_gloo_groups
 
-# (P, B, S, H, H_kv, D, J, causal): S_loc a multiple of the tile's 128 rows (fused:tma is a
+# (P, B, S, H, H_kv, D, J, causal): S_loc a multiple of the tile's rows (fused:tma is a
 # candidate), S_loc 320 (tiles straddle ranks: st only), uneven S with GQA and joint rows, causal D 64
 CASES = [(2, 1, 1024, 8, 8, 128, 0, False), (4, 1, 1280, 8, 4, 128, 0, False), (4, 2, 1001, 6, 2, 128, 77, False),
          (2, 1, 512, 4, 2, 64, 0, True)]
@@ -50,15 +51,16 @@ def test_emulated_auto_and_every_candidate_give_the_same_bits(case, fresh_record
     full, joint, shards = make_inputs(case, seed=21)
     want_seq, want_joint = reference_outputs(case, joint, shards)
     S_loc = -(-case[2] // case[0])
-    for impl in ("auto",) + tuple(label for label in LABELS if label != "fused:tma" or S_loc % 128 == 0):
+    tma = S_loc % tile_m_for(case[5], case[-1]) == 0  # the fused kernel's output tile rows divide S_loc
+    for impl in ("auto",) + tuple(label for label in LABELS if label != "fused:tma" or tma):
         for _ in range(2):  # the first auto call measures, the second runs the decision
             outs, jouts = _emulated(case, impl, joint, shards)
             for r in range(case[0]):
                 check_exact(case, r, outs[r], jouts[r], want_seq, want_joint)
-    made = [c for c in autotune.decisions().values() if c.source == "measured"]
+    made = [c for k, c in autotune.decisions().items() if c.source == "measured" and f'"seq_loc": "{S_loc}"' in k]
     assert made and all(c.label in LABELS for c in made)
     assert all(set(c.times) <= set(LABELS) and c.cost_s > 0 for c in made)
-    if S_loc % 128:
+    if not tma:
         assert all("fused:tma" not in c.times for c in made)
 
 
@@ -152,7 +154,7 @@ def _real_ranks(P, group, rank, expect_source):
         labels = [None] * P
         dist.all_gather_object(labels, made[0].label, group=group)
         assert len(set(labels)) == 1, labels  # every rank runs the same path
-        assert made[0].label in LABELS and (S_loc % 128 == 0 or made[0].label != "fused:tma")
+        assert made[0].label in LABELS and (S_loc % tile_m_for(case[5]) == 0 or made[0].label != "fused:tma")
     from ulysses.transport import get_transport
 
     get_transport(group).check()
