@@ -158,7 +158,9 @@ def main(ap, args):
     routes = {name: route_counts(name)} if name else {}
     ref_losses = None
     if reference is not None:
-        reference.set_attention_backend("native")
+        # SDPA's math kernel: on one H200 (torch 2.11, bf16 autocast) the default "native" choice gave NaN
+        # losses from the second step on (2026-12-05; the kernel SDPA picked there not checked)
+        reference.set_attention_backend("_native_math")
         ref_losses = train(reference, x, target, args, device)
     if rank == 0:
         what = (f"P = {world} ranks ({backend} group), fa-a2a backend impl {args.impl}" if world > 1

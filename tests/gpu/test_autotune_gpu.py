@@ -149,7 +149,7 @@ def _real_ranks(P, group, rank, expect_source):
             del res, out, jout
         S_loc = -(-case[2] // P)
         made = [c for k, c in autotune.decisions().items() if f'"seq_loc": "{S_loc}"' in k and
-                '"entry": "ulysses_attention"' in k]
+                f'"world_size": "{P}"' in k and '"entry": "ulysses_attention"' in k]  # (processes serve P 2, 4)
         assert len(made) == 1 and made[0].source == expect_source, made
         labels = [None] * P
         dist.all_gather_object(labels, made[0].label, group=group)

@@ -95,9 +95,8 @@ def test_block_bit_exact_and_close(P, S_loc, H, tuned, pace):
     poison(plan)
     got = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, pace=pace, **kw)
     if pace is not None:  # the P ranks' prepared calls of this signature pace their projections at the rate
-        blocks = [rb for key, (p, prepared) in problem._resolved.items()
-                  if key[0] == "ulysses_qkv_attention_emulated" and p.pace == pace
-                  for rbs in prepared.values() for rb in rbs]
+        entries = [entry for key, entry in problem._resolved.items() if key[0] == "ulysses_qkv_attention_emulated"]
+        blocks = [rb for p, prepared in entries if p.pace == pace for rbs in prepared.values() for rb in rbs]
         assert len(blocks) == P and all(rb.pacing.rate_gbps == pace for rb in blocks)
     tabs = [K.interleaved_cos_sin(*c) for c in rot]
     qkv = [plain_qkv(x, proj, t, **kw) for x, t in zip(xs, tabs)]
