@@ -370,7 +370,22 @@ def take_heads(x: torch.Tensor, heads: Sequence[int]) -> torch.Tensor:
     extra = max(heads, default=-1) + 1 - H
     if extra > 0:
         x = torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
-    return x.index_select(-2, torch.tensor(heads, dtype=torch.long, device=x.device))
+    return x.index_select(-2, index_tensor(tuple(heads), x.device))
+
+
+def index_tensor(index: tuple, device: torch.device) -> torch.Tensor:
+    """int64 `index` on `device` (read-only). On a CUDA device built once per (index, device): no
+    host-to-device copy per call, which CUDA-graph capture refuses; under a fake mode (tracing, the
+    CPU tier's compiles) built afresh, as a fake tensor must be."""
+    if torch.device(device).type != "cuda" or torch._guards.detect_fake_mode() is not None:
+        return torch.tensor(index, dtype=torch.long, device=device)
+    return _cuda_index(index, torch.device(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cuda_index(index: tuple, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor even when first built under inference_mode
+        return torch.tensor(index, dtype=torch.long, device=device)
 
 
 def _check_rank_list(xs, name: str) -> tuple[int, ...]:

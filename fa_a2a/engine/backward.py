@@ -88,7 +88,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from ulysses.layout import UlyssesLayout, take_heads
+from ulysses.layout import UlyssesLayout, index_tensor, take_heads
 from ulysses.reference import local_attention as reference_attention
 from ulysses.reference import local_attention_backward as reference_attention_backward
 
@@ -270,7 +270,7 @@ def _sum_heads(parts, rows, num_heads: int) -> torch.Tensor:
         return torch.cat(parts, dim=2)
     B, n, _, D = parts[0].shape
     acc = parts[0].new_zeros(B, n, num_heads, D, dtype=torch.promote_types(parts[0].dtype, torch.float32))
-    acc.index_add_(2, torch.tensor(flat, device=acc.device), torch.cat(parts, dim=2).to(acc.dtype))
+    acc.index_add_(2, index_tensor(tuple(flat), acc.device), torch.cat(parts, dim=2).to(acc.dtype))
     return acc.to(parts[0].dtype)
 
 
