@@ -17,7 +17,7 @@ time-slice it unless an MPS daemon runs (`python -m fa_a2a.mps -- ...`; the case
 Block cases ("block"): the same P and rows through the attention block with Flux-like shapes
 (C = 3072 = H * D, q/k/v bias, per-head RMSNorm, diffusers' (cos, sin) rotary; x [1, rows, C]);
 a last table prints each block case's host us/call beside the op's of the same P and rows. At P = 1
-and up to block.ONE_LAUNCH_ROWS rows the block also runs with its projection in two launches (q|k
+and up to fa_a2a.engine.projection.ONE_LAUNCH_ROWS rows the block also runs with its projection in two launches (q|k
 and v apart, config=None) beside the one launch its automatic tiles pick.
 
     python examples/eager_host_cost.py [--json OUT.json] [--calls 50]
@@ -128,7 +128,8 @@ def _measure(call, n: int, n_host: int, trials: int = 5, barrier=None, graph: bo
 
 def one_process_cases(n: int) -> list[dict]:
     from fa_a2a import ulysses_attention, ulysses_attention_emulated
-    from fa_a2a.block import ONE_LAUNCH_ROWS, ulysses_qkv_attention, ulysses_qkv_attention_emulated
+    from fa_a2a.block import ulysses_qkv_attention, ulysses_qkv_attention_emulated
+    from fa_a2a.engine.projection import ONE_LAUNCH_ROWS
 
     from cute_kernels.fa4 import fa4_forward
 

@@ -66,7 +66,6 @@ from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, ch
                                    remember, signature_fields, signature_word, split_impl)
 from fa_a2a.engine.projection import _emulated_blocks, _rank_block, _rope_source, segment_writes
 # the projection stage's names that were read from here before it moved to the engine (tools, examples)
-from fa_a2a.engine.projection import ONE_LAUNCH_ROWS, PAIR_ROWS_MAX, auto_tiles, project  # noqa: F401
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "rotary_pair", "Segment", "segment_writes"]

@@ -86,6 +86,7 @@ def main(argv=None) -> int:
         return no_gpu("python -m fa_a2a.bench_block", "the block benchmark")
     from cute_kernels import qkv_a2a_sm90 as K
     from fa_a2a import block
+    from fa_a2a.engine import projection
     from fa_a2a.engine.forward import window_plan
     from graphs import median, time_graphs
     from ulysses.layout import UlyssesLayout
@@ -119,14 +120,14 @@ def main(argv=None) -> int:
         methods = {
             "unfused": lambda: (pre(*chain(x, cs)), plan.attend(0, "serial", False, scale)),
             "attn-fused": lambda: (pre(*chain(x, cs)), plan.attend(0, "fused", False, scale)),
-            "block-fused": lambda: (block.project(wins, lay, 0, x, proj, cs, config=None),
+            "block-fused": lambda: (projection.project(wins, lay, 0, x, proj, cs, config=None),
                                     plan.attend(0, "fused", False, scale)),
-            "block-fused1": lambda: (block.project(wins, lay, 0, x, proj, cs, config=cfg1, one_launch=True),
+            "block-fused1": lambda: (projection.project(wins, lay, 0, x, proj, cs, config=cfg1, one_launch=True),
                                      plan.attend(0, "fused", False, scale)),
             "chain": lambda: chain(x, cs),
             "pre-a2a": lambda: pre(*qkv),
-            "proj-fused": lambda: block.project(wins, lay, 0, x, proj, cs, config=None),
-            "proj-fused1": lambda: block.project(wins, lay, 0, x, proj, cs, config=cfg1, one_launch=True),
+            "proj-fused": lambda: projection.project(wins, lay, 0, x, proj, cs, config=None),
+            "proj-fused1": lambda: projection.project(wins, lay, 0, x, proj, cs, config=cfg1, one_launch=True),
             "fa4+post": lambda: plan.attend(0, "serial", False, scale),
             "fa4-fused": lambda: plan.attend(0, "fused", False, scale),
         }
