@@ -1,0 +1,92 @@
+"""The backward on real ranks, one GPU each (torchrun, NCCL, VMM windows): impl "fused" (dO's pre-A2A
+kernel, FA4's backward kernels storing dq, dk, dv into the owners' windows over NVLink), "serial" and
+"nccl" (FA4's backward between all_to_all_single exchanges) give the same gradients bit for bit under
+torch.use_deterministic_algorithms(True), every rank; the fused backward runs (no collective) where it
+applies, and a case with joint rows falls back to the exchanges and still agrees.
+
+pytest runs this file under torchrun in a subprocess for P = 2, 4 and 8 as far as the machine has
+GPUs. Speed: `torchrun --nproc-per-node=P -m fa_a2a.bench --backward` (the benchmark, not this test).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# (S, H, H_kv, D, J, causal): S_loc a multiple of the tiles; seq_len padding with GQA; causal D 64;
+# joint rows (the exchange backward)
+CASES = [(16384, 24, 24, 128, 0, False), (8 * 1000 - 5, 16, 8, 128, 0, False), (8192, 8, 8, 64, 0, True),
+         (4096, 24, 24, 128, 77, False)]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("nproc", [2, 4, 8])
+def test_backward_on_distinct_gpus(nproc):
+    if nproc > N_GPUS:
+        pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(__file__)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]
+
+
+def main():
+    import torch.distributed as dist
+
+    from fa_a2a.op import ulysses_attention
+    from ulysses.transport import close_transports, get_transport
+
+    rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    group = dist.group.WORLD
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    calls, all_to_all = [], dist.all_to_all_single
+
+    def counted(*args, **kwargs):  # the exchange backward's collective; the fused backward has none
+        calls.append(1)
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    for S, H, H_kv, D, J, causal in CASES:
+        S_loc = -(-S // P)
+        rows = min(S_loc, S - rank * S_loc)  # this rank's rows (the last rank's shard is short with padding)
+        gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+        shapes = ((1, rows, H, D), (1, rows, H_kv, D), (1, rows, H_kv, D))
+        ins = [torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for s in shapes]
+        jgen = torch.Generator(device="cuda").manual_seed(7)  # the joint rows: the same on every rank
+        joint = tuple(torch.randn(1, J, h, D, device="cuda", generator=jgen).to(torch.bfloat16)
+                      for h in (H, H_kv, H_kv)) if J else None
+        dout = torch.randn(1, rows, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+        grads, exchanges = {}, {}
+        for impl in ("fused", "serial", "nccl"):
+            q, k, v = (t.clone().requires_grad_() for t in ins)
+            res = ulysses_attention(q, k, v, group=group, impl=impl, joint=joint, causal=causal, seq_len=S)
+            out = res[0] if J else res
+            calls.clear()
+            out.backward(dout)
+            exchanges[impl] = len(calls)
+            grads[impl] = [t.grad for t in (q, k, v)]
+        fused_here = J == 0  # suffix padding (seq_len) only: the fused backward applies without joint rows
+        assert (exchanges["fused"] == 0) == fused_here, (rank, S, J, exchanges)
+        assert exchanges["serial"] > 0 and exchanges["nccl"] > 0, exchanges
+        for impl in ("serial", "nccl"):
+            for name, a, b in zip("qkv", grads["fused"], grads[impl]):
+                assert torch.equal(a, b), (f"rank {rank}: S {S} H {H}/{H_kv} D {D} J {J} causal {causal}: d{name} "
+                                           f"of fused and {impl} differ")
+        if rank == 0:
+            print(f"P={P} S={S} H={H}/{H_kv} D={D} J={J} causal={causal}: fused == serial == nccl grads", flush=True)
+    get_transport(group).check()
+    close_transports()
+    dist.destroy_process_group()
+    print("RANK OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
