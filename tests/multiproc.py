@@ -1,4 +1,5 @@
-"""Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it).
+"""Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it), or a
+test file's main under torchrun (the multi-GPU tests: run_torchrun).
 
 Rank processes on one GPU run under a private CUDA MPS daemon where one can start (their kernels
 then run at once instead of time-slicing the GPU); elsewhere, or with FA_A2A_TEST_MPS=0, they
@@ -7,6 +8,8 @@ time-slice it (a warning says why where MPS was expected to start)."""
 import contextlib
 import datetime
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -90,3 +93,14 @@ def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):
             teardown()  # collective; not on the error path (spawn ends the other ranks)
     finally:
         dist.destroy_process_group()
+
+
+def run_torchrun(path: str, nproc: int, env: dict = None, timeout_s: int = 900) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc-per-node=nproc path` with the repository
+    on PYTHONPATH (env: extra variables); returns the finished process (output captured)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **(env or {}))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(path)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

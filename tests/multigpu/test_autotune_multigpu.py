@@ -12,11 +12,11 @@ GPUs. Each rank:
 """
 import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.multiproc import run_torchrun
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 TRIALS = 7
@@ -28,11 +28,7 @@ P_S = 16384  # the full sequence per case (S_loc = 16384 / P, a multiple of the 
 def test_auto_on_distinct_gpus(nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_torchrun(__file__, nproc)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]

@@ -8,11 +8,11 @@ pytest runs this file under torchrun in a subprocess for P = 2, 4 and 8 as far a
 GPUs. Speed: `torchrun --nproc-per-node=P -m fa_a2a.bench --backward` (the benchmark, not this test).
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.multiproc import run_torchrun
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 # (S, H, H_kv, D, J, causal): S_loc a multiple of the tiles; seq_len padding with GQA; causal D 64;
@@ -26,11 +26,7 @@ CASES = [(16384, 24, 24, 128, 0, False), (8 * 1000 - 5, 16, 8, 128, 0, False), (
 def test_backward_on_distinct_gpus(nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_torchrun(__file__, nproc)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]

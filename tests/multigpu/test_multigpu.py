@@ -12,11 +12,11 @@ any barrier timed out. `check_ranks` is also run by tests/gpu/test_transport_ipc
 sharing one GPU, where it is shown to fail on a fused epilogue that drops its remote tiles.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.multiproc import run_torchrun
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 IMPLS = ("fused", "serial", "nccl", "reference")
@@ -32,12 +32,7 @@ CASES = (lambda P: (1, P * 1024, 3 * P, 3 * P, 128, 0, False),
 def test_torchrun_real_ranks(backend, nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    env = dict(os.environ, FA_A2A_TRANSPORT=backend)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_torchrun(__file__, nproc, dict(FA_A2A_TRANSPORT=backend))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     if backend == "symm" and proc.stdout.count("RANK SYMM-NONUNIFORM") == nproc:
         pytest.skip("torch symmetric memory placed the peers' buffers at no single stride here")
