@@ -95,12 +95,15 @@ def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):
         dist.destroy_process_group()
 
 
-def run_torchrun(path: str, nproc: int, env: dict = None, timeout_s: int = 900) -> subprocess.CompletedProcess:
+def run_torchrun(path: str, nproc: int, env: dict = None, timeout_s: int = 900) -> str:
     """`python -m torch.distributed.run --standalone --nproc-per-node=nproc path` with the repository
-    on PYTHONPATH (env: extra variables); returns the finished process (output captured)."""
+    on PYTHONPATH (env: extra variables); fails the test unless it exits 0. Returns its stdout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.abspath(path)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout

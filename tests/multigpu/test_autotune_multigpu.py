@@ -28,10 +28,8 @@ P_S = 16384  # the full sequence per case (S_loc = 16384 / P, a multiple of the 
 def test_auto_on_distinct_gpus(nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    proc = run_torchrun(__file__, nproc)
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]
+    out = run_torchrun(__file__, nproc)
+    assert out.count("RANK OK") == nproc, out[-4000:]
 
 
 def _timed(f, barrier) -> float:

@@ -26,10 +26,8 @@ CASES = [(16384, 24, 24, 128, 0, False), (8 * 1000 - 5, 16, 8, 128, 0, False), (
 def test_backward_on_distinct_gpus(nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    proc = run_torchrun(__file__, nproc)
-    print(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]
+    out = run_torchrun(__file__, nproc)
+    assert out.count("RANK OK") == nproc, out[-4000:]
 
 
 def main():

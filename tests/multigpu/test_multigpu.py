@@ -32,11 +32,10 @@ CASES = (lambda P: (1, P * 1024, 3 * P, 3 * P, 128, 0, False),
 def test_torchrun_real_ranks(backend, nproc):
     if nproc > N_GPUS:
         pytest.skip(f"needs {nproc} GPUs, found {N_GPUS}")
-    proc = run_torchrun(__file__, nproc, dict(FA_A2A_TRANSPORT=backend))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    if backend == "symm" and proc.stdout.count("RANK SYMM-NONUNIFORM") == nproc:
+    out = run_torchrun(__file__, nproc, dict(FA_A2A_TRANSPORT=backend))
+    if backend == "symm" and out.count("RANK SYMM-NONUNIFORM") == nproc:
         pytest.skip("torch symmetric memory placed the peers' buffers at no single stride here")
-    assert proc.stdout.count("RANK OK") == nproc, proc.stdout[-4000:]
+    assert out.count("RANK OK") == nproc, out[-4000:]
 
 
 def _poison_own_windows(transport, rank: int) -> None:
