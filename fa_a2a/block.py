@@ -216,22 +216,83 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
                          f"{want[1]} (block_weights(chain, {world_size})), got world_size={proj.world_size}, {got}")
 
 
-def _check_no_grad(segs, names, joint, joint_proj) -> None:
-    """Under grad mode, refuse a block call whose hidden states, joint rows or weights require grad
-    (segs: the rank's (x, proj, rope) segments, names: their x's names): the fused block has no
-    backward yet (the op's is fa_a2a.engine.backward); never cut autograd silently."""
+def _check_no_grad(projs, joint, joint_proj) -> None:
+    """Under grad mode, refuse weights that require grad (projs: (name, QKVWeights) of the rank's
+    segments; joint_proj with joint rows): the block's weights are copies gathered in destination
+    order (block_weights), a gradient there would never reach the model's layers; never cut autograd
+    silently. (Hidden states and joint rows that require grad take _attention_with_grad.)"""
     if not torch.is_grad_enabled():
         return
-    named = [(n, s[0]) for n, s in zip(names, segs)] + [("joint", joint)]
-    projs = [(n[:-2] + ".proj" if n.endswith(".x") else "proj", s[1]) for n, s in zip(names, segs)]
-    if joint is not None and joint_proj is not None:
-        projs.append(("joint_proj", joint_proj))
-    named += [(f"{n}.{f}", getattr(p, f, None)) for n, p in projs for f in ("weight", "bias", "norm_weight")]
-    for name, t in named:
+    projs = list(projs) + ([("joint_proj", joint_proj)] if joint is not None and joint_proj is not None else [])
+    for name, t in ((f"{n}.{f}", getattr(p, f, None)) for n, p in projs for f in ("weight", "bias", "norm_weight")):
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise ValueError(f"{name}: requires grad, but the fused attention block has no backward yet: call "
-                             "it under torch.no_grad() / torch.inference_mode(), pass detached tensors, or train "
-                             "with a torch projection and fa_a2a.ulysses_attention (differentiable)")
+            raise ValueError(f"{name}: requires grad, but the block's weights are fixed copies in destination order "
+                             "(block_weights): pass detached weights, and train the model's own layers (diffusers' "
+                             "processor with fa_a2a.ulysses_attention, differentiable: the fused processors route "
+                             "there when weights require grad)")
+
+
+def _proj_names(names) -> list:
+    """The proj names of segments whose x names are `names` (x -> proj, x[i].x -> x[i].proj)."""
+    return [n[:-2] + ".proj" if n.endswith(".x") else "proj" for n in names]
+
+
+def _inputs_want_grad(xs, joint) -> bool:
+    """Grad mode on and a hidden-state tensor (xs: tensors or Segment lists) or the joint rows requiring grad."""
+    if not torch.is_grad_enabled():
+        return False
+    flat = [t for x in xs for t in ([x] if isinstance(x, torch.Tensor) else
+                                    [getattr(s, "x", None) for s in x] if isinstance(x, (list, tuple)) else [])]
+    return any(getattr(t, "requires_grad", False) for t in flat + [joint])
+
+
+def global_chain(proj) -> TorchQKV:
+    """The projection of proj (QKVWeights with a head map) as the torch chain in global head order:
+    each head's first copy of its rows (views of proj's tensors through index_select: differentiable,
+    never cached), its per-head norm weights, the kernel's eps."""
+    from ulysses.layout import index_tensor
+
+    H, Hk, q_index, kv_index = proj.head_map
+    D = proj.head_dim
+    q_slots, kv_slots = [h for r in q_index for h in r], [h for r in kv_index for h in r]
+    nq, nk = len(q_slots), len(kv_slots)
+    first = ([q_slots.index(h) for h in range(H)] + [nq + kv_slots.index(h) for h in range(Hk)]
+             + [nq + nk + kv_slots.index(h) for h in range(Hk)])
+    rows = index_tensor(tuple(slot * D + c for slot in first for c in range(D)), proj.weight.device)
+    norms = (None, None) if proj.norm_weight is None else (proj.norm_weight[:D], proj.norm_weight[nq * D:(nq + 1) * D])
+    return TorchQKV(proj.weight.index_select(0, rows), None if proj.bias is None else proj.bias.index_select(0, rows),
+                    *norms, H, Hk, D)
+
+
+def _chain_rows(x, proj, rotary, name: str, rotary_name: str) -> tuple:
+    """q, k, v [B, rows, ., D] of x [B, rows, C] through global_chain(proj) with rotary (checked by name)."""
+    from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+    check_tensor(x, name, 3)
+    if not isinstance(proj, QKVWeights) or proj.head_map is None:
+        raise ValueError(f"{_proj_names([name])[0]}: expected a QKVWeights with a head map (block_weights), got "
+                         f"{type(proj).__name__}")
+    w = proj.weight
+    if x.shape[2] != w.shape[1] or x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"{name}: expected [B, rows, {w.shape[1]}] {w.dtype} on {w.device} (the weights'), got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    return global_chain(proj)(x, rope_table(rotary, x.shape[1], proj.head_dim, x.device, rotary_name))
+
+
+def _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, name: str):
+    """One rank's block call whose hidden states or joint rows require grad: the projection as the torch
+    chain of its weights (global_chain: linear, per-head RMSNorm, RoPE, differentiable), the weights
+    refused if they require grad -> (q, k, v over the rank's rows in segment order, joint (q, k, v) or
+    None) for the differentiable op (fa_a2a.ulysses_attention / _emulated): correct, not fused."""
+    segs, names = _as_segments(x, proj, rotary, name)
+    _check_no_grad(zip(_proj_names([n for n, _, _ in names]), (s.proj for s in segs)), joint, joint_proj)
+    parts = [_chain_rows(s.x, s.proj, s.rotary, n, rn) for s, (n, _, rn) in zip(segs, names)]
+    q, k, v = (torch.cat([part[i] for part in parts], dim=1) for i in range(3))
+    jt = None
+    if joint is not None:
+        jt = _chain_rows(joint, joint_proj if joint_proj is not None else segs[0].proj, joint_rotary, "joint",
+                         "joint_rotary")
+    return (q, k, v), jt
 
 
 def _world_size(group, world_size) -> int:
@@ -545,10 +606,19 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     both by each launch's rows (fa_a2a.engine.projection.auto_tiles), None is quack's default tiles with
     one_launch as given.
     The windows are the op's (collective, host-synchronous allocation at the first call of a shape:
-    before graph capture).
+    before graph capture). Hidden states or joint rows that require grad (grad mode on) backpropagate:
+    the projection then runs as the torch chain of proj (global_chain) before the differentiable op
+    (fa_a2a.ulysses_attention, same impl): correct, not fused; config / one_launch do not apply. Weights
+    that require grad are refused (ValueError): they are copies in destination order.
     """
     from fa_a2a.engine.problem import group_facts
 
+    if _inputs_want_grad([x], joint):
+        from fa_a2a.op import ulysses_attention
+
+        qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
+        return ulysses_attention(*qkv, group=group, joint=jt, impl=impl, causal=causal, softmax_scale=softmax_scale,
+                                 seq_len=seq_len, shard_rows=shard_rows, pace=pace)
     group, group_name, P, rank = group_facts(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name, type(pace), pace)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
@@ -572,7 +642,8 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
             word = signature_word(fields)
         segs = _rank_segments(x, proj, rotary)
-        _check_no_grad(segs, [f"x[{i}].x" if len(segs) > 1 else "x" for i in range(len(segs))], joint, joint_proj)
+        _check_no_grad(zip(_proj_names([f"x[{i}].x" if len(segs) > 1 else "x" for i in range(len(segs))]),
+                           (s[1] for s in segs)), joint, joint_proj)
         return (problem, segs, calls), fields, word
 
     problem, segs, calls = checked_and_agreed(checks, group if collective else None)
@@ -605,6 +676,14 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     rotary = [None] * P if rotary is None else rotary
     if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
+    if _inputs_want_grad(xs, joint):
+        from fa_a2a.op import ulysses_attention_emulated
+
+        ranks = [_attention_with_grad(x, proj, rotary[r], None if r else joint, joint_proj, joint_rotary, f"xs[{r}]")
+                 for r, x in enumerate(xs)]  # (the joint rows once: every rank's are the same)
+        return ulysses_attention_emulated(*([qkv[i] for qkv, _ in ranks] for i in range(3)), joint=ranks[0][1],
+                                          impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len,
+                                          shard_rows=shard_rows, pace=pace)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
     check_no_overlap([n for r, x in enumerate(xs) for n in _named_inputs(x, None, f"xs[{r}]")[:-1]]
                      + [("joint", joint)])
@@ -616,8 +695,8 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     p, prepared = entry
     segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]
     for r, x in enumerate(xs):
-        _check_no_grad(segs[r], [f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x"
-                                 for i in range(len(segs[r]))], joint, joint_proj)
+        _check_no_grad(zip(_proj_names([f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x"
+                                        for i in range(len(segs[r]))]), (s[1] for s in segs[r])), joint, joint_proj)
     blocks = _emulated_blocks(prepared, p, segs, joint, joint_proj, joint_rotary, config, one_launch)
     return blocks(segs, joint, joint_rotary, joint_proj)
 
@@ -648,7 +727,8 @@ class UlyssesQKVAttention(nn.Module):
     Flux2) the projection is the fused kernel (block_weights for the group's P, built once);
     with norms across heads (Wan) the torch chain runs first and then the attention-only fused op
     (fa_a2a.ulysses_attention): correct, not fused. The module holds the weights in the form its
-    path uses (the gathered QKVWeights, or the chain's); it has no parameters (inference only).
+    path uses (the gathered QKVWeights, or the chain's); it has no parameters: its weights are fixed,
+    while hidden states that require grad backpropagate (ulysses_qkv_attention).
     Either chain (a TorchQKV; gathered here when its norms are per head) or proj (QKVWeights
     already gathered for world_size ranks: block_weights) with joint_chain / joint_proj alike.
     """

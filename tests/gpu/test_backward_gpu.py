@@ -383,3 +383,35 @@ def test_forward_and_backward_replay_in_a_cuda_graph(impl):
         torch.cuda.synchronize()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_block_with_grad_is_the_chain_then_the_op():
+    """The attention block with hidden states that require grad (fa_a2a.block._attention_with_grad), emulated
+    P = 2, impl fused and serial: outputs and grads bit for bit the torch chain of its weights followed
+    by the op (deterministic mode), and the output close to the fused block's without grad."""
+    from fa_a2a import block
+
+    P, S_loc, H, D = 2, 256, 4, 128
+    C = H * D
+    g = torch.Generator(device="cuda").manual_seed(41)
+    chain = block.TorchQKV((torch.randn(3 * C, C, device="cuda", generator=g) / C ** 0.5).to(DTYPE),
+                           (0.1 * torch.randn(3 * C, device="cuda", generator=g)).to(DTYPE),
+                           torch.ones(D, device="cuda"), torch.ones(D, device="cuda"), H, H, D)
+    proj = block.block_weights(chain, P)
+    rot = [block.rotary_pair(torch.arange(r * S_loc, (r + 1) * S_loc, device="cuda"), D) for r in range(P)]
+    base = [torch.randn(1, S_loc, C, device="cuda", generator=g).to(DTYPE) for _ in range(P)]
+    douts = [torch.randn(1, S_loc, H, D, device="cuda", generator=g).to(DTYPE) for _ in range(P)]
+    with torch.no_grad():
+        fused = block.ulysses_qkv_attention_emulated(base, proj, rotary=rot, impl="fused")
+    with deterministic():
+        for impl in ("fused", "serial"):
+            xs = [x.clone().requires_grad_() for x in base]
+            outs = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, impl=impl)
+            torch.autograd.backward(outs, douts)
+            xw = [x.clone().requires_grad_() for x in base]
+            qkv = [chain(x, block.rope_table(r, S_loc, D, "cuda")) for x, r in zip(xw, rot)]
+            want = ulysses_attention_emulated(*([t[i] for t in qkv] for i in range(3)), impl=impl)
+            torch.autograd.backward(want, douts)
+            for r in range(P):
+                assert torch.equal(outs[r], want[r]) and torch.equal(xs[r].grad, xw[r].grad), (impl, r)
+                assert (outs[r].float() - fused[r].float()).abs().max() < 0.05, (impl, r)
