@@ -348,7 +348,7 @@ def _real_ranks_fused(P, group, rank):
 
 
 def test_real_ranks_fused_backward():
-    run_on_gloo_groups(_real_ranks_fused, (2,), cuda=True, timeout_s=300)
+    run_on_gloo_groups(_real_ranks_fused, (2, 4), cuda=True, timeout_s=300)
 
 
 @pytest.mark.parametrize("impl", ["serial", "fused"])
