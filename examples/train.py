@@ -79,6 +79,12 @@ import torch.distributed as dist  # noqa: E402
 from _ranks import init_ranks, pick_device  # noqa: E402
 
 
+# the P = 1 runs' attention: SDPA's math kernel (on one H200, torch 2.11, bf16 autocast, diffusers'
+# "native" choice gave NaN losses from the second step on, 2026-12-05; which kernel SDPA picked there
+# was not checked)
+REFERENCE_BACKEND = "_native_math"
+
+
 def setup(ap, args):
     """(rank, world size, device, process-group backend or None for one process) of this rank
     (_ranks), with the impl and dtype that run there."""
@@ -150,6 +156,8 @@ def main(ap, args):
     x, target = batch(args, device)
     reference = copy.deepcopy(model) if world > 1 and args.world_size_1_reference else None
     name = None
+    if world == 1:  # one process: the reference, on the same attention as the P = 1 run beside P ranks
+        model.set_attention_backend(REFERENCE_BACKEND)
     if world > 1:
         name = "fa_a2a" if args.impl == "auto" else f"fa_a2a_{args.impl}".replace(":", "_")  # enable_ulysses' rule
         fa_a2a.enable_ulysses(model, impl=args.impl, name=name)
@@ -158,9 +166,7 @@ def main(ap, args):
     routes = {name: route_counts(name)} if name else {}
     ref_losses = None
     if reference is not None:
-        # SDPA's math kernel: on one H200 (torch 2.11, bf16 autocast) the default "native" choice gave NaN
-        # losses from the second step on (2026-12-05; the kernel SDPA picked there not checked)
-        reference.set_attention_backend("_native_math")
+        reference.set_attention_backend(REFERENCE_BACKEND)
         ref_losses = train(reference, x, target, args, device)
     if rank == 0:
         what = (f"P = {world} ranks ({backend} group), fa-a2a backend impl {args.impl}" if world > 1
