@@ -120,7 +120,7 @@ def test_refusals():
         q, k = args["q"], args["k"]
         refused("q: dtype", q=q.float())
         refused("q: head dim", q=torch.empty(1, 400, 2, 96, dtype=BF16, device="cuda"))
-        refused("k: expected", k=k[:, :300])
+        refused("k: expected", k=k.narrow(1, 0, 300))  # (narrow: torch's CPU build cannot index fake CUDA tensors)
         refused("k: 3 KV heads do not divide", k=torch.empty(1, 400, 3, 128, dtype=BF16, device="cuda"),
                 v=torch.empty(1, 400, 3, 128, dtype=BF16, device="cuda"))
         refused("v: expected", v=torch.empty(1, 400, 1, 128, dtype=BF16, device="cuda"))
@@ -130,12 +130,12 @@ def test_refusals():
         refused("lse: expected", lse=args["lse"].half())
         refused("rank", rank=2)
         refused("rank", rank=1.0)
-        refused("dq_windows: expected", dq_windows=args["dq_windows"][:, :, :, :3])
-        refused("dk_windows: expected", dk_windows=args["dk_windows"][:1])
+        refused("dq_windows: expected", dq_windows=args["dq_windows"].narrow(3, 0, 3))
+        refused("dk_windows: expected", dk_windows=args["dk_windows"].narrow(0, 0, 1))
         refused("dv_windows: must be", dv_windows=args["dv_windows"].half())
         win = args["dq_windows"]
         flat = torch.empty(win.numel() + 8, dtype=BF16, device="cuda")
-        refused("dq_windows: the base address", dq_windows=flat[1:1 + win.numel()].view(win.shape))
+        refused("dq_windows: the base address", dq_windows=flat.narrow(0, 1, win.numel()).view(win.shape))
         odd = flat.as_strided(win.shape, (win.stride(0) + 1,) + win.stride()[1:])
         refused("dq_windows: the window stride", dq_windows=odd)
         heads_inner = flat.as_strided(win.shape, win.stride()[:3] + (1, win.shape[3]))
