@@ -388,21 +388,25 @@ class _GradAttend:
         saved, self.saved = self.saved, None
         return saved
 
+    @property
+    def closed(self) -> bool:
+        return self.plan.transport.closed
 
-_grad_attends: dict = {}
+
+_grad_attends: dict = {}  # (plan, rank, causal, scale) -> _GradAttend
 
 
 def _grad_attend(plan, rank: int, causal: bool, scale: float) -> _GradAttend:
-    """Built once per (plan, rank, causal, scale); the ranks line up after the first build (its
-    compiles), as WindowPlan.attend_launch does."""
-    for stale in [key for key, a in _grad_attends.items() if a.plan.transport.closed]:
-        del _grad_attends[stale]
-    key = (id(plan), rank, causal, scale)
-    attend = _grad_attends.get(key)
-    if attend is None or attend.plan is not plan:
-        attend = _grad_attends[key] = _GradAttend(plan, rank, causal, scale)
+    """Built once per (plan, rank, causal, scale) (fa_a2a.engine.forward.prepared_call); the ranks line
+    up after the first build (its compiles), as WindowPlan.attend_launch does."""
+    from .forward import prepared_call
+
+    def build():
+        attend = _GradAttend(plan, rank, causal, scale)
         plan.transport.host_barrier()
-    return attend
+        return attend
+
+    return prepared_call(_grad_attends, (plan, rank, causal, scale), build)
 
 
 def _kernel_forward(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
@@ -540,6 +544,10 @@ class _FusedRank:
         self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self._built: set = set()
 
+    @property
+    def closed(self) -> bool:
+        return self.plan.transport.closed
+
     def pre(self, dout) -> None:
         """Launch the pre-A2A of this rank's dO [B, S_loc, H, D] (padding rows zero) into every rank's dO window."""
         from .forward import contiguous16
@@ -578,17 +586,13 @@ class _FusedRank:
         return dq, dk, dv
 
 
-_fused_ranks: dict = {}  # (id(plan), rank) -> _FusedRank
+_fused_ranks: dict = {}  # (plan, rank) -> _FusedRank
 
 
 def _fused_rank(plan, rank: int) -> _FusedRank:
-    for stale in [key for key, f in _fused_ranks.items() if f.plan.transport.closed]:
-        del _fused_ranks[stale]
-    key = (id(plan), rank)
-    f = _fused_ranks.get(key)
-    if f is None or f.plan is not plan:
-        f = _fused_ranks[key] = _FusedRank(plan, rank)
-    return f
+    from .forward import prepared_call
+
+    return prepared_call(_fused_ranks, (plan, rank), lambda: _FusedRank(plan, rank))
 
 
 def _fused_backward(spec: Spec, ranks, saved, douts, rows, group) -> list:
