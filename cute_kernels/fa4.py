@@ -21,6 +21,7 @@ import torch
 
 from cute_kernels.compile_cache import disk_cache, disk_value
 from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16
+from cute_kernels.limits import address as _address, is_fake as _is_fake
 from ulysses.layout import check_rank
 
 
@@ -289,18 +290,6 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
 
 
 PACED_O_STORE = {"a2a-paced": "tma", "a2a-paced-st": "st"}  # the paced kernel's compile kinds -> O path
-
-
-def _address(t: torch.Tensor) -> int:
-    """Device address of t's first element (its storage offset in bytes for a fake tensor)."""
-    offset = t.storage_offset() * t.element_size()
-    return offset if _is_fake(t) else t.data_ptr()
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _scale(softmax_scale: Optional[float], head_dim: int) -> float:

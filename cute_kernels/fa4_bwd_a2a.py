@@ -16,7 +16,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from cute_kernels.compile_cache import disk_cache, disk_value
-from cute_kernels.limits import DTYPES, HEAD_DIMS
+from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16
+from cute_kernels.limits import address as _address, is_fake as _is_fake
 from ulysses.layout import check_rank
 
 DKV_STORES = ("tma", "st")  # the non-GQA dK/dV paths (cute_kernels.fa4_bwd_a2a_sm90)
@@ -206,16 +207,6 @@ def compile_bwd_a2a_post(dtype: torch.dtype, head_dim: int, tile_m: int, num_thr
 
 
 # ---- the launcher -----------------------------------------------------------------------------------
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.storage_offset() * t.element_size() if _is_fake(t) else t.data_ptr()
-
-
 def _check_heads(name: str, t, B: int, N: int, D: int, dtype, device, heads: Optional[int] = None) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
         raise ValueError(f"{name}: expected a tensor [B, N, H, D]")
@@ -244,9 +235,9 @@ def _check_windows(name: str, w, x: torch.Tensor, rank: int) -> None:
     check_rank(rank, P)
     if w.stride()[1:] != (S_loc * H * D, H * D, D, 1):
         raise ValueError(f"{name}: each window {name}[d] must be a contiguous [B, S_loc, H, D]")
-    if P > 1 and (w.stride(0) * w.element_size()) % 16:
+    if P > 1 and not aligned16(w, 0, dims=(0,)):
         raise ValueError(f"{name}: the window stride (dim 0) must be a multiple of 16 bytes")
-    if _address(w) % 16:
+    if not aligned16(w, _address(w), dims=()):
         raise ValueError(f"{name}: the base address must be 16-byte aligned")
 
 

@@ -1,5 +1,6 @@
 """What the kernels take: the one home of their dtype and head-dim limits, the 16-byte rule of their
-TMA and vector accesses (aligned16), and the projection's norm eps.
+TMA and vector accesses (aligned16, with a tensor's address and whether it is fake), and the
+projection's norm eps.
 
 The SM90 / SM100 attention kernels (cute_kernels.fa4) and the QKV projection GEMM (qkv_a2a_sm90) take
 these; fa_a2a.engine.problem, the diffusers backend and the Flux processor check or route calls on them,
@@ -28,6 +29,18 @@ def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = 
     # call into Python's C code on the op's eager path, which checks every input tensor)
     return (st[-1] == 1 and (t.data_ptr() if address is None else address) % ALIGN_BYTES == 0
             and math.gcd(*strides) * t.element_size() % ALIGN_BYTES == 0)
+
+
+def is_fake(t) -> bool:
+    """Whether t is a fake tensor (compiling without a GPU: shapes and strides only)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def address(t) -> int:
+    """Device address of t's first element (a fake tensor's: its storage offset in bytes)."""
+    return t.storage_offset() * t.element_size() if is_fake(t) else t.data_ptr()
 
 
 def tma_table(t, address: int) -> bool:

@@ -93,6 +93,7 @@ import torch
 
 from cute_kernels.compile_cache import disk_value, load_or_compile
 from cute_kernels.limits import ALIGN_BYTES, DTYPES, HEAD_DIMS, aligned16, tma_table
+from cute_kernels.limits import address as _address, is_fake as _is_fake
 
 
 def rope_kind(rope_cs) -> Optional[str]:
@@ -373,20 +374,10 @@ def _groups(proj: QKVWeights, present: Sequence[bool], epilogue: bool, one_launc
     return groups
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     if _is_fake(a) or _is_fake(b):
         return True  # compile-only: the launch split does not change the compiled kernel
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _address(t: torch.Tensor) -> int:
-    return t.storage_offset() * t.element_size() if _is_fake(t) else t.data_ptr()
 
 
 def _check_inputs(x, proj, rope_cs, config, one_launch):
