@@ -65,7 +65,6 @@ from fa_a2a.op import traced_refusals
 from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
                                    remember, signature_fields, signature_word, split_impl)
 from fa_a2a.engine.projection import _emulated_blocks, _rank_block, _rope_source, segment_writes
-# the projection stage's names that were read from here before it moved to the engine (tools, examples)
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
            "UlyssesQKVAttention", "rope_table", "rotary_pair", "Segment", "segment_writes"]
@@ -252,16 +251,25 @@ def global_chain(proj) -> TorchQKV:
     never cached), its per-head norm weights, the kernel's eps."""
     from ulysses.layout import index_tensor
 
-    H, Hk, q_index, kv_index = proj.head_map
+    H, Hk = proj.head_map[:2]
     D = proj.head_dim
+    first, nq = _first_copies(proj.head_map, D)
+    rows = index_tensor(first, proj.weight.device)
+    norms = (None, None) if proj.norm_weight is None else (proj.norm_weight[:D], proj.norm_weight[nq * D:(nq + 1) * D])
+    return TorchQKV(proj.weight.index_select(0, rows), None if proj.bias is None else proj.bias.index_select(0, rows),
+                    *norms, H, Hk, D)
+
+
+@functools.lru_cache(maxsize=64)
+def _first_copies(head_map: tuple, D: int) -> tuple:
+    """(the destination-order rows of each global q, k, v head's first copy, q slots) of a head map:
+    built once per layout, not per call."""
+    H, Hk, q_index, kv_index = head_map
     q_slots, kv_slots = [h for r in q_index for h in r], [h for r in kv_index for h in r]
     nq, nk = len(q_slots), len(kv_slots)
     first = ([q_slots.index(h) for h in range(H)] + [nq + kv_slots.index(h) for h in range(Hk)]
              + [nq + nk + kv_slots.index(h) for h in range(Hk)])
-    rows = index_tensor(tuple(slot * D + c for slot in first for c in range(D)), proj.weight.device)
-    norms = (None, None) if proj.norm_weight is None else (proj.norm_weight[:D], proj.norm_weight[nq * D:(nq + 1) * D])
-    return TorchQKV(proj.weight.index_select(0, rows), None if proj.bias is None else proj.bias.index_select(0, rows),
-                    *norms, H, Hk, D)
+    return tuple(slot * D + c for slot in first for c in range(D)), nq
 
 
 def _chain_rows(x, proj, rotary, name: str, rotary_name: str) -> tuple:
@@ -273,10 +281,17 @@ def _chain_rows(x, proj, rotary, name: str, rotary_name: str) -> tuple:
         raise ValueError(f"{_proj_names([name])[0]}: expected a QKVWeights with a head map (block_weights), got "
                          f"{type(proj).__name__}")
     w = proj.weight
-    if x.shape[2] != w.shape[1] or x.dtype != w.dtype or x.device != w.device:
-        raise ValueError(f"{name}: expected [B, rows, {w.shape[1]}] {w.dtype} on {w.device} (the weights'), got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    return global_chain(proj)(x, rope_table(rotary, x.shape[1], proj.head_dim, x.device, rotary_name))
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"{name}: expected the weights' {w.dtype} on {w.device}, got {x.dtype} on {x.device}")
+    return _chain_qkv(x, rotary, global_chain(proj), name, rotary_name)
+
+
+def _chain_qkv(x, rotary, chain: TorchQKV, name: str = "x", rotary_name: str = "rotary") -> tuple:
+    """q, k, v of x [B, rows, C] through the torch chain with rotary (x and rotary checked by name)."""
+    check_tensor(x, name, 3)
+    if x.shape[2] != chain.weight.shape[1]:
+        raise ValueError(f"{name}: expected C = {chain.weight.shape[1]} channels, got {x.shape[2]}")
+    return chain(x, rope_table(rotary, x.shape[1], chain.head_dim, x.device, rotary_name))
 
 
 def _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, name: str):
@@ -859,10 +874,10 @@ class UlyssesQKVAttention(nn.Module):
                                          **self._kw())
         from fa_a2a.op import ulysses_attention
 
-        q, k, v = self._chain_qkv(x, rotary, self.chain)
+        q, k, v = _chain_qkv(x, rotary, self.chain)
         jt = None
         if joint is not None:
-            jt = self._chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint_rotary")
+            jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")
         return ulysses_attention(q, k, v, group=self.group, joint=jt, seq_len=seq_len, shard_rows=shard_rows,
                                  **self._kw())
 
@@ -880,16 +895,10 @@ class UlyssesQKVAttention(nn.Module):
         from fa_a2a.op import ulysses_attention_emulated
 
         rotary = [None] * len(xs) if rotary is None else rotary
-        qkv = [self._chain_qkv(x, rot, self.chain) for x, rot in zip(xs, rotary)]
+        qkv = [_chain_qkv(x, rot, self.chain) for x, rot in zip(xs, rotary)]
         jt = None
         if joint is not None:
-            jt = self._chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint_rotary")
+            jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")
         return ulysses_attention_emulated([t[0] for t in qkv], [t[1] for t in qkv], [t[2] for t in qkv], joint=jt,
                                           seq_len=seq_len, shard_rows=shard_rows, **self._kw())
 
-    @staticmethod
-    def _chain_qkv(x, rotary, chain, name="rotary"):
-        check_tensor(x, "x", 3)
-        if x.shape[2] != chain.weight.shape[1]:
-            raise ValueError(f"x: expected C = {chain.weight.shape[1]} channels, got {x.shape[2]}")
-        return chain(x, rope_table(rotary, x.shape[1], chain.head_dim, x.device, name))
