@@ -53,7 +53,7 @@ from fa_a2a.tools.bench_methods import BY_KEY, METHODS, _Point, not_applicable
 from fa_a2a.tools.bench_report import (_finite, _first_line, _git_commit, _Log, _tiles, _versions, derive, format_eager,
                                  format_model, format_predictions, format_table, model_applies, model_row,
                                  predictions, write_plots, write_result)
-from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_seqlens
+from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_seqlens, rank_from_env
 from fa_a2a.tools.xstage import US
 
 EMULATION_NOTE = (
@@ -72,16 +72,9 @@ class _Parser(argparse.ArgumentParser):
     """Under torchrun every rank parses the same arguments: only rank 0 prints a usage error (all exit 2)."""
 
     def error(self, message):
-        if _rank_from_env() != 0:
+        if rank_from_env() != 0:
             self.exit(2)
         super().error(message)
-
-
-def _rank_from_env() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,7 +260,7 @@ def no_gpu(cfg: BenchConfig) -> int:
     """The Burst-Gap model's predictions without a GPU, printed by rank 0 (under torchrun the
     other ranks print nothing); nothing is written: not to --out, and FA4's tile table, which the
     model reads, is not kept in the compile cache (FA_A2A_CACHE=0 while it is read)."""
-    if _rank_from_env() != 0:
+    if rank_from_env() != 0:
         return 0
     saved = os.environ.get("FA_A2A_CACHE")
     os.environ["FA_A2A_CACHE"] = "0"

@@ -72,6 +72,7 @@ from typing import Optional, Sequence
 
 from fa_a2a.tools.bench_config import DTYPES, EAGER_TRIALS, BenchConfig, torch_dtype
 from fa_a2a.tools.bench_report import _finite, _first_line, _git_commit, _Log, _versions, write_result
+from fa_a2a.tools.cli import rank_from_env
 
 RESULT_NAME = "bench_backward.json"
 NO_GPU_LINE = ("No CUDA GPU: nothing was measured (the forward + backward benchmark needs an SM90 GPU for FA4's "
@@ -211,13 +212,6 @@ def table_title(points: Sequence[dict], card: str, cfg: BenchConfig) -> str:
 
 
 # ------------------------------------------------------------------------------ GPU
-def _rank_from_env() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def _setup(cfg: BenchConfig) -> dict:
     """Real ranks: the whole-call benchmark's rank set-up (bench_call.setup_ranks); emulated ranks: GPU 0,
     no process group."""
@@ -452,7 +446,7 @@ def run(cfg: BenchConfig, gpu: bool) -> int:
     """`python -m fa_a2a.bench --backward` after its arguments (fa_a2a.tools.bench.main): without a GPU
     rank 0 prints NO_GPU_LINE (the other ranks nothing) and nothing is written; exit status 0."""
     if not gpu:
-        if _rank_from_env() == 0:
+        if rank_from_env() == 0:
             print(NO_GPU_LINE)
         return 0
     return run_gpu(cfg)

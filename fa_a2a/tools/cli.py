@@ -101,6 +101,14 @@ def no_gpu(tool: str, what: str = "it", needs: str = "a CUDA GPU (SM90)") -> int
     return cannot_run(tool, f"no CUDA GPU found; {what} needs {needs}")
 
 
+def rank_from_env() -> int:
+    """This process's rank as torchrun sets it ($RANK; 0 when unset or not an int)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def cannot_run(tool: str, reason: str) -> int:
     """A tool that cannot run on this machine (no GPU, a missing extra, too little memory): one line
     "<tool>: <reason>. Nothing measured, nothing written." on stderr (rank 0 only), NO_GPU_EXIT."""
