@@ -1,4 +1,4 @@
-"""The torchrun rank set-up of the diffusers examples (pipeline.py, train.py): this rank's device and
+"""The torchrun rank set-up of the examples (pipeline.py, train.py, dit_inference.py): this rank's device and
 process-group backend, then the group itself with diffusers' context parallelism made to run on it.
 Imported after the flags are parsed (it loads torch)."""
 
