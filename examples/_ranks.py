@@ -1,5 +1,6 @@
-"""The torchrun rank set-up of the examples (pipeline.py, train.py, dit_inference.py): this rank's device and
-process-group backend, then the group itself with diffusers' context parallelism made to run on it.
+"""The torchrun rank set-up of the examples (pipeline.py, train.py, dit_inference.py): this rank's
+device and process-group backend, then the group itself with diffusers' context parallelism made to
+run on it.
 Imported after the flags are parsed (it loads torch)."""
 
 from __future__ import annotations
