@@ -7,6 +7,8 @@ Public names are imported lazily, so `import fa_a2a` (and the CPU-only tools suc
 _EXPORTS = {
     "ulysses_attention": "fa_a2a.op",
     "ulysses_attention_emulated": "fa_a2a.op",
+    "ulysses_attention_out_proj": "fa_a2a.op",
+    "ulysses_attention_out_proj_emulated": "fa_a2a.op",
     "pre_a2a": "fa_a2a.op",
     "post_a2a": "fa_a2a.op",
     "UlyssesAttention": "fa_a2a.attention",

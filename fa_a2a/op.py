@@ -36,6 +36,8 @@ __all__ = [
     "EMULATED_IMPLS",
     "ulysses_attention",
     "ulysses_attention_emulated",
+    "ulysses_attention_out_proj",
+    "ulysses_attention_out_proj_emulated",
     "pre_a2a",
     "post_a2a",
 ]
@@ -283,6 +285,68 @@ def ulysses_attention_emulated(
     if not joint_outs:  # joint with J = 0 rows
         joint_outs = [_result(o, None, True)[1] for o in outs]
     return outs, joint_outs
+
+
+def _check_out_proj(weight, bias, q) -> None:
+    check_tensor(q, "q")
+    HD = q.shape[2] * q.shape[3]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != HD:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"out_weight: expected a [C_out, H * D = {HD}] tensor (nn.Linear's weight), got {got}")
+    if weight.dtype != q.dtype or weight.device != q.device:
+        raise ValueError(f"out_weight: expected q's {q.dtype} on {q.device}, got {weight.dtype} on {weight.device}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)
+                             or bias.dtype != q.dtype or bias.device != q.device):
+        got = (f"{tuple(bias.shape)} {bias.dtype} on {bias.device}" if isinstance(bias, torch.Tensor)
+               else type(bias).__name__)
+        raise ValueError(f"out_bias: expected None or a [{weight.shape[0]}] {q.dtype} tensor on {q.device}, got {got}")
+
+
+def ulysses_attention_out_proj(q, k, v, out_weight, out_bias=None, *, group=None, impl: str = "auto",
+                               causal: bool = False, softmax_scale: Optional[float] = None,
+                               seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None, pace="auto"):
+    """ulysses_attention followed by the attention block's output projection: this rank's rows
+    out.flatten(2) @ out_weight^T + out_bias -> [B, S_loc, C_out] (out_weight [C_out, H * D], nn.Linear's
+    weight; no joint rows). The same values as the two in torch; the difference is the backward:
+    with inputs that require grad and the fused backward (impl "fused", or "auto" deciding it), dO's
+    sequence -> heads A2A is the epilogue of the projection's input-gradient GEMM (dO = dY @ out_weight,
+    stored straight into the ranks' dO windows) in place of the pre-A2A kernel on dO
+    (fa_a2a.engine.backward._FusedRank.project_dout). out_weight's and out_bias's gradients are this
+    rank's rows' part, as nn.Linear on sharded rows gives them. Under torch.compile, or when q, k, v
+    need no grad, it is ulysses_attention then torch's linear."""
+    import torch.nn.functional as F
+
+    _check_out_proj(out_weight, out_bias, q)
+    kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
+    if not wants_grad(q, k, v) or torch.compiler.is_compiling():
+        return F.linear(ulysses_attention(q, k, v, group=group, **kw).flatten(2), out_weight, out_bias)
+    from fa_a2a.engine.backward import projected_with_grad
+
+    group, group_name, P, rank = group_facts(group)
+    problem, _ = resolve(q, k, v, None, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P, rank=rank,
+                         group=group, group_name=group_name, pace=pace, grad=True)
+    return projected_with_grad(problem, [q], [k], [v], out_weight, out_bias, group, rank)[0]
+
+
+def ulysses_attention_out_proj_emulated(qs, ks, vs, out_weight, out_bias=None, *, impl: str = "auto",
+                                        causal: bool = False, softmax_scale: Optional[float] = None,
+                                        seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
+                                        pace="auto") -> list:
+    """ulysses_attention_out_proj for P emulated ranks in one process (as ulysses_attention_emulated takes
+    them) -> P outputs [B, rows, C_out]; the weight's and bias's gradients summed over the P ranks' rows."""
+    import torch.nn.functional as F
+
+    if not isinstance(qs, (list, tuple)) or not qs:
+        raise ValueError(f"qs: expected a non-empty list of per-rank tensors, got {type(qs).__name__}")
+    _check_out_proj(out_weight, out_bias, qs[0])
+    kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs))
+    if not grad or torch.compiler.is_compiling():
+        return [F.linear(o.flatten(2), out_weight, out_bias) for o in ulysses_attention_emulated(qs, ks, vs, **kw)]
+    from fa_a2a.engine.backward import projected_with_grad
+
+    problem, _ = resolve_emulated(qs, ks, vs, None, impl, causal, softmax_scale, seq_len, shard_rows, pace)
+    return projected_with_grad(problem, qs, ks, vs, out_weight, out_bias, None, None)
 
 
 def post_a2a(o: torch.Tensor, out_windows: torch.Tensor, rank: int, *, broadcast: bool = False) -> None:

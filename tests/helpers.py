@@ -1,11 +1,27 @@
 """What the attention tests share: named cases, poisoned inputs, oracles and FA4's tolerance rule."""
 
+import os
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
 from ulysses.layout import split_seq
 from ulysses.reference import full_attention
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root
+
+
+def repo_env(**extra) -> dict:
+    """The environment for a child process that imports the repository: os.environ with `extra`, and
+    PYTHONPATH = the repository root, then extra's PYTHONPATH (if given), then the environment's.
+
+    Prepending rather than replacing keeps what the machine's own PYTHONPATH adds (on some machines
+    the packages are importable only through it)."""
+    paths = [str(ROOT), extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for s in paths for p in str(s).split(os.pathsep) if p)
+    return env
 
 
 class Case(NamedTuple):

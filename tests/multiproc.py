@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fa_a2a.tools.mps import MpsUnavailableError, mps_available, mps_daemon
+from tests.helpers import repo_env
 
 
 def run_on_gloo_groups(check, sizes, *, cuda=False, timeout_s=60, teardown=None):
@@ -98,9 +99,7 @@ def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):
 def run_torchrun(path: str, nproc: int, env: dict = None, timeout_s: int = 900) -> str:
     """`python -m torch.distributed.run --standalone --nproc-per-node=nproc path` with the repository
     on PYTHONPATH (env: extra variables); fails the test unless it exits 0. Returns its stdout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, **(env or {}))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = repo_env(**(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.abspath(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -543,6 +543,7 @@ class _FusedRank:
         self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self._built: set = set()
+        self._dout_key = None  # the projected dO stage (project_dout), built at its first call
 
     @property
     def closed(self) -> bool:
@@ -554,6 +555,27 @@ class _FusedRank:
 
         dout = contiguous16(dout)
         self._pre(dout, dout, dout, None)
+
+    def project_dout(self, dy, weight) -> None:
+        """Launch dO = dy @ weight (the attention's output projection y = o @ weight^T + b: its input
+        gradient) for this rank's rows dy [B, rows, C_out] with the pre-A2A in the GEMM's epilogue, into
+        every rank's dO window: the QKV projection's kernel (cute_kernels.qkv_a2a_sm90) with the q part
+        alone, its weight weight^T [H * D, C_out] copied each call into rows in destination order (the
+        padding heads' rows zero). The layout's padding rows get zero stand-in rows, as pre() does."""
+        from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+        from .projection import _Projection
+
+        dy = dy.contiguous()
+        key = (tuple(dy.shape), dy.dtype, tuple(weight.shape))
+        if self._dout_key != key:
+            lay, D = self.plan.layout, self.plan.D
+            self._weight_t = weight.new_zeros(lay.heads_pad * D, weight.shape[0])
+            proj = QKVWeights(self._weight_t, None, None, lay.world_size, lay.heads_loc, 0, D)
+            self._dout_proj = _Projection((self.plan.dq, None, None), lay, self.rank, [(dy, proj, None)], config=None)
+            self._dout_weights, self._dout_key = proj, key
+        self._weight_t[:weight.shape[1]].copy_(weight.t())
+        self._dout_proj([(dy, self._dout_weights, None)])
 
     def launcher(self, spec: Spec, s: Saved, deterministic: bool):
         """FA4's fused backward of this call (saved tensors s), checked and bound; compiled at its first
@@ -595,12 +617,14 @@ def _fused_rank(plan, rank: int) -> _FusedRank:
     return prepared_call(_fused_ranks, (plan, rank), lambda: _FusedRank(plan, rank))
 
 
-def _fused_backward(spec: Spec, ranks, saved, douts, rows, group) -> list:
+def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) -> list:
     """The fused backward of these local ranks' calls (group: the real ranks' group; None: P emulated
     ranks) -> per rank (dq, dk, dv, None, None, None). The kernels are bound (compiled at the first call)
     before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's
     heads is in its window) -> every local rank's backward -> barrier (every gradient row is in its
-    owner's window) -> each rank's grads copied out of its own windows."""
+    owner's window) -> each rank's grads copied out of its own windows. project = (weight, dys): douts
+    are None and each rank's dO comes from the output projection's input-gradient GEMM of dys[i]
+    instead of the pre-A2A (_FusedRank.project_dout)."""
     from .forward import emulated_transport, window_plan
 
     lay, s0 = spec.layout, saved[0]
@@ -615,8 +639,13 @@ def _fused_backward(spec: Spec, ranks, saved, douts, rows, group) -> list:
     deterministic = torch.are_deterministic_algorithms_enabled()
     fused = [_fused_rank(plan, r) for r in ranks]
     launches = [f.launcher(spec, s, deterministic) for f, s in zip(fused, saved)]
-    for f, r, do in zip(fused, ranks, douts):
-        f.pre(_padded(lay, r, do))
+    if project is None:
+        for f, r, do in zip(fused, ranks, douts):
+            f.pre(_padded(lay, r, do))
+    else:
+        weight, dys = project
+        for f, dy in zip(fused, dys):
+            f.project_dout(dy, weight)
     transport.barrier()
     for launch in launches:
         launch()
@@ -703,6 +732,68 @@ def attention_emulated_with_grad(p: Problem, qs, ks, vs, joint) -> tuple:
     P = p.world_size
     res = _EmulatedFunction.apply(p, *qs, *ks, *vs, *(joint or ()))
     return list(res[:P]), (list(res[P:]) if joint is not None else None)
+
+
+# ---- the attention with its output projection (eager) ---------------------------------------------------
+class _Projected(NamedTuple):
+    problem: Problem
+    group: object
+    rank: Optional[int]  # None: the problem's P emulated ranks
+
+
+class _ProjectedFunction(torch.autograd.Function):
+    """Per local rank y = o.flatten(2) @ weight^T + bias after the op's call(s) (no joint rows). The
+    backward: weight's and bias's grads summed over the local ranks' rows (a real rank: its own rows'
+    part, as nn.Linear on sharded rows gives), then the attention's backward with dO = dy @ weight: in
+    the fused backward the GEMM's epilogue stores it to its owners (_FusedRank.project_dout), else
+    dO in torch and the backward's own dO exchange."""
+
+    @staticmethod
+    def forward(ctx, call: _Projected, weight, bias, *tensors):
+        n = len(tensors) // 3
+        qs, ks, vs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        if call.rank is None:
+            outs, _, saved, spec = forward_emulated_saving(call.problem, qs, ks, vs, None)
+            ranks, group = list(range(n)), None
+        else:
+            out, _, one, spec = forward_saving(call.problem, qs[0], ks[0], vs[0], None, call.group, call.rank)
+            outs, saved, ranks = [out], [one], [call.rank]
+            group = call.group if spec.layout.world_size > 1 else None
+        ctx.spec, ctx.ranks, ctx.group, ctx.n_saved = spec, ranks, group, len(saved[0])
+        ctx.rows, ctx.has_bias = [q.shape[1] for q in qs], bias is not None
+        ctx.save_for_backward(weight, *outs, *(t for one in saved for t in one))
+        return tuple(torch.nn.functional.linear(o.flatten(2), weight, bias) for o in outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        weight, *rest = ctx.saved_tensors
+        n, spec = len(ctx.ranks), ctx.spec
+        outs, flat = rest[:n], rest[n:]
+        saved = [Saved(*flat[i * ctx.n_saved:(i + 1) * ctx.n_saved]) for i in range(n)]
+        dys = [dy.contiguous() for dy in dys]
+        dweight = dbias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # nn.Linear's backward on all local rows
+            dy_rows = torch.cat([dy.flatten(0, 1) for dy in dys])
+            if ctx.needs_input_grad[1]:
+                dweight = dy_rows.t() @ torch.cat([o.flatten(0, 1).flatten(1) for o in outs])
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                dbias = dy_rows.sum(0)
+        if spec.fused:
+            if ctx.group is not None:
+                _agree_backward(spec, ctx.group)
+            res = _fused_backward(spec, ctx.ranks, saved, None, ctx.rows, ctx.group, project=(weight, dys))
+        else:
+            H, D = spec.layout.num_heads, outs[0].shape[3]
+            douts = [(dy @ weight).unflatten(-1, (H, D)) for dy in dys]
+            res = backward(spec, ctx.ranks, saved, douts, [None] * n, ctx.rows, ctx.group)
+        return (None, dweight, dbias, *(g[i] for i in range(3) for g in res))
+
+
+def projected_with_grad(p: Problem, qs, ks, vs, weight, bias, group, rank: Optional[int]) -> list:
+    """The op's call(s) on these local ranks' inputs (rank None: the P emulated ranks) followed by the
+    output projection, differentiable (_ProjectedFunction) -> one [B, rows, C_out] per local rank."""
+    return list(_ProjectedFunction.apply(_Projected(p, group, rank), weight, bias, *qs, *ks, *vs))
 
 
 # ---- autograd under torch.compile: functional custom ops ---------------------------------------------

@@ -129,7 +129,8 @@ def group_facts(group):
     """(group, group name, world size, rank); group=None is the default group, or P = 1 without one."""
     import torch.distributed as dist
 
-    if group is not None and not hasattr(group, "group_name"):
+    # isinstance, not hasattr: dynamo (torch 2.11) cannot trace hasattr on a ProcessGroup
+    if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -31,14 +31,24 @@ from cute_kernels.limits import tma_table
 
 
 # ---- the rotary operand ------------------------------------------------------------------------------
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether t is on `device`; "cuda" without an index means the current CUDA device (any index
+    where CUDA is not available: compiling with fake tensors)."""
+    if t.device.type != device.type:
+        return False
+    index = device.index
+    if index is None and device.type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    return index is None or t.device.index is None or t.device.index == index
+
+
 def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     """fa_a2a.block.rope_table's checks without its conversion -> None, the table, or the (cos, sin)
     pair; raises what rope_table raises (a pair off `device`: the message of the table it would make
     there)."""
     if rotary is None:
         return None
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
+    device = torch.device(device)
     if isinstance(rotary, (tuple, list)):
         if len(rotary) != 2 or not all(isinstance(t, torch.Tensor) for t in rotary):
             raise ValueError(f"{name}: expected a (cos, sin) pair of tensors or a table, got {len(rotary)} items")
@@ -47,14 +57,14 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
             raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         for t in (cos, sin):
-            if t.device != device:
+            if not _on(t, device):
                 raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, "
                                  f"got {torch.float32} {(rows, head_dim)} on {t.device}")
         return cos, sin
     if not isinstance(rotary, torch.Tensor):
         raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
     if (rotary.dtype != torch.float32 or tuple(rotary.shape) != (rows, head_dim)
-            or rotary.device != device or not rotary.is_contiguous()):
+            or not _on(rotary, device) or not rotary.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
                          f"{rotary.dtype} {tuple(rotary.shape)} on {rotary.device}")
     return rotary

@@ -3,7 +3,6 @@ every numeric flag bounded (one usage error, exit 2, in under a second, before t
 method selection when ranks share a GPU, and the report (ratios, breakdown coverage, tables, JSON,
 plot) from synthetic timings."""
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -12,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from fa_a2a.tools import bench, bench_call as bc, bench_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import repo_env
 
 
 def _env(**extra):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env = repo_env(CUDA_VISIBLE_DEVICES="")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
         env.pop(name, None)
     env.update(extra)

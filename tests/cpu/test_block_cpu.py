@@ -651,3 +651,18 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
             assert outs == ([("out", 0, S), ("out", 1, S)], [("joint out", 0), ("joint out", 1)])
             assert [(s[0] is joint, s[2] is jrot) for s in seen] == [(False, False), (True, True)] * 2
         assert sliced == [(proj, 0), (proj, 1)] and checked == ["xs[0]", "xs[1]"] * 3
+
+
+def test_rope_source_takes_cuda_without_an_index():
+    """A rotary on cuda:0 named by the device "cuda" (as a test or a user writes it) is on that device
+    (the GPU run of 2026-12-05 refused it: "expected ... on cuda, got ... on cuda:0"); another device
+    type is still refused, naming the argument."""
+    rows, D = 4, 8
+    with FakeTensorMode():
+        cos, sin = torch.empty(rows, D, device="cuda:0"), torch.empty(rows, D, device="cuda:0")
+        table = torch.empty(rows, 2 * D, device="cuda:0")
+    for src in ((cos, sin), table[:, :D].contiguous()):
+        got = projection._rope_source(src, rows, D, "cuda", "rotary")
+        assert got is src if isinstance(src, torch.Tensor) else (got[0] is cos and got[1] is sin)
+    with pytest.raises(ValueError, match="rotary: expected a contiguous float32 .* on cpu"):
+        projection._rope_source((cos, sin), rows, D, "cpu", "rotary")

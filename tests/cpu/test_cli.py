@@ -11,6 +11,7 @@ import time
 import pytest
 
 from fa_a2a.tools import cli
+from tests.helpers import repo_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = {"calibrate": "fa_a2a.calibrate", "bench_block": "fa_a2a.bench_block"}  # run as `python -m MODULE`
@@ -146,7 +147,7 @@ GPU_ONLY = [
 
 
 def _no_gpu_env(**extra):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, **extra)
+    env = repo_env(CUDA_VISIBLE_DEVICES="", **extra)
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(var, None)
     return env

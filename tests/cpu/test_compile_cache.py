@@ -15,6 +15,7 @@ import torch
 
 from cute_kernels import compile_cache as C
 from cute_kernels.signal import compile_barrier
+from tests.helpers import repo_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CC = shutil.which(os.environ.get("CC", "cc")) is not None  # entries linked into shared libraries
@@ -36,7 +37,7 @@ print(compile_barrier.cache_info().loads, compile_post_a2a.cache_info().loads, d
 
 
 def _child(cache: Path) -> subprocess.Popen:
-    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1", PYTHONPATH=str(ROOT))
+    env = repo_env(FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1")
     return subprocess.Popen([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -144,7 +145,7 @@ def test_entries_are_named_as_fa4s_store_names_them(tmp_path):
 def test_source_roots_are_found_without_importing_the_packages():
     code = ("import sys; from cute_kernels.compile_cache import _source_roots; _source_roots(); "
             "print(sorted(m for m in ('flash_attn.cute', 'quack') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=repo_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[]"
@@ -227,7 +228,7 @@ print(loaded, type(fn).__name__, imported or "-")
 
 
 def _warm_child() -> tuple:
-    out = subprocess.run([sys.executable, "-c", _WARM_CHILD], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    out = subprocess.run([sys.executable, "-c", _WARM_CHILD], cwd=ROOT, env=repo_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return tuple(out.stdout.split("\n")[-2].split(" "))
@@ -327,7 +328,7 @@ def test_the_launch_paths_import_no_cute_dsl():
     code = ("import sys, fa_a2a, fa_a2a.op, fa_a2a.engine.forward, fa_a2a.engine.pacing, cute_kernels.fa4, cute_kernels.a2a, "
             "cute_kernels.signal, ulysses.transport, ulysses.vmm, fa_a2a.block, cute_kernels.qkv_a2a_sm90\n"
             "print(','.join(m for m in ('cutlass', 'flash_attn.cute', 'quack') if m in sys.modules) or '-')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=repo_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "-"

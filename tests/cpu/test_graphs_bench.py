@@ -16,9 +16,8 @@ from graphs import timing
 from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
 from ulysses.reference import dist_head_to_seq
 
+from tests.helpers import repo_env
 from tests.multiproc import run_on_gloo_groups
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------ graphs
@@ -250,7 +249,7 @@ def test_bad_platform_file_is_a_usage_error(tmp_path, capsys, contents):
 
 
 def test_fa_tflops_inf_is_a_usage_error_not_a_traceback(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env = repo_env(CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
     for flag in ("--fa-tflops", "--target-ms"):
         p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--quick", flag, "inf"], cwd=tmp_path, env=env,
@@ -422,7 +421,7 @@ def test_plots_are_written(tmp_path):
 
 # ------------------------------------------------------------------------------ no-GPU run
 def test_script_without_gpu_exits_0_and_prints_predictions(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env = repo_env(CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
     out = tmp_path / "res"
     p = subprocess.run([sys.executable, "-m", "fa_a2a.tools.bench", "--quick", "--out", str(out)], cwd=tmp_path,

@@ -21,6 +21,8 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from tests.helpers import repo_env  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = "a photo of an astronaut riding horse cat dog red blue tiny".split()
 # The example's flags of the runs here: 64 x 64 pixels -> 32 x 32 latents -> 16 x 16 = 256 image tokens,
@@ -82,7 +84,7 @@ def test_tiny_pipeline_on_two_cpu_ranks_matches_one_device(tmp_path):
     model = tmp_path / "tiny-flux"
     tiny_flux_pipeline(model)
     expect = single_device_image(str(model))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = repo_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -115,7 +117,7 @@ def test_tiny_pipeline_on_two_cpu_ranks_matches_one_device(tmp_path):
 
 def test_pipeline_example_refuses_one_process_and_gpu_impls_on_cpu(tmp_path):
     script = os.path.join(ROOT, "examples", "pipeline.py")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    env = repo_env(CUDA_VISIBLE_DEVICES="")
     env.pop("WORLD_SIZE", None)
     p = subprocess.run([sys.executable, script, "--model", "x"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "expected torchrun with P >= 2 ranks" in p.stderr.splitlines()[-1], p.stderr

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from tests.helpers import repo_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
 MARKED = re.compile(r"<!-- readme-test: (\w+) ([^>]*?) -->\n```(\w+)\n(.*?)```", re.S)
@@ -50,8 +52,7 @@ def test_every_code_block_says_where_it_runs():
 
 @pytest.mark.parametrize("where, how, lang, code", CPU_BLOCKS, ids=[f"{i}-{b[1]}" for i, b in enumerate(CPU_BLOCKS)])
 def test_cpu_snippet_runs_as_written(where, how, lang, code, tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, FA_A2A_CACHE_DIR=str(tmp_path / "cache"),
-               OMP_NUM_THREADS="1")
+    env = repo_env(CUDA_VISIBLE_DEVICES="", FA_A2A_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     script = tmp_path / ("snippet.py" if lang == "python" else "snippet.sh")

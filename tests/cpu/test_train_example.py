@@ -31,6 +31,7 @@ pytest.importorskip("diffusers")
 from fa_a2a.models import diffusers_backend as backend  # noqa: E402
 from tests.cpu.test_dit_cpu import HEAD_DIM, HEADS, TXT_DIM, _flux  # noqa: E402
 from tests.cpu.test_dit_cpu import _flux_inputs as dit_inputs, _qwen_inputs as qwen_inputs  # noqa: E402
+from tests.helpers import repo_env  # noqa: E402
 from tests.multiproc import run_on_gloo_groups  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -188,7 +189,7 @@ def test_grads_under_the_backend_match_one_process():
 
 # ---- examples/train.py ----------------------------------------------------------------------------------------------
 def _env():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = repo_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env

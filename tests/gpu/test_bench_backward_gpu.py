@@ -5,25 +5,22 @@ whose times and ratios are positive, and writes its JSON.
     python -m pytest -q tests/gpu/test_bench_backward_gpu.py
 """
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fa_a2a.tools import bench_backward as bb
 from fa_a2a.tools.bench_config import QUICK_SEQLENS
+from tests.helpers import repo_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an SM90 GPU (FA4's SM90 backward)")
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_quick_emulated_two_ranks(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = repo_env()
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     out = tmp_path / "res"

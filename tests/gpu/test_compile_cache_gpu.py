@@ -2,13 +2,14 @@
 attention block with the loaded kernels (shared-library entries through TVM-FFI; the QKV
 projection's launch form from disk): the same outputs bit for bit as the process that compiled
 them, nothing compiled, and neither the CuTe DSL nor FA4's package nor quack imported."""
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import repo_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ print(sum(f.cache_info().misses - f.cache_info().loads for f in fns), sum(f.cach
 
 
 def _run(cache: Path, out: Path) -> tuple:
-    env = dict(os.environ, FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1", PYTHONPATH=str(ROOT))
+    env = repo_env(FA_A2A_CACHE_DIR=str(cache), FA_A2A_CACHE="1")
     done = subprocess.run([sys.executable, "-c", _CHILD, str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

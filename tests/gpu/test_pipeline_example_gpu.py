@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 from fa_a2a.tools.mps import mps_available  # noqa: E402
 from tests.cpu.test_pipeline_example import ROOT, RUN, STEPS, tiny_flux_pipeline  # noqa: E402
+from tests.helpers import repo_env  # noqa: E402
 
 
 def test_tiny_pipeline_fused_on_two_ranks_sharing_the_gpu(tmp_path):
@@ -24,7 +25,7 @@ def test_tiny_pipeline_fused_on_two_ranks_sharing_the_gpu(tmp_path):
     cmd = [*launch, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "examples", "pipeline.py"), "--model", str(model), "--impl", "fused", "serial",
            "--steps", str(STEPS), *RUN, "--out", str(tmp_path / "img.png"), "--json", str(tmp_path / "table.json")]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = repo_env()
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     print(p.stdout)

@@ -5,7 +5,6 @@ and with the pages spread over every GPU, then the calibration itself (--quick, 
 JSON must record the peer destination and an owner read-back that matched.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -13,9 +12,9 @@ import pytest
 import torch
 
 from tests.gpu.test_calibrate_peer import check_peer_buffer
+from tests.helpers import repo_env
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.multigpu
@@ -36,7 +35,7 @@ def test_peer_buffer_spread_over_every_gpu_reaches_each_owner():
 @pytest.mark.multigpu
 @pytest.mark.parametrize("spread", [False, True])
 def test_calibrate_dest_peer_runs_and_its_owner_sees_the_bytes(tmp_path, spread):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = repo_env()
     cmd = [sys.executable, "-m", "fa_a2a.tools.calibrate", "--dest", "peer", "--quick", "--no-fa", "--out", str(tmp_path)]
     proc = subprocess.run(cmd + (["--spread"] if spread else []), env=env, capture_output=True, text=True,
                           timeout=600)
