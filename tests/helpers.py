@@ -1,5 +1,6 @@
 """What the attention tests share: named cases, poisoned inputs, oracles and FA4's tolerance rule."""
 
+import contextlib
 import os
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -80,3 +81,13 @@ def check_attention(out, ref, base, atol: float, what: Optional[object] = None) 
     err = (out.double() - ref).abs().max().item()
     base_err = (base.double() - ref).abs().max().item()
     assert err <= 2 * base_err + atol, (what, err, base_err)
+
+
+@contextlib.contextmanager
+def deterministic():
+    """torch.use_deterministic_algorithms on (FA4's deterministic backward) for the block, off after."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -21,8 +21,6 @@ The cases share FA4's compiles (forward with LSE and backward per D, GQA ratio, 
     python -m pytest -q tests/gpu/test_backward_gpu.py
 """
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,6 +30,7 @@ from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import full_attention
 
+from tests.helpers import deterministic
 from tests.multiproc import run_on_gloo_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -133,15 +132,6 @@ def check_rank(case, r, grads, ref, base, what):
     for i, name in enumerate(("dq", "dk", "dv")):
         check(grads[i][:, :n], ref[i][:, first:first + n], base[i][:, first:first + n], (what, r, name))
         assert (grads[i][:, n:] == 0).all(), (what, r, name, "padding rows must get zero grads")
-
-
-@contextlib.contextmanager
-def deterministic():
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def emulated_grads(case, impl, shards, joint, douts, djouts):

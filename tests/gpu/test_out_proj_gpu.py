@@ -12,8 +12,6 @@ windows gives the same bits (no unwritten tile).
     python -m pytest -q tests/gpu/test_out_proj_gpu.py
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -21,6 +19,8 @@ from fa_a2a.engine import backward as fab
 from fa_a2a.op import ulysses_attention_out_proj_emulated
 from ulysses.layout import split_seq
 from ulysses.reference import full_attention
+
+from tests.helpers import deterministic
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an SM90 GPU (FA4's SM90 backward)")
@@ -33,15 +33,6 @@ CASES = [
     (4, 1024, 8, 2, 64, True),  # GQA, causal
     (8, 2048, 24, 24, 128, False),  # Flux's 24 heads
 ]
-
-
-@contextlib.contextmanager
-def deterministic():
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def make(case, seed):
