@@ -60,6 +60,11 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               the first barrier; the ranks then line up on the host once.
   impl "auto" decides as the forward does (fa_a2a.engine.forward); its choices all run FA4 on CUDA,
   and where it decides "fused" the backward is the fused one above.
+  With the output projection (fa_a2a.ulysses_attention_out_proj: _ProjectedFunction) the fused
+  backward's dO comes from the projection's input-gradient GEMM dO = dY @ W, whose epilogue stores it
+  into the same dO windows (the QKV projection's kernel, q part alone: _FusedRank.project_dout) in
+  place of the pre-A2A kernel; elsewhere dO = dY @ W in torch, then the backward above. Tested on an
+  H100 (2026-12-05, tests/gpu/test_out_proj_gpu.py); not timed yet.
 Every rank must run the backward of every call that required grad, in the same order (it is
 collective, as the forward is): a rank whose loss does not reach an output still backpropagates
 through it (e.g. loss + 0 * out.sum()). Each backward is agreed across ranks like a forward
