@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward + backward instead (fa_a2a.tools.bench_backward): FA4's forward with LSE + backward "
                    "on one rank's problem against the op's fwd+bwd (serial; NCCL on real ranks), per M, with the "
                    "ratios; emulated ranks in one process, or the real op under torchrun")
+    p.add_argument("--out-proj", type=int, default=None, metavar="C_OUT",
+                   help="with --backward: the attention block's output projection (H*D -> C_OUT) in both: FA4 + "
+                   "torch's linear (forward and backward) against fa_a2a.ulysses_attention_out_proj, whose fused "
+                   "backward takes dO from the projection's GEMM")
     p.add_argument("--per-kernel", action="store_true",
                    help="under torchrun (one GPU per process): the kernel methods above on real ranks instead of "
                    "the whole-call benchmark (fa_a2a.tools.bench_call)")
@@ -151,6 +155,7 @@ BOUNDS = {
     "--fa-tflops": (0.01, 100_000.0),  # an H200's FA4 runs at ~690
     "--seed": (0, 2**31 - 1),
     "--mps-share": (1.0, 100.0),
+    "--out-proj": (1, 1 << 16),
 }
 
 
@@ -225,12 +230,16 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
     _bounded(ns.fa_tflops, "--fa-tflops")
     _bounded(ns.seed, "--seed")
     mps_share = _mps_share(ns.mps_share, env)
+    if ns.out_proj is not None:
+        _bounded(ns.out_proj, "--out-proj")
+        if not ns.backward:
+            raise ValueError(f"--out-proj: only with --backward (the forward + backward benchmark), got {ns.out_proj}")
     return BenchConfig(
         seqlens=seqlens, heads=ns.heads, head_dim=ns.head_dim, batch=ns.batch, world_size=world,
         real_ranks=real, dtype=ns.dtype, causal=ns.causal, trials=trials, warmup=warmup,
         calls=ns.calls, target_ms=target_ms, methods=methods, dests=dests, quick=ns.quick, out=ns.out,
         platform=ns.platform, seed=ns.seed, plots=not ns.no_plots, num_sms=num_sms,
-        fa_tflops=ns.fa_tflops, mps_share=mps_share, per_kernel=ns.per_kernel,
+        fa_tflops=ns.fa_tflops, mps_share=mps_share, per_kernel=ns.per_kernel, out_proj=ns.out_proj or 0,
     )
 
 

@@ -20,6 +20,11 @@ owners' windows (cute_kernels.fa4_bwd_a2a), no collective. Per sequence length M
                    (the inputs' .grad reset to None before every call: no accumulation kernel)
   bwd              (not timed itself) fwd+bwd - fwd, for FA4 and for the op
 
+--out-proj C_OUT: the attention block's output projection (H*D -> C_OUT, weight and bias trained) in
+both: the FA4 baseline adds torch's linear forward and backward on one rank's S_loc rows, the op is
+fa_a2a.ulysses_attention_out_proj (its fused backward takes dO from the projection's GEMM, stored
+straight to its owners, instead of the pre-A2A kernel); dO is then dY [B, S_loc, C_OUT].
+
 impl: "serial" and "fused" always; "nccl" (all_to_all_single around FA4) on real ranks with one GPU each (it
 needs NCCL: skipped, with the reason, when ranks share a GPU); "reference" (the fp32 reference
 attention) is not timed. Emulated ranks have no NCCL path.
@@ -206,8 +211,10 @@ def table_title(points: Sequence[dict], card: str, cfg: BenchConfig) -> str:
     else:
         who = (f"P={cfg.world_size} emulated ranks in one process: the op's times are all {cfg.world_size} ranks' "
                f"work, ratios over {cfg.world_size} x FA4")
+    proj = (f"; with the output projection H*D -> {cfg.out_proj} (FA4 + torch's linear vs "
+            f"ulysses_attention_out_proj)" if cfg.out_proj else "")
     return (f"{card}, {cfg.dtype}, B={cfg.batch}, H={cfg.heads}, H_loc={cfg.heads_local}, D={cfg.head_dim}"
-            f"{', causal' if cfg.causal else ''}; {who}; us per call, median over {cfg.trials} trials ({modes}); "
+            f"{', causal' if cfg.causal else ''}{proj}; {who}; us per call, median over {cfg.trials} trials ({modes}); "
             f"bwd = fwd+bwd - fwd")
 
 
@@ -232,7 +239,8 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
     import torch
 
     from cute_kernels.fa4 import fa4_launcher
-    from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
+    from fa_a2a.op import (ulysses_attention, ulysses_attention_emulated, ulysses_attention_out_proj,
+                           ulysses_attention_out_proj_emulated)
     from flash_attn.cute.interface import _flash_attn_bwd
     from graphs import input_sets_needed
 
@@ -251,21 +259,46 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
     ranks_here = 1 if cfg.real_ranks else P
     n_op = input_sets_needed(10 * x_bytes * ranks_here, l2)
 
+    C_out = cfg.out_proj
+    if C_out:  # the output projection's weights, trained (their grads computed) in both
+        weight, bias = randn(C_out, H * D, grad=True), randn(C_out, grad=True)
+        with torch.no_grad():
+            weight /= math.sqrt(H * D)
+
+    def linear_set():
+        """One rank's output projection on its S_loc rows, forward and backward (torch's linear): what the
+        FA4 baseline adds with --out-proj."""
+        x, dy = randn(B, S_loc, H * D, grad=True), randn(B, S_loc, C_out)
+
+        def fwd():
+            with torch.enable_grad():
+                return torch.nn.functional.linear(x, weight, bias)
+
+        def fwd_bwd():
+            for t in (x, weight, bias):
+                t.grad = None
+            y = fwd()
+            torch.autograd.backward(y, dy)
+            return [y.detach(), x.grad, weight.grad, bias.grad]
+
+        return fwd, fwd_bwd
+
     def fa4_set():
         q, k, v, do = (randn(B, M, H_loc, D) for _ in range(4))
         o = torch.empty_like(q)
         lse = torch.empty(B, H_loc, M, dtype=torch.float32, device=dev)
         fwd = fa4_launcher(q, k, v, o, causal=causal, softmax_scale=scale, lse=lse)
+        lin = linear_set() if C_out else None
 
         def fwd_only():
             fwd()
-            return o, lse
+            return (o, lse) + ((lin[0]().detach(),) if lin else ())
 
         def fwd_bwd():
             fwd()
             grads = _flash_attn_bwd(q, k, v, o, do, lse, scale, causal,
                                     deterministic=torch.are_deterministic_algorithms_enabled())
-            return (o,) + tuple(grads[:3])
+            return (o,) + tuple(grads[:3]) + (tuple(lin[1]()) if lin else ())
 
         return fwd_only, fwd_bwd
 
@@ -275,11 +308,18 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
     def op_set(impl):
         n = 1 if cfg.real_ranks else P
         qs, ks, vs = ([randn(B, S_loc, H, D, grad=True) for _ in range(n)] for _ in range(3))
-        dos = [randn(B, S_loc, H, D) for _ in range(n)]
-        leaves = qs + ks + vs
-        if cfg.real_ranks:
+        dos = [randn(B, S_loc, C_out) if C_out else randn(B, S_loc, H, D) for _ in range(n)]
+        leaves = qs + ks + vs + ([weight, bias] if C_out else [])
+        if cfg.real_ranks and C_out:
+            def forward():
+                return [ulysses_attention_out_proj(qs[0], ks[0], vs[0], weight, bias, group=ctx["group"], impl=impl,
+                                                   causal=causal)]
+        elif cfg.real_ranks:
             def forward():
                 return [ulysses_attention(qs[0], ks[0], vs[0], group=ctx["group"], impl=impl, causal=causal)]
+        elif C_out:
+            def forward():
+                return ulysses_attention_out_proj_emulated(qs, ks, vs, weight, bias, impl=impl, causal=causal)
         else:
             def forward():
                 return list(ulysses_attention_emulated(qs, ks, vs, impl=impl, causal=causal))

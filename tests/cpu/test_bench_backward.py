@@ -31,6 +31,20 @@ def test_the_flag_parses_and_leaves_the_other_settings_as_bench_reads_them():
     assert real.real_ranks and real.world_size == 4 and real.seqlens == CALL_SEQLENS  # as the whole-call bench
 
 
+def test_out_proj_rides_on_backward_and_names_itself():
+    """--out-proj C_OUT: the output projection in both sides of --backward (its title says so); without
+    --backward, or out of its bounds, a ValueError naming --out-proj (a usage error)."""
+    assert _cfg(["--backward"]).out_proj == 0
+    cfg = _cfg(["--backward", "--out-proj", "3072", "--world-size", "2"])
+    assert cfg.out_proj == 3072
+    assert "output projection H*D -> 3072" in bb.table_title([], "NVIDIA H100", cfg)
+    assert "output projection" not in bb.table_title([], "NVIDIA H100", _cfg(["--backward"]))
+    with pytest.raises(ValueError, match="--out-proj: only with --backward"):
+        _cfg(["--out-proj", "3072"])
+    with pytest.raises(ValueError, match="--out-proj"):
+        _cfg(["--backward", "--out-proj", "0"])
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--methods", "fa"], "--methods"),
     (["--dest", "host"], "--dest"),
