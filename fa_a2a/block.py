@@ -245,6 +245,32 @@ def _inputs_want_grad(xs, joint) -> bool:
     return any(getattr(t, "requires_grad", False) for t in flat + [joint])
 
 
+def _out_weights(out_proj, joint):
+    """out_proj as (weight [C_out, H * D], bias or None): an nn.Linear or a (weight, bias) pair; None for
+    none. Not with joint rows (their output projection is another layer: project them yourself)."""
+    if out_proj is None:
+        return None
+    if joint is not None:
+        raise ValueError("out_proj: not with joint rows (they take another output projection: pass out_proj=None "
+                         "and project the block's two outputs yourself)")
+    if isinstance(out_proj, nn.Linear):
+        return out_proj.weight, out_proj.bias
+    if isinstance(out_proj, (tuple, list)) and len(out_proj) == 2 and isinstance(out_proj[0], torch.Tensor):
+        return out_proj[0], out_proj[1]
+    raise ValueError(f"out_proj: expected None, an nn.Linear or a (weight, bias) pair, got {type(out_proj).__name__}")
+
+
+def _projected(out, weights):
+    """The block's output [B, rows, H, D] through its output projection (torch's linear; differentiable in
+    the weights and, where out is, in out), or out without one."""
+    if weights is None:
+        return out
+    from fa_a2a.op import _check_out_proj
+
+    _check_out_proj(*weights, out)
+    return torch.nn.functional.linear(out.flatten(2), *weights)
+
+
 def global_chain(proj) -> TorchQKV:
     """The projection of proj (QKVWeights with a head map) as the torch chain in global head order:
     each head's first copy of its rows (views of proj's tensors through index_select: differentiable,
@@ -602,9 +628,9 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
                           joint_proj=None, joint_rotary=None, impl: str = "auto", causal: bool = False,
                           softmax_scale: Optional[float] = None, seq_len: Optional[int] = None,
                           shard_rows: Optional[Sequence[int]] = None, config="auto", one_launch: bool = False,
-                          pace="auto"):
+                          pace="auto", out_proj=None):
     """One rank's Ulysses attention block from its hidden states: x [B, S_loc, C] -> [B, S_loc, H, D]
-    (or (that, joint output [B, J, H, D]) with joint).
+    (or (that, joint output [B, J, H, D]) with joint), or [B, S_loc, C_out] with out_proj.
 
     proj: block_weights(chain, P) (P = the group's size). rotary: this rank's rows' RoPE, (cos, sin)
     [S_loc, D] diffusers-style or the fp32 table (rope_table), None for none. x may instead be a
@@ -625,15 +651,23 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     the projection then runs as the torch chain of proj (global_chain) before the differentiable op
     (fa_a2a.ulysses_attention, same impl): correct, not fused; config / one_launch do not apply. Weights
     that require grad are refused (ValueError): they are copies in destination order.
+    out_proj: the block's output projection (an nn.Linear of in_features H * D, or its (weight, bias);
+    not with joint rows) applied to every row of the output; its weights may require grad. With hidden
+    states that require grad the call is fa_a2a.ulysses_attention_out_proj on the chain's q, k, v: its
+    fused backward takes dO from the projection's GEMM (stored straight to its owners).
     """
     from fa_a2a.engine.problem import group_facts
 
+    weights = _out_weights(out_proj, joint)
     if _inputs_want_grad([x], joint):
-        from fa_a2a.op import ulysses_attention
+        from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
         qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
-        return ulysses_attention(*qkv, group=group, joint=jt, impl=impl, causal=causal, softmax_scale=softmax_scale,
-                                 seq_len=seq_len, shard_rows=shard_rows, pace=pace)
+        kw = dict(group=group, impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len,
+                  shard_rows=shard_rows, pace=pace)
+        if weights is not None:
+            return ulysses_attention_out_proj(*qkv, *weights, **kw)
+        return ulysses_attention(*qkv, joint=jt, **kw)
     group, group_name, P, rank = group_facts(group)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, rank, group_name, type(pace), pace)
     key = _signature(x, proj, rotary, joint, joint_proj, joint_rotary, args)
@@ -663,7 +697,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
 
     problem, segs, calls = checked_and_agreed(checks, group if collective else None)
     call = _rank_block(calls, group, P, rank, problem, segs, joint, joint_proj, joint_rotary, config, one_launch)
-    return call(segs, joint, joint_rotary, joint_proj)
+    return _projected(call(segs, joint, joint_rotary, joint_proj), weights)
 
 
 def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
@@ -678,27 +712,32 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
                                    impl: str = "auto", causal: bool = False, softmax_scale: Optional[float] = None,
                                    seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None,
-                                   config="auto", one_launch: bool = False, pace="auto"):
+                                   config="auto", one_launch: bool = False, pace="auto", out_proj=None):
     """All P ranks' blocks in one process (the real kernels and barriers over local windows): xs, the
     P ranks' hidden states -> list of P outputs (and list of P joint outputs with joint). rotary: a
     list of P per-rank rotaries (or None); xs[r] may be a list of Segment (then rotary[r] None, proj
     None); joint, joint_rotary: as one rank takes them. Checked once per signature (the P ranks'
     ulysses_qkv_attention signatures), each rank's call prepared once (fa_a2a.engine.projection._RankBlock),
-    as a real rank's."""
+    as a real rank's. out_proj: as ulysses_qkv_attention's (with grad: ulysses_attention_out_proj_emulated,
+    the weights' grads summed over the P ranks' rows)."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
     P = len(xs)
     rotary = [None] * P if rotary is None else rotary
     if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
         raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
+    weights = _out_weights(out_proj, joint)
     if _inputs_want_grad(xs, joint):
-        from fa_a2a.op import ulysses_attention_emulated
+        from fa_a2a.op import ulysses_attention_emulated, ulysses_attention_out_proj_emulated
 
         ranks = [_attention_with_grad(x, proj, rotary[r], None if r else joint, joint_proj, joint_rotary, f"xs[{r}]")
                  for r, x in enumerate(xs)]  # (the joint rows once: every rank's are the same)
-        return ulysses_attention_emulated(*([qkv[i] for qkv, _ in ranks] for i in range(3)), joint=ranks[0][1],
-                                          impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len,
-                                          shard_rows=shard_rows, pace=pace)
+        qkvs = ([qkv[i] for qkv, _ in ranks] for i in range(3))
+        kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows,
+                  pace=pace)
+        if weights is not None:
+            return ulysses_attention_out_proj_emulated(*qkvs, *weights, **kw)
+        return ulysses_attention_emulated(*qkvs, joint=ranks[0][1], **kw)
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
     check_no_overlap([n for r, x in enumerate(xs) for n in _named_inputs(x, None, f"xs[{r}]")[:-1]]
                      + [("joint", joint)])
@@ -713,7 +752,8 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
         _check_no_grad(zip(_proj_names([f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x"
                                         for i in range(len(segs[r]))]), (s[1] for s in segs[r])), joint, joint_proj)
     blocks = _emulated_blocks(prepared, p, segs, joint, joint_proj, joint_rotary, config, one_launch)
-    return blocks(segs, joint, joint_rotary, joint_proj)
+    res = blocks(segs, joint, joint_rotary, joint_proj)
+    return res if weights is None else [_projected(o, weights) for o in res]
 
 
 def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
@@ -742,16 +782,19 @@ class UlyssesQKVAttention(nn.Module):
     Flux2) the projection is the fused kernel (block_weights for the group's P, built once);
     with norms across heads (Wan) the torch chain runs first and then the attention-only fused op
     (fa_a2a.ulysses_attention): correct, not fused. The module holds the weights in the form its
-    path uses (the gathered QKVWeights, or the chain's); it has no parameters: its weights are fixed,
-    while hidden states that require grad backpropagate (ulysses_qkv_attention).
+    path uses (the gathered QKVWeights, or the chain's); they are fixed, while hidden states that
+    require grad backpropagate (ulysses_qkv_attention).
     Either chain (a TorchQKV; gathered here when its norms are per head) or proj (QKVWeights
     already gathered for world_size ranks: block_weights) with joint_chain / joint_proj alike.
+    out_proj: the attention's output projection (an nn.Linear, in_features H * D; its parameters are the
+    module's only ones and train): forward then returns [B, S_loc, C_out] (not with joint rows), and
+    with grad its fused backward takes dO from that GEMM (fa_a2a.ulysses_attention_out_proj).
     """
 
     def __init__(self, chain: Optional[TorchQKV] = None, *, joint_chain: Optional[TorchQKV] = None, proj=None,
                  joint_proj=None, group=None, world_size: Optional[int] = None, impl: str = "auto",
                  causal: bool = False, softmax_scale: Optional[float] = None, config="auto",
-                 one_launch: bool = False, pace="auto"):
+                 one_launch: bool = False, pace="auto", out_proj: Optional[nn.Linear] = None):
         super().__init__()
         from fa_a2a.engine.pacing import check_pace
 
@@ -765,6 +808,9 @@ class UlyssesQKVAttention(nn.Module):
         self.world_size = _world_size(group, world_size)
         self.impl, self.causal, self.softmax_scale, self.pace = impl, causal, softmax_scale, check_pace(pace)
         self.config, self.one_launch = config, one_launch
+        if out_proj is not None and not isinstance(out_proj, nn.Linear):
+            raise ValueError(f"out_proj: expected None or an nn.Linear, got {type(out_proj).__name__}")
+        self.out_proj = out_proj
         if proj is not None:
             if joint_chain is not None:
                 raise ValueError("joint_chain: expected None with proj (pass joint_proj), got a TorchQKV")
@@ -871,10 +917,14 @@ class UlyssesQKVAttention(nn.Module):
             return ulysses_qkv_attention(x, self.proj, group=self.group, rotary=rotary, joint=joint,
                                          joint_proj=self.joint_proj, joint_rotary=joint_rotary, seq_len=seq_len,
                                          shard_rows=shard_rows, config=self.config, one_launch=self.one_launch,
-                                         **self._kw())
-        from fa_a2a.op import ulysses_attention
+                                         out_proj=self.out_proj, **self._kw())
+        from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
+        weights = _out_weights(self.out_proj, joint)
         q, k, v = _chain_qkv(x, rotary, self.chain)
+        if weights is not None:
+            return ulysses_attention_out_proj(q, k, v, *weights, group=self.group, seq_len=seq_len,
+                                              shard_rows=shard_rows, **self._kw())
         jt = None
         if joint is not None:
             jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")
@@ -891,11 +941,15 @@ class UlyssesQKVAttention(nn.Module):
             return ulysses_qkv_attention_emulated(xs, self.proj, rotary=rotary, joint=joint,
                                                   joint_proj=self.joint_proj, joint_rotary=joint_rotary,
                                                   seq_len=seq_len, shard_rows=shard_rows, config=self.config,
-                                                  one_launch=self.one_launch, **self._kw())
-        from fa_a2a.op import ulysses_attention_emulated
+                                                  one_launch=self.one_launch, out_proj=self.out_proj, **self._kw())
+        from fa_a2a.op import ulysses_attention_emulated, ulysses_attention_out_proj_emulated
 
+        weights = _out_weights(self.out_proj, joint)
         rotary = [None] * len(xs) if rotary is None else rotary
         qkv = [_chain_qkv(x, rot, self.chain) for x, rot in zip(xs, rotary)]
+        if weights is not None:
+            return ulysses_attention_out_proj_emulated([t[0] for t in qkv], [t[1] for t in qkv], [t[2] for t in qkv],
+                                                       *weights, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         jt = None
         if joint is not None:
             jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")

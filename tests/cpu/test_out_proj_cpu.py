@@ -145,3 +145,65 @@ def test_fused_backward_takes_dout_from_the_projection(kernels, monkeypatch, cas
             # bf16 rounding of dO (two GEMM orders) carried through the attention's backward
             assert torch.allclose(a.float(), e.float(), rtol=0.05, atol=0.05 * e.float().abs().max().item()), i
         assert torch.equal(fused[-2], serial[-2]) and torch.equal(fused[-1], serial[-1])  # nn.Linear's own grads
+
+
+# ---- the attention block with its output projection (fa_a2a.block: out_proj) ------------------------------
+def _block_case():
+    from tests.cpu.test_block_grad_cpu import CASES, _chain, _inputs
+
+    P, H, H_kv, D, C, _ = CASES[1]  # GQA with KV heads replicated across ranks
+    return P, H, H_kv, D, C, _chain(H, H_kv, D, C, 0), _inputs(CASES[1])
+
+
+def test_block_with_grad_and_out_proj_is_the_chain_then_the_projected_op():
+    """Hidden states that require grad and a trained output projection: outputs [B, S_loc, C_out], the
+    hidden states' and the projection's grads bit for bit the torch chain followed by
+    ulysses_attention_out_proj_emulated (the path the block runs)."""
+    from fa_a2a import block
+
+    P, H, H_kv, D, C, chain, (xs, rot, _, _, _) = _block_case()
+    proj = block.block_weights(chain, P)
+    out = torch.nn.Linear(H * D, C_OUT, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    dys = [torch.randn(1, xs[0].shape[1], C_OUT, generator=g).to(torch.bfloat16) for _ in range(P)]
+    ys = block.ulysses_qkv_attention_emulated(xs, proj, rotary=rot, out_proj=out)
+    assert all(tuple(y.shape) == (1, xs[0].shape[1], C_OUT) for y in ys)
+    torch.autograd.backward(ys, dys)
+    got = [x.grad.clone() for x in xs] + [out.weight.grad.clone(), out.bias.grad.clone()]
+    for t in xs + [out.weight, out.bias]:
+        t.grad = None
+    qkv = [chain(x, block.rope_table(r, x.shape[1], D, "cpu")) for x, r in zip(xs, rot)]
+    want = fa_a2a.ulysses_attention_out_proj_emulated(*([t[i] for t in qkv] for i in range(3)), out.weight, out.bias)
+    torch.autograd.backward(want, dys)
+    for a, b in zip(ys, want):
+        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(got, [x.grad for x in xs] + [out.weight.grad, out.bias.grad])):
+        assert torch.equal(a, b), i
+
+
+def test_block_module_out_proj_and_its_refusals():
+    """The module's out_proj: a submodule (its parameters are the module's only ones), the output
+    [B, S_loc, C_out] with grad on the chain path (Wan's norms across heads) too; refused: another type,
+    joint rows with out_proj, each naming out_proj."""
+    from fa_a2a import block
+
+    P, H, H_kv, D, C, chain, (xs, rot, _, _, _) = _block_case()
+    lin = [torch.nn.Linear(C, n * D, dtype=torch.bfloat16) for n in (H, H_kv, H_kv)]
+    out = torch.nn.Linear(H * D, C_OUT, dtype=torch.bfloat16)
+    mod = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, out_proj=out)
+    assert [n for n, _ in mod.named_parameters()] == ["out_proj.weight", "out_proj.bias"]
+    ys = mod.forward_emulated(xs, rotary=rot)
+    torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+    assert out.weight.grad is not None and all(x.grad is not None for x in xs)
+    wan = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
+                                                norm_q=torch.nn.RMSNorm(H * D), norm_k=torch.nn.RMSNorm(H_kv * D),
+                                                out_proj=out)
+    ys = wan.forward_emulated([x.detach().requires_grad_() for x in xs])
+    assert all(tuple(y.shape) == (1, xs[0].shape[1], C_OUT) for y in ys)
+    with pytest.raises(ValueError, match="out_proj: expected None or an nn.Linear"):
+        block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, out_proj=out.weight)
+    with pytest.raises(ValueError, match="out_proj: not with joint rows"):
+        block.ulysses_qkv_attention_emulated(xs, block.block_weights(chain, P), rotary=rot,
+                                             joint=torch.randn(1, 2, C).to(torch.bfloat16), out_proj=out)
+    with pytest.raises(ValueError, match="out_proj: expected None, an nn.Linear or a"):
+        block.ulysses_qkv_attention_emulated(xs, block.block_weights(chain, P), rotary=rot, out_proj="linear")
