@@ -2,7 +2,10 @@
 kernel, FA4's backward kernels storing dq, dk, dv into the owners' windows over NVLink), "serial" and
 "nccl" (FA4's backward between all_to_all_single exchanges) give the same gradients bit for bit under
 torch.use_deterministic_algorithms(True), every rank; the fused backward runs (no collective) where it
-applies, and a case with joint rows falls back to the exchanges and still agrees.
+applies, and a case with joint rows falls back to the exchanges and still agrees. With the output
+projection (ulysses_attention_out_proj) the fused backward takes dO from the projection's GEMM (no
+collective) and its grads agree with serial's within bf16 rounding (the two dO GEMMs round apart),
+the weight's and bias's bit for bit.
 
 pytest runs this file under torchrun in a subprocess for P = 2, 4 and 8 as far as the machine has
 GPUs. Speed: `torchrun --nproc-per-node=P -m fa_a2a.bench --backward` (the benchmark, not this test).
@@ -33,7 +36,7 @@ def test_backward_on_distinct_gpus(nproc):
 def main():
     import torch.distributed as dist
 
-    from fa_a2a.op import ulysses_attention
+    from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
     from ulysses.transport import close_transports, get_transport
 
     rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -76,6 +79,24 @@ def main():
                                            f"of fused and {impl} differ")
         if rank == 0:
             print(f"P={P} S={S} H={H}/{H_kv} D={D} J={J} causal={causal}: fused == serial == nccl grads", flush=True)
+        if J:
+            continue
+        wgen = torch.Generator(device="cuda").manual_seed(9)  # the output projection: the same on every rank
+        w = (torch.randn(3 * 128, H * D, device="cuda", generator=wgen) / (H * D) ** 0.5).to(torch.bfloat16)
+        b = torch.randn(3 * 128, device="cuda", generator=wgen).to(torch.bfloat16)
+        dy = torch.randn(1, rows, 3 * 128, device="cuda", generator=gen).to(torch.bfloat16)
+        for impl in ("fused", "serial"):
+            leaves = [t.clone().requires_grad_() for t in (*ins, w, b)]
+            y = ulysses_attention_out_proj(*leaves, group=group, impl=impl, causal=causal, seq_len=S)
+            calls.clear()
+            y.backward(dy)
+            exchanges[impl] = len(calls)
+            grads[impl] = [t.grad for t in leaves]
+        assert exchanges["fused"] == 0 and exchanges["serial"] > 0, exchanges
+        for name, a, e in zip(("dq", "dk", "dv"), grads["fused"], grads["serial"]):
+            assert (a.float() - e.float()).abs().max() <= 0.02 * e.float().abs().max() + 1e-3, (rank, S, name)
+        for name, a, e in zip(("dW", "db"), grads["fused"][3:], grads["serial"][3:]):
+            assert torch.equal(a, e), (rank, S, name)
     get_transport(group).check()
     close_transports()
     dist.destroy_process_group()
