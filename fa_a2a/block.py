@@ -773,6 +773,54 @@ def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
     return p, {}
 
 
+class _Layers(NamedTuple):
+    """One q/k/v group of from_linear's layers, kept by reference: the module's chain from the layers'
+    live parameters (differentiable: their grads) and the versions that tell when its copies are stale."""
+
+    names: tuple  # the from_linear argument names: q, k, v, q norm, k norm
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    q_norm: object  # an RMSNorm module, its weight tensor, or None
+    k_norm: object
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    across_heads: bool
+    eps: float
+
+    def tensors(self) -> list:
+        norms = [n.weight if isinstance(n, nn.Module) else n for n in (self.q_norm, self.k_norm)]
+        return [t for m in (self.q, self.k, self.v) for t in (m.weight, m.bias) if t is not None] + \
+            [t for t in norms if isinstance(t, torch.Tensor)]
+
+    def versions(self) -> tuple:
+        """(id, version) of every parameter, read straight from the modules' parameter dicts (this runs
+        every call: 2.0 us per call on a 2-core CI machine, 2026-12-05); a parameter replaced by another
+        object changes its id."""
+        out = []
+        for m in (self.q, self.k, self.v):
+            for t in m._parameters.values():
+                if t is not None:
+                    out += (id(t), t._version)
+        for n in (self.q_norm, self.k_norm):
+            t = n._parameters.get("weight") if isinstance(n, nn.Module) else n
+            if isinstance(t, torch.Tensor):
+                out += (id(t), t._version)
+        return tuple(out)
+
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.tensors())
+
+    def chain(self) -> TorchQKV:
+        """The torch chain of the layers' parameters as they are now (torch.cat: differentiable)."""
+        layers = (self.q, self.k, self.v)
+        bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
+        q_norm, k_norm = (n.weight if isinstance(n, nn.Module) else n for n in (self.q_norm, self.k_norm))
+        return TorchQKV(torch.cat([m.weight for m in layers]), bias, q_norm, k_norm, self.num_heads,
+                        self.num_kv_heads, self.head_dim, self.across_heads, self.eps)
+
+
 # ---- module --------------------------------------------------------------------------------------
 class UlyssesQKVAttention(nn.Module):
     """The attention block of a DiT under Ulysses, from hidden states to per-head outputs.
@@ -782,8 +830,12 @@ class UlyssesQKVAttention(nn.Module):
     Flux2) the projection is the fused kernel (block_weights for the group's P, built once);
     with norms across heads (Wan) the torch chain runs first and then the attention-only fused op
     (fa_a2a.ulysses_attention): correct, not fused. The module holds the weights in the form its
-    path uses (the gathered QKVWeights, or the chain's); they are fixed, while hidden states that
-    require grad backpropagate (ulysses_qkv_attention).
+    path uses (the gathered QKVWeights, or the chain's). Built by from_linear it keeps the layers too:
+    under grad mode with a layer parameter that requires grad (training) it runs the torch chain of
+    the layers themselves and then the differentiable op, so the layers get their gradients (correct,
+    not fused); and before every call its copies are rebuilt where a layer parameter changed in place
+    (an optimizer step), so no path runs stale weights. Otherwise hidden states that require grad
+    backpropagate through the copies (ulysses_qkv_attention), which take no gradient.
     Either chain (a TorchQKV; gathered here when its norms are per head) or proj (QKVWeights
     already gathered for world_size ranks: block_weights) with joint_chain / joint_proj alike.
     out_proj: the attention's output projection (an nn.Linear, in_features H * D; its parameters are the
@@ -811,6 +863,8 @@ class UlyssesQKVAttention(nn.Module):
         if out_proj is not None and not isinstance(out_proj, nn.Linear):
             raise ValueError(f"out_proj: expected None or an nn.Linear, got {type(out_proj).__name__}")
         self.out_proj = out_proj
+        self._layers = None  # from_linear's layers (_Layers per q/k/v group), with the versions of their copies
+        self._shared, self._versions = False, None
         if proj is not None:
             if joint_chain is not None:
                 raise ValueError("joint_chain: expected None with proj (pass joint_proj), got a TorchQKV")
@@ -877,6 +931,7 @@ class UlyssesQKVAttention(nn.Module):
         if add_q is None and (norm_added_q is not None or norm_added_k is not None):
             raise ValueError("norm_added_q, norm_added_k: expected None without add_q/add_k/add_v")
         groups = [(("to_q", "to_k", "to_v", "norm_q", "norm_k"), (to_q, to_k, to_v, norm_q, norm_k))]
+        sources = []
         if add_q is not None:
             groups.append((joint_names, joint))
         world_size = None if across_heads else _world_size(kwargs.get("group"), kwargs.get("world_size"))
@@ -888,6 +943,7 @@ class UlyssesQKVAttention(nn.Module):
             if made and (q.weight.dtype, q.weight.device) != (to_q.weight.dtype, to_q.weight.device):
                 raise ValueError(f"{names[0]}: expected to_q's {to_q.weight.dtype} on {to_q.weight.device}, got "
                                  f"{q.weight.dtype} on {q.weight.device}")
+            sources.append(_Layers(names, q, k, v, nq, nk, *heads, head_dim, across_heads, eps))
             w = [m.weight.detach() for m in (q, k, v)]
             b = (None,) * 3 if bias is None else bias
             if across_heads:
@@ -901,8 +957,12 @@ class UlyssesQKVAttention(nn.Module):
             made.append((heads, proj))
         built = [m for _, m in made]
         if across_heads:
-            return cls(built[0], joint_chain=built[1] if len(built) > 1 else None, **kwargs)
-        return cls(proj=built[0], joint_proj=built[1] if len(built) > 1 else None, **kwargs)
+            module = cls(built[0], joint_chain=built[1] if len(built) > 1 else None, **kwargs)
+        else:
+            module = cls(proj=built[0], joint_proj=built[1] if len(built) > 1 else None, **kwargs)
+        module._layers, module._shared = tuple(sources), share_weights
+        module._versions = tuple(g.versions() for g in sources)
+        return module
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, impl={self.impl!r}, fused_projection={self.fused}, "
@@ -911,25 +971,60 @@ class UlyssesQKVAttention(nn.Module):
     def _kw(self):
         return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale, pace=self.pace)
 
+    def _refresh(self) -> None:
+        """The module's copies rebuilt from from_linear's layers where a parameter of theirs changed in
+        place since they were taken (an optimizer step; tensor versions): no path runs stale weights.
+        With share_weights the layers are pointed at the new copies again."""
+        if self._layers is None or self._versions == tuple(g.versions() for g in self._layers):
+            return
+        with torch.no_grad():
+            chains = [g.chain() for g in self._layers]
+            if self.fused:
+                projs = [block_weights(c, self.world_size) for c in chains]
+                if self._shared:
+                    for g, p in zip(self._layers, projs):
+                        _share_weights(p, (g.q, g.k, g.v), g.names[:3])
+                self.proj, self.joint_proj = projs[0], (projs[1] if len(projs) > 1 else None)
+            else:
+                self.chain, self.joint_chain = chains[0], (chains[1] if len(chains) > 1 else None)
+        self._versions = tuple(g.versions() for g in self._layers)
+
+    def _chains(self) -> Optional[list]:
+        """Under grad mode with a parameter of from_linear's layers requiring grad: the torch chains of
+        the layers themselves (differentiable, so the layers get their gradients; the module's copies
+        would cut them), else None."""
+        if self._layers is None or not torch.is_grad_enabled() or not any(g.requires_grad() for g in self._layers):
+            return None
+        import logging
+
+        from fa_a2a.engine.log import log_once
+
+        log_once(logging.getLogger(__name__), "UlyssesQKVAttention: the layers' chain", logging.INFO,
+                 "UlyssesQKVAttention: its layers' parameters require grad under grad mode (training): the torch "
+                 "chain of the layers runs, then the differentiable op (not the fused projection); for inference "
+                 "call it under torch.no_grad() or torch.inference_mode()")
+        return [g.chain() for g in self._layers]
+
     def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
                 seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None):
-        if self.fused:
+        self._refresh()
+        chains = self._chains()
+        if chains is None and self.fused:
             return ulysses_qkv_attention(x, self.proj, group=self.group, rotary=rotary, joint=joint,
                                          joint_proj=self.joint_proj, joint_rotary=joint_rotary, seq_len=seq_len,
                                          shard_rows=shard_rows, config=self.config, one_launch=self.one_launch,
                                          out_proj=self.out_proj, **self._kw())
         from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
+        main = chains or (self.chain, self.joint_chain)
+        main, joint_chain = main[0], (main[1] if len(main) > 1 and main[1] is not None else main[0])
         weights = _out_weights(self.out_proj, joint)
-        q, k, v = _chain_qkv(x, rotary, self.chain)
+        q, k, v = _chain_qkv(x, rotary, main)
+        kw = dict(group=self.group, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         if weights is not None:
-            return ulysses_attention_out_proj(q, k, v, *weights, group=self.group, seq_len=seq_len,
-                                              shard_rows=shard_rows, **self._kw())
-        jt = None
-        if joint is not None:
-            jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")
-        return ulysses_attention(q, k, v, group=self.group, joint=jt, seq_len=seq_len, shard_rows=shard_rows,
-                                 **self._kw())
+            return ulysses_attention_out_proj(q, k, v, *weights, **kw)
+        jt = None if joint is None else _chain_qkv(joint, joint_rotary, joint_chain, "joint", "joint_rotary")
+        return ulysses_attention(q, k, v, joint=jt, **kw)
 
     def forward_emulated(self, xs: Sequence[torch.Tensor], *, rotary=None, joint: Optional[torch.Tensor] = None,
                          joint_rotary=None, seq_len: Optional[int] = None,
@@ -937,22 +1032,23 @@ class UlyssesQKVAttention(nn.Module):
         """All world_size ranks in one process (module built with world_size=P, group None)."""
         if isinstance(xs, (list, tuple)) and len(xs) != self.world_size:
             raise ValueError(f"xs: expected {self.world_size} per-rank tensors (world_size), got {len(xs)}")
-        if self.fused:
+        self._refresh()
+        chains = self._chains()
+        if chains is None and self.fused:
             return ulysses_qkv_attention_emulated(xs, self.proj, rotary=rotary, joint=joint,
                                                   joint_proj=self.joint_proj, joint_rotary=joint_rotary,
                                                   seq_len=seq_len, shard_rows=shard_rows, config=self.config,
                                                   one_launch=self.one_launch, out_proj=self.out_proj, **self._kw())
         from fa_a2a.op import ulysses_attention_emulated, ulysses_attention_out_proj_emulated
 
+        main = chains or (self.chain, self.joint_chain)
+        main, joint_chain = main[0], (main[1] if len(main) > 1 and main[1] is not None else main[0])
         weights = _out_weights(self.out_proj, joint)
         rotary = [None] * len(xs) if rotary is None else rotary
-        qkv = [_chain_qkv(x, rot, self.chain) for x, rot in zip(xs, rotary)]
+        qkv = [_chain_qkv(x, rot, main) for x, rot in zip(xs, rotary)]
+        qs, ks, vs = ([t[i] for t in qkv] for i in range(3))
+        kw = dict(seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         if weights is not None:
-            return ulysses_attention_out_proj_emulated([t[0] for t in qkv], [t[1] for t in qkv], [t[2] for t in qkv],
-                                                       *weights, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
-        jt = None
-        if joint is not None:
-            jt = _chain_qkv(joint, joint_rotary, self.joint_chain or self.chain, "joint", "joint_rotary")
-        return ulysses_attention_emulated([t[0] for t in qkv], [t[1] for t in qkv], [t[2] for t in qkv], joint=jt,
-                                          seq_len=seq_len, shard_rows=shard_rows, **self._kw())
-
+            return ulysses_attention_out_proj_emulated(qs, ks, vs, *weights, **kw)
+        jt = None if joint is None else _chain_qkv(joint, joint_rotary, joint_chain, "joint", "joint_rotary")
+        return ulysses_attention_emulated(qs, ks, vs, joint=jt, **kw)

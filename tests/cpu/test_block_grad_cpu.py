@@ -143,3 +143,75 @@ def test_ranks_that_differ_in_requires_grad_raise_alike():
     """A rank whose hidden states require grad (the op's path) and one whose do not (the fused block's):
     both raise a ValueError from the per-call agreement instead of waiting on each other."""
     run_on_gloo_groups(_one_rank_with_grad, (2,), timeout_s=60)
+
+
+# ---- UlyssesQKVAttention.from_linear in training: the layers' own gradients, never stale copies -----------
+def _layers(H, H_kv, D, C, seed, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    lin = [torch.nn.Linear(C, n * D, dtype=dtype) for n in (H, H_kv, H_kv)]
+    norms = [torch.nn.RMSNorm(D, eps=1e-6, dtype=torch.float32) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.add_(0.2 * torch.randn(D))
+    return lin, norms
+
+
+def test_module_from_linear_trains_its_layers():
+    """Layers whose parameters require grad (as in training) get their gradients through the module
+    (the silent hole before: the module ran its detached copies, to_q.weight.grad stayed None), close
+    to an fp64 oracle: the same layers in fp64 on the unsplit sequence, full attention."""
+    P, H, H_kv, D, C, _ = CASES[1]
+    lin, norms = _layers(H, H_kv, D, C, 0)
+    mod = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, norm_q=norms[0], norm_k=norms[1], world_size=P)
+    xs, rot, _, _, douts = _inputs(CASES[1])
+    torch.autograd.backward(mod.forward_emulated(xs, rotary=rot), douts)
+    params = [m.weight for m in lin] + [m.bias for m in lin] + [n.weight for n in norms]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in params)
+
+    x64 = torch.cat([x.detach() for x in xs], 1).double()
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    c64 = block.TorchQKV(torch.cat(p64[:3]), torch.cat(p64[3:6]), p64[6], p64[7], H, H_kv, D, eps=1e-6)
+    cos, sin = (torch.cat([r[i] for r in rot]) for i in range(2))
+    q, k, v = c64(x64, block.rope_table((cos, sin), P * S_LOC, D, "cpu").double(), torch.float64)
+    full_attention(q, k, v).backward(torch.cat(douts, 1).double())
+    for i, (p, e) in enumerate(zip(params, p64)):
+        err = (p.grad.double() - e.grad).abs().max().item()
+        assert err <= 0.05 * e.grad.abs().max().item() + 1e-2, (i, err)
+
+
+def test_module_copies_follow_in_place_updates_of_its_layers():
+    """An optimizer step changes the layers in place: the module's copies are rebuilt before its next
+    call (fused: the gathered weights, also with share_weights, the layers then views of them again;
+    Wan's chain: the concatenated weights), equal to a module built afresh from the updated layers."""
+    P, H, H_kv, D, C, _ = CASES[0]
+    for share in (False, True):
+        lin, norms = _layers(H, H_kv, D, C, 1)
+        mod = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, norm_q=norms[0], norm_k=norms[1],
+                                                    world_size=P, share_weights=share)
+        mod._refresh()
+        before = mod.proj
+        assert mod.proj is before  # nothing changed: nothing rebuilt
+        opt = torch.optim.SGD([p for m in lin + norms for p in m.parameters()], lr=0.1)
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        mod._refresh()
+        fresh = block.block_weights(block.TorchQKV(torch.cat([m.weight.detach() for m in lin]),
+                                                   torch.cat([m.bias.detach() for m in lin]), norms[0].weight.detach(),
+                                                   norms[1].weight.detach(), H, H_kv, D), P)
+        for name in ("weight", "bias", "norm_weight"):
+            assert torch.equal(getattr(mod.proj, name), getattr(fresh, name)), (share, name)
+        if share:  # the layers are views of the rebuilt copies again
+            base = mod.proj.weight.untyped_storage().data_ptr()
+            assert all(m.weight.untyped_storage().data_ptr() == base for m in lin)
+    lin, _ = _layers(H, H_kv, D, C, 2)
+    wan = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
+                                                norm_q=torch.nn.RMSNorm(H * D), norm_k=torch.nn.RMSNorm(H_kv * D))
+    xs = [torch.randn(1, S_LOC, C).to(torch.bfloat16) for _ in range(P)]
+    with torch.no_grad():
+        lin[0].weight.mul_(-1)
+        got = wan.forward_emulated(xs)
+        want = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
+                                                     norm_q=torch.nn.RMSNorm(H * D),
+                                                     norm_k=torch.nn.RMSNorm(H_kv * D)).forward_emulated(xs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
