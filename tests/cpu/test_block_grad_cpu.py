@@ -215,3 +215,19 @@ def test_module_copies_follow_in_place_updates_of_its_layers():
                                                      norm_q=torch.nn.RMSNorm(H * D),
                                                      norm_k=torch.nn.RMSNorm(H_kv * D)).forward_emulated(xs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_module_from_linear_trains_its_text_layers_too():
+    """Flux's double-stream text projections (add_q, add_k, add_v, norm_added_*) take their gradients
+    from the joint rows as to_q/k/v do from the image rows."""
+    P, H, H_kv, D, C, J = CASES[2]
+    lin, norms = _layers(H, H_kv, D, C, 3)
+    add, add_norms = _layers(H, H_kv, D, C, 4)
+    mod = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, norm_q=norms[0], norm_k=norms[1], add_q=add[0],
+                                                add_k=add[1], add_v=add[2], norm_added_q=add_norms[0],
+                                                norm_added_k=add_norms[1], world_size=P)
+    xs, rot, joint, jrot, douts = _inputs(CASES[2])
+    outs, jouts = mod.forward_emulated(xs, rotary=rot, joint=joint, joint_rotary=jrot)
+    torch.autograd.backward(list(outs) + list(jouts), douts + [torch.ones_like(j) for j in jouts])
+    for m in lin + add + norms + add_norms:
+        assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0, m
