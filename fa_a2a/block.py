@@ -974,8 +974,10 @@ class UlyssesQKVAttention(nn.Module):
     def _refresh(self) -> None:
         """The module's copies rebuilt from from_linear's layers where a parameter of theirs changed in
         place since they were taken (an optimizer step; tensor versions): no path runs stale weights.
-        With share_weights the layers are pointed at the new copies again."""
-        if self._layers is None or self._versions == tuple(g.versions() for g in self._layers):
+        With share_weights the layers are pointed at the new copies again. Not while torch.compile traces
+        (a tensor's version is no value it can guard on): there an eager call refreshes them."""
+        if (self._layers is None or torch.compiler.is_compiling()
+                or self._versions == tuple(g.versions() for g in self._layers)):
             return
         with torch.no_grad():
             chains = [g.chain() for g in self._layers]
@@ -999,10 +1001,11 @@ class UlyssesQKVAttention(nn.Module):
 
         from fa_a2a.engine.log import log_once
 
-        log_once(logging.getLogger(__name__), "UlyssesQKVAttention: the layers' chain", logging.INFO,
-                 "UlyssesQKVAttention: its layers' parameters require grad under grad mode (training): the torch "
-                 "chain of the layers runs, then the differentiable op (not the fused projection); for inference "
-                 "call it under torch.no_grad() or torch.inference_mode()")
+        if not torch.compiler.is_compiling():  # (not while tracing: a log call would break the graph)
+            log_once(logging.getLogger(__name__), "UlyssesQKVAttention: the layers' chain", logging.INFO,
+                     "UlyssesQKVAttention: its layers' parameters require grad under grad mode (training): the "
+                     "torch chain of the layers runs, then the differentiable op (not the fused projection); for "
+                     "inference call it under torch.no_grad() or torch.inference_mode()")
         return [g.chain() for g in self._layers]
 
     def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
