@@ -658,16 +658,21 @@ def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) 
     return [f.grads(n) + (None,) * 3 for f, n in zip(fused, rows)]
 
 
-def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None) -> list:
+def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None) -> list:
     """The backward of these local ranks' calls (group: the real ranks' group, None for P = 1 or
     emulated ranks) -> per rank (dq, dk, dv, djq, djk, djv), joint grads None without joint rows.
     spec.fused: the fused backward (no torch.distributed collective); else FA4's (or the reference's)
-    backward between two exchanges."""
+    backward between two exchanges. project = (weight, dys) in place of douts: each rank's dO is
+    dys[i] @ weight (the output projection's input gradient), which the fused backward's dO stage
+    computes itself (_FusedRank.project_dout), the exchanges' in torch."""
     lay = spec.layout
     if group is not None:
         _agree_backward(spec, group)
     if spec.fused:
-        return _fused_backward(spec, ranks, saved, douts, rows, group)
+        return _fused_backward(spec, ranks, saved, douts, rows, group, project)
+    if project is not None:
+        weight, dys = project
+        douts = [(dy @ weight).unflatten(-1, (lay.num_heads, -1)) for dy in dys]
     exchange = _exchanger(group)
     recvs = exchange([_dout_sends(lay, r, do, djo) for r, do, djo in zip(ranks, douts, djouts)])
     grads = [_attention_backward(spec, s, _heads_dout(lay, recv)) for s, recv in zip(saved, recvs)]
@@ -773,7 +778,7 @@ class _ProjectedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *dys):
         weight, *rest = ctx.saved_tensors
-        n, spec = len(ctx.ranks), ctx.spec
+        n = len(ctx.ranks)
         outs, flat = rest[:n], rest[n:]
         saved = [Saved(*flat[i * ctx.n_saved:(i + 1) * ctx.n_saved]) for i in range(n)]
         dys = [dy.contiguous() for dy in dys]
@@ -784,14 +789,7 @@ class _ProjectedFunction(torch.autograd.Function):
                 dweight = dy_rows.t() @ torch.cat([o.flatten(0, 1).flatten(1) for o in outs])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 dbias = dy_rows.sum(0)
-        if spec.fused:
-            if ctx.group is not None:
-                _agree_backward(spec, ctx.group)
-            res = _fused_backward(spec, ctx.ranks, saved, None, ctx.rows, ctx.group, project=(weight, dys))
-        else:
-            H, D = spec.layout.num_heads, outs[0].shape[3]
-            douts = [(dy @ weight).unflatten(-1, (H, D)) for dy in dys]
-            res = backward(spec, ctx.ranks, saved, douts, [None] * n, ctx.rows, ctx.group)
+        res = backward(ctx.spec, ctx.ranks, saved, [None] * n, [None] * n, ctx.rows, ctx.group, project=(weight, dys))
         return (None, dweight, dbias, *(g[i] for i in range(3) for g in res))
 
 
