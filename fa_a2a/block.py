@@ -773,9 +773,17 @@ def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
     return p, {}
 
 
+def weight_facts(tensors) -> tuple:
+    """What copies of these tensors depend on: each one's pointer, version, dtype and device (an
+    optimizer step in place bumps the version; `.data = ...`, `.to()` and a new Parameter change the
+    others). The module's refresh and the model processors' cached blocks compare them."""
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+
+
 class _Layers(NamedTuple):
     """One q/k/v group of from_linear's layers, kept by reference: the module's chain from the layers'
-    live parameters (differentiable: their grads) and the versions that tell when its copies are stale."""
+    live parameters (differentiable: their grads) and the facts (weight_facts) that tell when its
+    copies are stale."""
 
     names: tuple  # the from_linear argument names: q, k, v, q norm, k norm
     q: nn.Linear
@@ -790,24 +798,13 @@ class _Layers(NamedTuple):
     eps: float
 
     def tensors(self) -> list:
-        norms = [n.weight if isinstance(n, nn.Module) else n for n in (self.q_norm, self.k_norm)]
-        return [t for m in (self.q, self.k, self.v) for t in (m.weight, m.bias) if t is not None] + \
+        """The layers' parameters (read from the modules' parameter dicts: this runs every call)."""
+        norms = [n._parameters.get("weight") if isinstance(n, nn.Module) else n for n in (self.q_norm, self.k_norm)]
+        return [t for m in (self.q, self.k, self.v) for t in m._parameters.values() if t is not None] + \
             [t for t in norms if isinstance(t, torch.Tensor)]
 
-    def versions(self) -> tuple:
-        """(id, version) of every parameter, read straight from the modules' parameter dicts (this runs
-        every call: 2.0 us per call on a 2-core CI machine, 2026-12-05); a parameter replaced by another
-        object changes its id."""
-        out = []
-        for m in (self.q, self.k, self.v):
-            for t in m._parameters.values():
-                if t is not None:
-                    out += (id(t), t._version)
-        for n in (self.q_norm, self.k_norm):
-            t = n._parameters.get("weight") if isinstance(n, nn.Module) else n
-            if isinstance(t, torch.Tensor):
-                out += (id(t), t._version)
-        return tuple(out)
+    def facts(self) -> tuple:
+        return weight_facts(self.tensors())
 
     def requires_grad(self) -> bool:
         return any(t.requires_grad for t in self.tensors())
@@ -864,7 +861,7 @@ class UlyssesQKVAttention(nn.Module):
             raise ValueError(f"out_proj: expected None or an nn.Linear, got {type(out_proj).__name__}")
         self.out_proj = out_proj
         self._layers = None  # from_linear's layers (_Layers per q/k/v group), with the versions of their copies
-        self._shared, self._versions = False, None
+        self._shared, self._facts = False, None
         if proj is not None:
             if joint_chain is not None:
                 raise ValueError("joint_chain: expected None with proj (pass joint_proj), got a TorchQKV")
@@ -961,7 +958,7 @@ class UlyssesQKVAttention(nn.Module):
         else:
             module = cls(proj=built[0], joint_proj=built[1] if len(built) > 1 else None, **kwargs)
         module._layers, module._shared = tuple(sources), share_weights
-        module._versions = tuple(g.versions() for g in sources)
+        module._facts = tuple(g.facts() for g in sources)
         return module
 
     def extra_repr(self) -> str:
@@ -972,12 +969,13 @@ class UlyssesQKVAttention(nn.Module):
         return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale, pace=self.pace)
 
     def _refresh(self) -> None:
-        """The module's copies rebuilt from from_linear's layers where a parameter of theirs changed in
-        place since they were taken (an optimizer step; tensor versions): no path runs stale weights.
+        """The module's copies rebuilt from from_linear's layers where a parameter of theirs changed since
+        they were taken (weight_facts: an optimizer step in place, .to(), new data): no path runs stale
+        weights.
         With share_weights the layers are pointed at the new copies again. Not while torch.compile traces
         (a tensor's version is no value it can guard on): there an eager call refreshes them."""
         if (self._layers is None or torch.compiler.is_compiling()
-                or self._versions == tuple(g.versions() for g in self._layers)):
+                or self._facts == tuple(g.facts() for g in self._layers)):
             return
         with torch.no_grad():
             chains = [g.chain() for g in self._layers]
@@ -989,7 +987,7 @@ class UlyssesQKVAttention(nn.Module):
                 self.proj, self.joint_proj = projs[0], (projs[1] if len(projs) > 1 else None)
             else:
                 self.chain, self.joint_chain = chains[0], (chains[1] if len(chains) > 1 else None)
-        self._versions = tuple(g.versions() for g in self._layers)
+        self._facts = tuple(g.facts() for g in self._layers)
 
     def _chains(self) -> Optional[list]:
         """Under grad mode with a parameter of from_linear's layers requiring grad: the torch chains of

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention
+from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention, weight_facts
 from fa_a2a.engine.log import log_once
 from fa_a2a.engine.problem import BLOCK_IMPLS, split_impl
 from fa_a2a.models import diffusers_backend
@@ -192,10 +192,9 @@ def _layers(attn) -> tuple:
 
 
 def _weight_facts(attn) -> tuple:
-    """What the gathered weights depend on: every weight's and bias's pointer, version, dtype and device."""
+    """What the gathered weights depend on (fa_a2a.block.weight_facts of every weight and bias)."""
     modules = [m for layers, norms in _layers(attn) for m in layers + norms]
-    tensors = [t for m in modules for t in (m.weight, getattr(m, "bias", None)) if t is not None]
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    return weight_facts(t for m in modules for t in (m.weight, getattr(m, "bias", None)) if t is not None)
 
 
 def attention_weights(attn, share_weights: bool = True, **kwargs) -> UlyssesQKVAttention:

@@ -51,7 +51,7 @@ from diffusers.models.transformers.transformer_flux2 import (Flux2Attention, Flu
                                                              Flux2ParallelSelfAttention, Flux2ParallelSelfAttnProcessor)
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-from fa_a2a.block import Segment, UlyssesQKVAttention
+from fa_a2a.block import Segment, UlyssesQKVAttention, weight_facts
 from fa_a2a.models.base import (_FusedBlockProcessor, _head_dim, _layers, _why_not_block, _why_not_fused,
                                _why_not_layers)
 
@@ -206,8 +206,7 @@ def parallel_attention_weights(attn: Flux2ParallelSelfAttention, **kwargs) -> Ul
 
 def _parallel_facts(attn) -> tuple:
     lin = attn.to_qkv_mlp_proj
-    tensors = [t for t in (lin.weight, lin.bias, attn.norm_q.weight, attn.norm_k.weight) if t is not None]
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    return weight_facts(t for t in (lin.weight, lin.bias, attn.norm_q.weight, attn.norm_k.weight) if t is not None)
 
 
 class FusedFlux2ParallelSelfAttnProcessor(_FusedBlockProcessor, Flux2ParallelSelfAttnProcessor):

@@ -180,8 +180,8 @@ def test_module_from_linear_trains_its_layers():
 
 
 def test_module_copies_follow_in_place_updates_of_its_layers():
-    """An optimizer step changes the layers in place: the module's copies are rebuilt before its next
-    call (fused: the gathered weights, also with share_weights, the layers then views of them again;
+    """An optimizer step changes the layers in place (or new data is set): the module's copies are rebuilt
+    before its next call (fused: the gathered weights, also with share_weights, the layers then views of them again;
     Wan's chain: the concatenated weights), equal to a module built afresh from the updated layers."""
     P, H, H_kv, D, C, _ = CASES[0]
     for share in (False, True):
@@ -208,13 +208,15 @@ def test_module_copies_follow_in_place_updates_of_its_layers():
     wan = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
                                                 norm_q=torch.nn.RMSNorm(H * D), norm_k=torch.nn.RMSNorm(H_kv * D))
     xs = [torch.randn(1, S_LOC, C).to(torch.bfloat16) for _ in range(P)]
-    with torch.no_grad():
-        lin[0].weight.mul_(-1)
-        got = wan.forward_emulated(xs)
-        want = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
-                                                     norm_q=torch.nn.RMSNorm(H * D),
-                                                     norm_k=torch.nn.RMSNorm(H_kv * D)).forward_emulated(xs)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for change in (lambda: lin[0].weight.mul_(-1),  # in place: the version
+                   lambda: setattr(lin[1].weight, "data", torch.randn_like(lin[1].weight))):  # new data: the pointer
+        with torch.no_grad():
+            change()
+            got = wan.forward_emulated(xs)
+            want = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, world_size=P, across_heads=True,
+                                                         norm_q=torch.nn.RMSNorm(H * D),
+                                                         norm_k=torch.nn.RMSNorm(H_kv * D)).forward_emulated(xs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_module_from_linear_trains_its_text_layers_too():
