@@ -1006,6 +1006,11 @@ class UlyssesQKVAttention(nn.Module):
                      "inference call it under torch.no_grad() or torch.inference_mode()")
         return [g.chain() for g in self._layers]
 
+    def _chain_pair(self, chains) -> tuple:
+        """(the torch chain of the rows, of the joint rows): the layers' (chains) or the module's own."""
+        main, *text = chains or (self.chain, self.joint_chain)
+        return main, (text[0] if text and text[0] is not None else main)
+
     def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
                 seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None):
         self._refresh()
@@ -1017,8 +1022,7 @@ class UlyssesQKVAttention(nn.Module):
                                          out_proj=self.out_proj, **self._kw())
         from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
-        main = chains or (self.chain, self.joint_chain)
-        main, joint_chain = main[0], (main[1] if len(main) > 1 and main[1] is not None else main[0])
+        main, joint_chain = self._chain_pair(chains)
         weights = _out_weights(self.out_proj, joint)
         q, k, v = _chain_qkv(x, rotary, main)
         kw = dict(group=self.group, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
@@ -1042,8 +1046,7 @@ class UlyssesQKVAttention(nn.Module):
                                                   one_launch=self.one_launch, out_proj=self.out_proj, **self._kw())
         from fa_a2a.op import ulysses_attention_emulated, ulysses_attention_out_proj_emulated
 
-        main = chains or (self.chain, self.joint_chain)
-        main, joint_chain = main[0], (main[1] if len(main) > 1 and main[1] is not None else main[0])
+        main, joint_chain = self._chain_pair(chains)
         weights = _out_weights(self.out_proj, joint)
         rotary = [None] * len(xs) if rotary is None else rotary
         qkv = [_chain_qkv(x, rot, main) for x, rot in zip(xs, rotary)]
