@@ -96,6 +96,16 @@ def _worker(rank, check, sizes, world, cuda, timeout_s, teardown, init_file):
         dist.destroy_process_group()
 
 
+def run_torchrun_on_gpus(path: str, nproc: int, env: dict = None) -> str:
+    """run_torchrun with one GPU per rank: the test is skipped where the machine has fewer than nproc."""
+    import pytest
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc > gpus:
+        pytest.skip(f"needs {nproc} GPUs, found {gpus}")
+    return run_torchrun(path, nproc, env)
+
+
 def run_torchrun(path: str, nproc: int, env: dict = None, timeout_s: int = 900) -> str:
     """`python -m torch.distributed.run --standalone --nproc-per-node=nproc path` with the repository
     on PYTHONPATH (env: extra variables); fails the test unless it exits 0. Returns its stdout."""
