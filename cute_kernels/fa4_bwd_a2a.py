@@ -1,11 +1,14 @@
-"""Torch entry point of the fused SM90 backward (cute_kernels.fa4_bwd_a2a_sm90): FA4's backward of one
-rank's heads with the post-A2A of dq, dk, dv in its kernels.
+"""Torch entry point of the fused backward (cute_kernels.fa4_bwd_a2a_sm90 on SM90,
+cute_kernels.fa4_bwd_a2a_sm100 on SM100): FA4's backward of one rank's heads with the post-A2A of dq,
+dk, dv in its kernels.
 
 fa4_bwd_a2a_launcher checks and compiles once (cute_kernels.compile_cache: the kernels are keyed by
 their configuration, shapes and strides are dynamic) and returns the launch: FA4's preprocess (its own
 function and compile cache), the main kernel, the routed postprocesses, on the current stream through
 TVM-FFI, no host sync (CUDA-graph capturable). FA4's configuration is its own backward's
-(flash_attn.cute.interface._flash_attn_bwd on SM90), so the results are FA4's bit for bit.
+(flash_attn.cute.interface._flash_attn_bwd on the device's architecture), so the results are FA4's
+bit for bit. The architecture is q's device's, or the CuTe DSL target for fake tensors
+(cute_kernels.fa4.device_arch).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from cute_kernels.compile_cache import disk_cache, disk_value
+from cute_kernels.fa4 import device_arch
 from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16
 from cute_kernels.limits import address as _address, is_fake as _is_fake
 from ulysses.layout import check_rank
@@ -103,11 +107,13 @@ class _Scratch(NamedTuple):
     dv_sem: Optional[torch.Tensor]
 
 
-def _scratch(B: int, N: int, H: int, H_kv: int, D: int, cfg: Sm90BwdConfig, gqa: bool, deterministic: bool,
-             device) -> _Scratch:
-    """As flash_attn.cute.interface._flash_attn_bwd allocates them (SM90, D a multiple of 32)."""
-    tm, tn = cfg.m_block_size, cfg.n_block_size
+def _scratch(B: int, N: int, H: int, H_kv: int, D: int, tm: int, tn: int, gqa: bool, deterministic: bool,
+             device, cluster: int = 1) -> _Scratch:
+    """As flash_attn.cute.interface._flash_attn_bwd allocates them (D a multiple of 32): rows rounded
+    up to tile_m (tile_n), with 2-CTA MMA (cluster 2) to an even number of KV blocks."""
     n_m, n_n = -(-N // tm) * tm, -(-N // tn) * tn
+    if cluster == 2 and (n_n // tn) % 2:
+        n_n += tn
     f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
     dpsum, lse_log2 = torch.empty(B, H, n_m, **f32), torch.empty(B, H, n_m, **f32)
     dq_accum = torch.empty(B, H, n_m * D, **f32)
@@ -115,7 +121,7 @@ def _scratch(B: int, N: int, H: int, H_kv: int, D: int, cfg: Sm90BwdConfig, gqa:
     if gqa:
         dk_accum, dv_accum = torch.zeros(B, H_kv, n_n * D, **f32), torch.zeros(B, H_kv, n_n * D, **f32)
     if deterministic:
-        dq_sem = torch.zeros(B, H, n_m // tm, 1, **i32)
+        dq_sem = torch.zeros(B, H, n_m // tm, cluster, **i32)
         if gqa:
             dk_sem, dv_sem = torch.zeros(B, H_kv, n_n // tn, 2, **i32), torch.zeros(B, H_kv, n_n // tn, 2, **i32)
     return _Scratch(dpsum, lse_log2, dq_accum, dk_accum, dv_accum, dq_sem, dk_sem, dv_sem)
@@ -158,7 +164,7 @@ def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhea
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         q = torch.empty(B, N, H, D, dtype=dtype, device="cuda")
         k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
-        s = _scratch(B, N, H, H_kv, D, cfg, gqa, deterministic, "cuda")
+        s = _scratch(B, N, H, H_kv, D, cfg.m_block_size, cfg.n_block_size, gqa, deterministic, "cuda")
         seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused_k else None
         if gqa:
             dk, dv = s.dk_accum, s.dv_accum
@@ -195,6 +201,101 @@ def compile_bwd_a2a_post(dtype: torch.dtype, head_dim: int, tile_m: int, num_thr
 
     fa = FlashAttentionA2ABackwardPostprocessSm90(_cute_dtype(dtype), head_dim, tile_m, num_threads, atom_layout,
                                                   swap_ab)
+    P, B, S_loc, H_loc = 2, 1, 640, 1
+    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
+        accum = torch.empty(B, H_loc, P * S_loc * head_dim, dtype=torch.float32, device="cuda")
+        windows = torch.empty(P, B, S_loc, P * H_loc, head_dim, dtype=dtype, device="cuda").narrow(3, 0, H_loc)
+        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused else None
+        tacc, twin = to_cute_tensor(accum), to_cute_tensor(windows)
+        tsu = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(fa, tacc, twin, 1.0, tsu, stream=stream, options=f"--enable-tvm-ffi {extra_options}".strip())
+
+
+# ---- SM100 (cute_kernels.fa4_bwd_a2a_sm100) ---------------------------------------------------------
+SM100_BWD_TILES = (128, 128)  # FA4's SM100 backward: tile_m, tile_n (per CTA)
+
+
+def fa4_sm100_bwd_2cta(head_dim: int) -> bool:
+    """Whether FA4's SM100 backward runs 2-CTA MMA (cluster of 2) for this head dim: D >= 128 unless
+    FA_DISABLE_2CTA (flash_attn.cute.interface._flash_attn_bwd)."""
+    from flash_attn.cute import utils
+
+    return head_dim >= 128 and not utils._get_disable_2cta_default()
+
+
+@disk_cache
+def compile_bwd_a2a_main_sm100(dkv_store: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int,
+                               causal: bool, has_seqused_k: bool, deterministic: bool, use_2cta: bool,
+                               extra_options: str = ""):
+    """The SM100 main backward kernel of one key: dkv_store "st" (FlashAttentionA2ABackwardSm100, dK, dV
+    into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm100 with fp32 dK,
+    dV accumulators, GQA), configured as flash_attn.cute.interface._flash_attn_bwd configures it."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
+    from flash_attn.cute.testing import active_fake_mode
+    from flash_attn.cute.utils import AuxData
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardSm100
+
+    gqa = dkv_store == "accum"
+    if dkv_store not in ("st", "accum") or gqa != (qhead_per_kvhead > 1):
+        raise ValueError(f"dkv_store: 'st', or 'accum' exactly when qhead_per_kvhead > 1, got {dkv_store!r} "
+                         f"with qhead_per_kvhead={qhead_per_kvhead}")
+    tm, tn = SM100_BWD_TILES
+    cluster = 2 if use_2cta else 1
+    fa = (FlashAttentionBackwardSm100 if gqa else FlashAttentionA2ABackwardSm100)(
+        head_dim, head_dim, is_causal=causal, is_local=False, qhead_per_kvhead=qhead_per_kvhead, tile_m=tm,
+        tile_n=tn, cluster_size=cluster, use_2cta_instrs=use_2cta, deterministic=deterministic,
+        spt=causal and deterministic, q_subtile_factor=2, kv_subtile_factor=1,
+    )
+    P, B, H_kv, D, N = 2, 1, 1, head_dim, 4 * tn
+    H = H_kv * qhead_per_kvhead
+    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
+        q = torch.empty(B, N, H, D, dtype=dtype, device="cuda")
+        k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
+        s = _scratch(B, N, H, H_kv, D, tm, tn, gqa, deterministic, "cuda", cluster)
+        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused_k else None
+        if gqa:
+            dk, dv = s.dk_accum, s.dv_accum
+        else:
+            dk = torch.empty(P, B, N // P, P * H_kv, D, dtype=dtype, device="cuda").narrow(3, 0, H_kv)
+            dv = dk
+        tq, tk, tdk, tdv = (to_cute_tensor(t) for t in (q, k, dk, dv))
+        tdpsum, tlse, tacc = (to_cute_tensor(t) for t in (s.dpsum, s.lse_log2, s.dq_accum))
+        tsk = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
+        tsems = [_semaphore_tensor(t) for t in (s.dq_sem, s.dk_sem, s.dv_sem)]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi {extra_options}".strip()
+    if gqa:
+        # FA4 SM100 backward __call__: (..., dk, dv, scale, cu_q, cu_k, seqused_q, seqused_k, window_l,
+        # window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
+        return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, None, None, None, tsk, None,
+                            None, *tsems, AuxData(None, None), None, None, stream, options=options)
+    return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], stream=stream,
+                        options=options)
+
+
+@disk_cache
+def compile_bwd_a2a_post_sm100(dtype: torch.dtype, head_dim: int, of_dq: bool, use_2cta: bool, has_seqused: bool,
+                               extra_options: str = ""):
+    """The routed SM100 postprocess of one key (FlashAttentionA2ABackwardPostprocessSm100) with FA4's
+    postprocess configuration: dQ (of_dq: tile_m, 2-CTA as the main kernel, its dQ tile order) or GQA's
+    dK, dV (tile_n, its dK/dV tile order)."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
+    from flash_attn.cute.testing import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardPostprocessSm100
+
+    tm, tn = SM100_BWD_TILES
+    dq_order, dkv_order = FlashAttentionBackwardSm100.accum_tile_orders(use_2cta, tn)
+    fa = FlashAttentionA2ABackwardPostprocessSm100(_cute_dtype(dtype), head_dim, tm if of_dq else tn,
+                                                   use_2cta and of_dq, dq_order if of_dq else dkv_order)
     P, B, S_loc, H_loc = 2, 1, 640, 1
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         accum = torch.empty(B, H_loc, P * S_loc * head_dim, dtype=torch.float32, device="cuda")
@@ -259,8 +360,8 @@ def fa4_bwd_a2a_launcher(
     deterministic: bool = False,
     dkv_store: Optional[str] = None,
 ) -> Callable[[], None]:
-    """FA4's SM90 backward of rank `rank` with the post-A2A of dq, dk, dv in its kernels, checked and
-    compiled once: the returned function launches it on the current stream (preprocess, main kernel,
+    """FA4's backward (SM90 or SM100) of rank `rank` with the post-A2A of dq, dk, dv in its kernels,
+    checked and compiled once: the returned function launches it on the current stream (preprocess, main kernel,
     postprocesses; FA4's scratch is allocated here once and reused, so one launch at a time).
 
     q, out, dout [B, N, H_loc, D]; k, v [B, N, H_kv_loc, D] (rows in slot order, N = P * S_loc, all
@@ -271,7 +372,8 @@ def fa4_bwd_a2a_launcher(
     written. Stores are left to drain: the consumer needs a barrier after it (module docstring).
     deterministic: FA4's deterministic mode (dQ and GQA's dK, dV summed in a fixed order).
     dkv_store: "tma" | "st" | None (auto: "tma" when S_loc is a multiple of the backward's tile_n and
-    there is no seqused_k); with GQA dK, dV go through the postprocess and it has no effect.
+    there is no seqused_k; SM100 takes "st" only); with GQA dK, dV go through the postprocess and it has
+    no effect.
     The rows of k must be in slot order (key row s = sequence row s): ulysses.layout's key order is
     that when the padding is a suffix and there are no joint rows."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
@@ -283,7 +385,7 @@ def fa4_bwd_a2a_launcher(
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head dim must be one of {HEAD_DIMS}, got {D}")
     if q.device.type != "cuda":
-        raise ValueError(f"q: must be a CUDA tensor (SM90), got device {q.device}")
+        raise ValueError(f"q: must be a CUDA tensor (SM90 or SM100), got device {q.device}")
     _check_heads("q", q, B, N, D, q.dtype, q.device)
     _check_heads("k", k, B, N, D, q.dtype, q.device)
     _check_heads("v", v, B, N, D, q.dtype, q.device, heads=k.shape[2])
@@ -294,10 +396,7 @@ def fa4_bwd_a2a_launcher(
     if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (B, H_loc, N)
             or not lse.is_contiguous() or lse.device != q.device):
         raise ValueError(f"lse: expected a contiguous float32 [{B}, {H_loc}, {N}] on {q.device}")
-    if not _is_fake(q):
-        if torch.cuda.get_device_capability(q.device) != (9, 0):
-            raise ValueError(f"q: device of compute capability 9.0 (SM90) expected, got "
-                             f"{torch.cuda.get_device_capability(q.device)}")
+    arch = device_arch(q)  # 90 or 100 (ValueError naming q otherwise)
     _check_windows("dq_windows", dq_windows, q, rank)
     _check_windows("dk_windows", dk_windows, k, rank)
     _check_windows("dv_windows", dv_windows, v, rank)
@@ -310,26 +409,37 @@ def fa4_bwd_a2a_launcher(
         raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
     H_kv_loc, S_loc = k.shape[2], dq_windows.shape[2]
     qpk = H_loc // H_kv_loc
-    cfg = fa4_sm90_bwd_config(D, causal)
-    tm, tn = cfg.m_block_size, cfg.n_block_size
-    tma_ok = S_loc % tn == 0 and seqused_k is None
+    if arch == 100:
+        (tm, tn), use_2cta = SM100_BWD_TILES, fa4_sm100_bwd_2cta(D)
+        cluster = 2 if use_2cta else 1
+        tma_ok = False  # the routed SM100 epilogue stores per thread (cute_kernels.fa4_bwd_a2a_sm100)
+    else:
+        cfg = fa4_sm90_bwd_config(D, causal)
+        tm, tn, cluster = cfg.m_block_size, cfg.n_block_size, 1
+        tma_ok = S_loc % tn == 0 and seqused_k is None
     if dkv_store is None:
         dkv_store = "tma" if tma_ok else "st"
     elif dkv_store not in DKV_STORES or (dkv_store == "tma" and not tma_ok):
-        raise ValueError(f"dkv_store: {dkv_store!r} is not 'st', or 'tma' with S_loc a multiple of {tn} "
+        raise ValueError(f"dkv_store: {dkv_store!r} is not 'st', or 'tma' on SM90 with S_loc a multiple of {tn} "
                          f"(the backward's tile_n) and no seqused_k")
     if qpk > 1:
         dkv_store = "accum"
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
-    main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), seqused_k is not None, deterministic,
-                                N <= tm, N <= tn)
-    post_dq = compile_bwd_a2a_post(q.dtype, D, tm, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
-                                   cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)
+    has_sk = seqused_k is not None
     post_dkv = None
-    if qpk > 1:
-        post_dkv = compile_bwd_a2a_post(q.dtype, D, tn, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
-                                        seqused_k is not None)
-    s = _scratch(B, N, H_loc, H_kv_loc, D, cfg, qpk > 1, deterministic, q.device)
+    if arch == 100:
+        main = compile_bwd_a2a_main_sm100(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, use_2cta)
+        post_dq = compile_bwd_a2a_post_sm100(q.dtype, D, True, use_2cta, False)
+        if qpk > 1:
+            post_dkv = compile_bwd_a2a_post_sm100(q.dtype, D, False, use_2cta, has_sk)
+    else:
+        main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, N <= tm, N <= tn)
+        post_dq = compile_bwd_a2a_post(q.dtype, D, tm, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
+                                       cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)
+        if qpk > 1:
+            post_dkv = compile_bwd_a2a_post(q.dtype, D, tn, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
+                                            has_sk)
+    s = _scratch(B, N, H_loc, H_kv_loc, D, tm, tn, qpk > 1, deterministic, q.device, cluster)
     from flash_attn.cute.cute_dsl_utils import torch2cute_dtype_map
     from flash_attn.cute.interface import _bwd_preprocess
 

@@ -42,12 +42,12 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               reads).
                               The backward of "serial" (the reference the fused one must equal):
                               FA4's backward between two all_to_all_single exchanges over the group.
-                              The backward of "fused" (fused_backward_applies: CUDA SM90, no joint
+                              The backward of "fused" (fused_backward_applies: CUDA SM90/SM100, no joint
                               rows, suffix padding; otherwise the exchanges above): no
                               torch.distributed collective at all, the ranks meet in the
                               transport's barriers. dO (padding rows zeroed) -> the pre-A2A kernel
                               into the forward's q in-windows (its q part alone: the k, v part gets
-                              no heads) -> barrier -> cute_kernels.fa4_bwd_a2a (FA4's SM90
+                              no heads) -> barrier -> cute_kernels.fa4_bwd_a2a (FA4's SM90 / SM100
                               backward whose kernels store dq, dk, dv rows into the owners'
                               windows "ulysses.dq" / "ulysses.dk" / "ulysses.dv": dK, dV in its
                               epilogue, dQ and GQA's dK, dV in the postprocess) -> barrier -> the
@@ -132,24 +132,30 @@ def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-def _sm90(device) -> bool:
-    """Whether `device` is a CUDA device of compute capability 9.0 (what the fused backward's kernels take)."""
+def _capability_of(device) -> tuple:
     device = torch.device(device)
-    if device.type != "cuda":
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _fused_arch(device) -> bool:
+    """Whether `device` is a CUDA device the fused backward's kernels take: compute capability 9.0
+    (SM90) or 10.x (SM100 / SM103: compiled in CI, not yet run on a Blackwell GPU)."""
+    if torch.device(device).type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    major, minor = _capability_of(device)
+    return (major, minor) == (9, 0) or major == 10
 
 
 def fused_backward_applies(p: Problem, device) -> bool:
     """Whether the backward of p's call (p: impl decided, "auto" resolved) on tensors of `device` is the
     fused one (cute_kernels.fa4_bwd_a2a): impl "fused" on several ranks (real or emulated), FA4 on an
-    SM90 GPU, no joint rows and the padding a suffix (the ceil split), so that the saved keys are in slot
+    SM90 or SM100 GPU, no joint rows and the padding a suffix (the ceil split), so that the saved keys are in slot
     order and every head-layout row is a sequence row (the launcher's rows: N = P * S_loc). Every other
     call's backward is FA4's (or the reference's) between two exchanges."""
     lay = p.layout
     return (p.impl == "fused" and p.world_size > 1 and p.device_type == "cuda" and lay.joint_len == 0
             and lay.is_suffix_padded and p.dtype in KERNEL_DTYPES and p.head_dim in KERNEL_HEAD_DIMS
-            and device is not None and _sm90(device))
+            and device is not None and _fused_arch(device))
 
 
 def spec_of(p: Problem, device=None) -> Spec:
@@ -644,6 +650,9 @@ def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) 
     deterministic = torch.are_deterministic_algorithms_enabled()
     fused = [_fused_rank(plan, r) for r in ranks]
     launches = [f.launcher(spec, s, deterministic) for f, s in zip(fused, saved)]
+    if project is not None and _capability_of(s0.q.device) != (9, 0):
+        # the projection's GEMM with the pre-A2A epilogue is SM90's (quack): dO in torch, then the pre-A2A
+        douts, project = _projected_douts(lay, *project), None
     if project is None:
         for f, r, do in zip(fused, ranks, douts):
             f.pre(_padded(lay, r, do))
@@ -656,6 +665,11 @@ def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) 
         launch()
     transport.barrier()
     return [f.grads(n) + (None,) * 3 for f, n in zip(fused, rows)]
+
+
+def _projected_douts(lay, weight, dys) -> list:
+    """Each rank's dO [B, rows, H, D] = dys[i] @ weight (the output projection's input gradient) in torch."""
+    return [(dy @ weight).unflatten(-1, (lay.num_heads, -1)) for dy in dys]
 
 
 def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None) -> list:
@@ -671,8 +685,7 @@ def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=
     if spec.fused:
         return _fused_backward(spec, ranks, saved, douts, rows, group, project)
     if project is not None:
-        weight, dys = project
-        douts = [(dy @ weight).unflatten(-1, (lay.num_heads, -1)) for dy in dys]
+        douts = _projected_douts(lay, *project)
     exchange = _exchanger(group)
     recvs = exchange([_dout_sends(lay, r, do, djo) for r, do, djo in zip(ranks, douts, djouts)])
     grads = [_attention_backward(spec, s, _heads_dout(lay, recv)) for s, recv in zip(saved, recvs)]

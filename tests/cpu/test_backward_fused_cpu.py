@@ -136,7 +136,8 @@ def kernels(monkeypatch):
     import cute_kernels.fa4_bwd_a2a as bwd_a2a
 
     k = Kernels()
-    monkeypatch.setattr(fab, "_sm90", lambda device: True)
+    monkeypatch.setattr(fab, "_fused_arch", lambda device: True)
+    monkeypatch.setattr(fab, "_capability_of", lambda device: (9, 0))  # an SM90 GPU (the projection's GEMM)
     monkeypatch.setattr(fab, "_kernel_forward_emulated", kernel_forward_emulated)
     monkeypatch.setattr(fab, "_fused_ranks", {})
     monkeypatch.setattr(forward, "_plans", {})
@@ -230,7 +231,7 @@ def expected_events(P, first: bool, deterministic=False, seqused=None, causal=Fa
     (dict(device_type="cpu"), False),
 ])
 def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
-    monkeypatch.setattr(fab, "_sm90", lambda device: True)
+    monkeypatch.setattr(fab, "_fused_arch", lambda device: True)
     args = dict(impl="fused", P=2, B=1, S=64, H=4, H_kv=2)
     args.update(change)
     p = problem(args.pop("impl"), args.pop("P"), args.pop("B"), args.pop("S"), args.pop("H"), args.pop("H_kv"),
@@ -238,22 +239,24 @@ def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
     assert fab.fused_backward_applies(p, "cuda") is fused
     spec = fab.spec_of(p, "cuda")
     assert spec.fused is fused and spec.fa4 == (p.device_type == "cuda" and p.impl != "reference")
-    monkeypatch.setattr(fab, "_sm90", lambda device: False)  # another GPU (SM100, SM80)
+    monkeypatch.setattr(fab, "_fused_arch", lambda device: False)  # another GPU (SM80, SM120)
     assert not fab.fused_backward_applies(p, "cuda")
     assert not fab.fused_backward_applies(p, None) and not fab.spec_of(p).fused
 
 
-def test_sm90_reads_the_device_capability(monkeypatch):
-    """Once per device (the op's eager path asks every call with grad)."""
-    assert not fab._sm90("cpu")
+def test_fused_arch_reads_the_device_capability(monkeypatch):
+    """SM90 and SM100 / SM103, nothing else; once per device (the op's eager path asks every call with grad)."""
+    assert not fab._fused_arch("cpu")
     asked = []
-    capability = {0: (9, 0), 1: (10, 0)}
+    capability = {0: (9, 0), 1: (8, 0), 2: (10, 0), 3: (10, 3), 4: (12, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or capability[i])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(fab, "_capability", fab.functools.lru_cache(maxsize=None)(fab._capability.__wrapped__))
-    assert fab._sm90("cuda:0") and fab._sm90(torch.device("cuda", 0)) and not fab._sm90(torch.device("cuda", 1))
-    assert not fab._sm90("cuda")  # the current device: 1
-    assert asked == [0, 1]
+    assert fab._fused_arch("cuda:0") and fab._fused_arch(torch.device("cuda", 0))
+    assert not fab._fused_arch(torch.device("cuda", 1))
+    assert not fab._fused_arch("cuda")  # the current device: 1
+    assert fab._fused_arch("cuda:2") and fab._fused_arch("cuda:3") and not fab._fused_arch("cuda:4")
+    assert asked == [0, 1, 2, 3, 4]
 
 
 def test_auto_takes_the_fused_backward_where_it_decides_fused(kernels, monkeypatch):

@@ -147,6 +147,24 @@ def test_fused_backward_takes_dout_from_the_projection(kernels, monkeypatch, cas
         assert torch.equal(fused[-2], serial[-2]) and torch.equal(fused[-1], serial[-1])  # nn.Linear's own grads
 
 
+def test_fused_backward_on_sm100_takes_dout_from_torch_then_the_pre_a2a(kernels, monkeypatch):
+    """The projection's GEMM with the pre-A2A epilogue is SM90's (quack): on SM100 the fused backward
+    computes dO = dY @ W in torch and launches the pre-A2A kernel, as the attention-only op does."""
+    P, B, S, H, H_kv = 3, 1, 40, 5, 5  # a padding head and padding rows
+    events = kernels.events
+    monkeypatch.setattr(qkv_kernels, "qkv_a2a_launcher", Projection(events))
+    monkeypatch.setattr(fab, "_capability_of", lambda device: (10, 0))
+    g = torch.Generator().manual_seed(S)
+    w = torch.randn(C_OUT, H * 64, generator=g).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(C_OUT, generator=g).to(torch.bfloat16).requires_grad_()
+    serial = _projected_grads(problem("serial", P, B, S, H, H_kv), S, w, b)
+    fused = _projected_grads(problem("fused", P, B, S, H, H_kv), S, w, b)
+    kinds = [e[0] if isinstance(e, tuple) else e for e in events]
+    assert "projection" not in kinds and kinds.count("pre") == P and kinds.count("launch") == P
+    for i, (a, e) in enumerate(zip(fused, serial)):
+        assert torch.equal(a, e), i  # dO in torch as the serial path's, the same kernels' stand-ins
+
+
 # ---- the attention block with its output projection (fa_a2a.block: out_proj) ------------------------------
 def _block_case():
     from tests.cpu.test_block_grad_cpu import CASES, _chain, _inputs

@@ -1,6 +1,7 @@
-"""Fused FA4 backward + post-A2A of dq, dk, dv (cute_kernels.fa4_bwd_a2a) on one SM90 GPU with emulated
-ranks: what lands in the NaN-poisoned windows equals FA4's own backward (flash_attn.cute.interface.
-_flash_attn_bwd, same inputs) moved by the reference A2A (ulysses.layout.head_to_seq), bit for bit.
+"""Fused FA4 backward + post-A2A of dq, dk, dv (cute_kernels.fa4_bwd_a2a) on one SM90 or SM100 GPU with
+emulated ranks: what lands in the NaN-poisoned windows equals FA4's own backward (flash_attn.cute.interface.
+_flash_attn_bwd, same inputs) moved by the reference A2A (ulysses.layout.head_to_seq), bit for bit. (The
+SM100 kernels, cute_kernels.fa4_bwd_a2a_sm100, have not run here yet: no Blackwell GPU was lent.)
 
 Exactness: both run FA4's deterministic mode (its dQ, and GQA's dK, dV, are fp32 bulk reduce-adds whose
 order otherwise varies between runs; deterministic=True orders them by semaphores, the same order in
@@ -13,8 +14,10 @@ with a tolerance. Rows >= seqused_k of dK, dV are left unwritten by design (stil
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                reason="needs an SM90 GPU (FA4's SM90 backward)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or (torch.cuda.get_device_capability() != (9, 0)
+                                      and torch.cuda.get_device_capability()[0] != 10),
+    reason="needs an SM90 or SM100 GPU (FA4's backward of that architecture)")
 
 POISON = float("nan")
 
