@@ -14,6 +14,7 @@ _EXPORTS = {
     "UlyssesAttention": "fa_a2a.attention",
     "UlyssesQKVAttention": "fa_a2a.block",
     "ulysses_qkv_attention": "fa_a2a.block",
+    "reload_weights": "fa_a2a.block",
     "fa4_forward": "cute_kernels.fa4",
     "fa4_a2a_forward": "cute_kernels.fa4",
     "PlatformModel": "fa_a2a.tools.xstage",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fa_a2a.op import ulysses_attention
-from fa_a2a.engine.problem import check_joint, check_tensor, split_impl
+from fa_a2a.engine.problem import split_impl
 
 __all__ = ["UlyssesAttention"]
 
@@ -58,14 +58,13 @@ class UlyssesAttention(nn.Module):
         return f"impl={self.impl!r}, causal={self.causal}, layout={self.layout!r}"
 
     def _in(self, x):
-        return x.transpose(1, 2) if self.layout == "bhsd" else x
+        """bhsd -> bshd (and back); anything but a 4-D tensor as it is, for ulysses_attention to refuse
+        by name on every rank (a check here would raise on this rank alone and leave the others waiting)."""
+        return x.transpose(1, 2) if self.layout == "bhsd" and isinstance(x, torch.Tensor) and x.dim() == 4 else x
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 joint: Optional[Sequence[torch.Tensor]] = None, seq_len: Optional[int] = None):
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            check_tensor(t, name)
-        joint = check_joint(joint)
-        if joint is not None:
+        if isinstance(joint, (tuple, list)):
             joint = tuple(self._in(t) for t in joint)
         res = ulysses_attention(self._in(q), self._in(k), self._in(v), group=self.group, impl=self.impl,
                                 joint=joint, causal=self.causal, softmax_scale=self.softmax_scale,

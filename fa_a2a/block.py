@@ -818,6 +818,19 @@ class _Layers(NamedTuple):
                         self.num_kv_heads, self.head_dim, self.across_heads, self.eps)
 
 
+def reload_weights(model: nn.Module) -> None:
+    """After writing a model's weights through `.data` (diffusers' EMAModel.copy_to, `p.data.copy_(...)`),
+    which torch does not version: every UlyssesQKVAttention in `model` rebuilds its fused copies, and every
+    fused attention processor (fa_a2a.enable_fused_projection) gathers its weights again, before their next
+    call. Other changes (optimizer steps, load_state_dict, `.data =`, `.to()`) need no call: they are seen."""
+    for m in model.modules():
+        if isinstance(m, UlyssesQKVAttention):
+            m.reload_weights()
+        processor = getattr(m, "processor", None)
+        if callable(getattr(processor, "reload_weights", None)):
+            processor.reload_weights()
+
+
 # ---- module --------------------------------------------------------------------------------------
 class UlyssesQKVAttention(nn.Module):
     """The attention block of a DiT under Ulysses, from hidden states to per-head outputs.
@@ -831,8 +844,10 @@ class UlyssesQKVAttention(nn.Module):
     under grad mode with a layer parameter that requires grad (training) it runs the torch chain of
     the layers themselves and then the differentiable op, so the layers get their gradients (correct,
     not fused); and before every call its copies are rebuilt where a layer parameter changed in place
-    (an optimizer step), so no path runs stale weights. Otherwise hidden states that require grad
-    backpropagate through the copies (ulysses_qkv_attention), which take no gradient.
+    (an optimizer step), so no path runs stale weights (a `.data` write, which torch does not version,
+    needs reload_weights()). Under torch.compile, and on the chain path, it runs the layers' chain (no
+    copy there). Otherwise hidden states that require grad backpropagate through the copies
+    (ulysses_qkv_attention), which take no gradient.
     Either chain (a TorchQKV; gathered here when its norms are per head) or proj (QKVWeights
     already gathered for world_size ranks: block_weights) with joint_chain / joint_proj alike.
     out_proj: the attention's output projection (an nn.Linear, in_features H * D; its parameters are the
@@ -959,47 +974,65 @@ class UlyssesQKVAttention(nn.Module):
             module = cls(proj=built[0], joint_proj=built[1] if len(built) > 1 else None, **kwargs)
         module._layers, module._shared = tuple(sources), share_weights
         module._facts = tuple(g.facts() for g in sources)
+        if across_heads:  # the layers' own chain runs at every call (_chains): no copy kept
+            module.chain = module.joint_chain = None
         return module
 
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, impl={self.impl!r}, fused_projection={self.fused}, "
-                f"joint_weights={self.joint_proj is not None or self.joint_chain is not None}")
+                f"joint_weights={self._has_joint_weights()}")
+
+    def _has_joint_weights(self) -> bool:
+        return self.joint_proj is not None or self.joint_chain is not None or len(self._layers or ()) > 1
 
     def _kw(self):
         return dict(impl=self.impl, causal=self.causal, softmax_scale=self.softmax_scale, pace=self.pace)
 
     def _refresh(self) -> None:
-        """The module's copies rebuilt from from_linear's layers where a parameter of theirs changed since
-        they were taken (weight_facts: an optimizer step in place, .to(), new data): no path runs stale
-        weights.
-        With share_weights the layers are pointed at the new copies again. Not while torch.compile traces
-        (a tensor's version is no value it can guard on): there an eager call refreshes them."""
-        if (self._layers is None or torch.compiler.is_compiling()
+        """The fused path's copies rebuilt from from_linear's layers where a parameter of theirs changed since
+        they were taken (weight_facts: an optimizer step in place, .to(), new data; a `.data` write is not
+        versioned: reload_weights). With share_weights the layers are pointed at the new copies again.
+        Not while torch.compile traces (a tensor's version is no value it can guard on): the compiled
+        module runs the layers' own chains instead (_chains)."""
+        if (self._layers is None or not self.fused or torch.compiler.is_compiling()
                 or self._facts == tuple(g.facts() for g in self._layers)):
             return
         with torch.no_grad():
-            chains = [g.chain() for g in self._layers]
-            if self.fused:
-                projs = [block_weights(c, self.world_size) for c in chains]
-                if self._shared:
-                    for g, p in zip(self._layers, projs):
-                        _share_weights(p, (g.q, g.k, g.v), g.names[:3])
-                self.proj, self.joint_proj = projs[0], (projs[1] if len(projs) > 1 else None)
-            else:
-                self.chain, self.joint_chain = chains[0], (chains[1] if len(chains) > 1 else None)
+            projs = [block_weights(g.chain(), self.world_size) for g in self._layers]
+            if self._shared:
+                for g, p in zip(self._layers, projs):
+                    _share_weights(p, (g.q, g.k, g.v), g.names[:3])
+            self.proj, self.joint_proj = projs[0], (projs[1] if len(projs) > 1 else None)
         self._facts = tuple(g.facts() for g in self._layers)
 
+    def reload_weights(self) -> None:
+        """Rebuild the fused path's copies from from_linear's layers now. Needed only after a change torch
+        does not version: an in-place write through `.data` (diffusers' EMAModel.copy_to, `p.data.copy_`),
+        which leaves a tensor's pointer and version as they were; every other change (optimizer steps,
+        load_state_dict, `.data =`, `.to()`) is seen before the next call. (fa_a2a.reload_weights(model)
+        does it for every module and fused processor of a model.)"""
+        if self._layers is not None and self.fused:
+            self._facts = None
+            self._refresh()
+
     def _chains(self) -> Optional[list]:
-        """Under grad mode with a parameter of from_linear's layers requiring grad: the torch chains of
-        the layers themselves (differentiable, so the layers get their gradients; the module's copies
-        would cut them), else None."""
-        if self._layers is None or not torch.is_grad_enabled() or not any(g.requires_grad() for g in self._layers):
+        """The torch chains of from_linear's layers themselves (their live parameters, differentiable), or
+        None (the module's fused copies): on the chain path (norms across heads: the module keeps no copy
+        of the layers' weights, so even a `.data` write is seen), under grad mode with a layer parameter
+        requiring grad (the copies would cut the layers' gradients), and while torch.compile traces (the
+        compiled graph would keep the copies it traced: the layers' parameters are its inputs, so it
+        reads their values at every call)."""
+        if self._layers is None:
+            return None
+        compiling = torch.compiler.is_compiling()
+        training = torch.is_grad_enabled() and any(g.requires_grad() for g in self._layers)
+        if self.fused and not training and not compiling:
             return None
         import logging
 
         from fa_a2a.engine.log import log_once
 
-        if not torch.compiler.is_compiling():  # (not while tracing: a log call would break the graph)
+        if training and not compiling:  # (not while tracing: a log call would break the graph)
             log_once(logging.getLogger(__name__), "UlyssesQKVAttention: the layers' chain", logging.INFO,
                      "UlyssesQKVAttention: its layers' parameters require grad under grad mode (training): the "
                      "torch chain of the layers runs, then the differentiable op (not the fused projection); for "

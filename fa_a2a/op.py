@@ -316,7 +316,15 @@ def ulysses_attention_out_proj(q, k, v, out_weight, out_bias=None, *, group=None
     need no grad, it is ulysses_attention then torch's linear."""
     import torch.nn.functional as F
 
-    _check_out_proj(out_weight, out_bias, q)
+    try:
+        _check_out_proj(out_weight, out_bias, q)
+    except ValueError as e:
+        if torch.compiler.is_compiling():
+            raise
+        # refused on every rank of the group (the per-call agreement carries it), not here alone
+        group, group_name, P, rank = group_facts(group)
+        resolve(q, k, v, None, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P, rank=rank, group=group,
+                group_name=group_name, refusal=str(e), pace=pace)
     kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
     if not wants_grad(q, k, v) or torch.compiler.is_compiling():
         return F.linear(ulysses_attention(q, k, v, group=group, **kw).flatten(2), out_weight, out_bias)

@@ -90,7 +90,6 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
 from ulysses.layout import UlyssesLayout, index_tensor, take_heads
@@ -702,6 +701,27 @@ class _Call(NamedTuple):
     rank: int
 
 
+def _first_order(backward_fn):
+    """A backward whose gradients cannot be differentiated again, refused by name when they would be:
+    under create_graph=True they come out requiring grad through torch's DelayedError (a later backward
+    through them raises). torch's once_differentiable does so only when the incoming gradients require
+    grad; from a constant one (loss = out.sum()) it returns constants, and a gradient penalty then
+    silently loses the attention's second-order term."""
+
+    @functools.wraps(backward_fn)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward_fn(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outs
+        err = torch._C._functions.DelayedError(
+            b"fa_a2a: double backward (differentiating the op's gradients, create_graph=True) is not supported",
+            len(outs))
+        return err(*[None if t is None else t.detach().requires_grad_() for t in outs])
+
+    return wrapper
+
+
 class _UlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, q, k, v, jq, jk, jv):
@@ -713,7 +733,7 @@ class _UlyssesFunction(torch.autograd.Function):
         return out, jout
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, dout, djout):
         group = ctx.group if ctx.spec.layout.world_size > 1 else None
         [grads] = backward(ctx.spec, [ctx.rank], [Saved(*ctx.saved_tensors)], [dout], [djout], [ctx.rows], group)
@@ -738,7 +758,7 @@ class _EmulatedFunction(torch.autograd.Function):
         return (*outs, *(jouts or ()))
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, *grads):
         spec, P = ctx.spec, ctx.spec.layout.world_size
         flat, n = ctx.saved_tensors, ctx.n_saved
@@ -788,7 +808,7 @@ class _ProjectedFunction(torch.autograd.Function):
         return tuple(torch.nn.functional.linear(o.flatten(2), weight, bias) for o in outs)
 
     @staticmethod
-    @once_differentiable
+    @_first_order
     def backward(ctx, *dys):
         weight, *rest = ctx.saved_tensors
         n = len(ctx.ranks)

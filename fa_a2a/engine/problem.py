@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -189,12 +188,17 @@ def check_joint(joint) -> Optional[tuple]:
     return tuple(joint)
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale <= sys.float_info.max):  # NaN, inf, 10**400 fail
-        raise ValueError(f"softmax_scale: expected a positive finite float or None, got {softmax_scale!r}")
+                                      or not 0 < softmax_scale <= FP32_MAX):  # NaN, inf, 10**400 fail
+        # the kernels (and the reference's fp32 compute) take the scale as fp32: beyond its range it is inf
+        raise ValueError(f"softmax_scale: expected a positive float up to {FP32_MAX:.4g} (fp32's range) or None, "
+                         f"got {softmax_scale!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
 

@@ -131,6 +131,11 @@ class _FusedBlockProcessor:
     ROUTE_NAME: str = ""
     _block = None  # (key, UlyssesQKVAttention): the gathered weights of the module
 
+    def reload_weights(self) -> None:
+        """Gather the module's weights again at the next call (after a `.data` write that weight_facts cannot
+        see; fa_a2a.reload_weights(model) calls this)."""
+        self._block = None
+
     def _fallback(self, why: str) -> None:
         diffusers_backend.count_route(self.ROUTE_NAME, "fallback")
         base = type(self).__mro__[2].__name__  # diffusers' processor (after this mixin)

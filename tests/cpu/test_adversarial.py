@@ -300,7 +300,7 @@ def test_numbers_out_of_float_range_are_refused_by_name():
             pacing.check_pace(pace)
     assert pacing.check_pace(0.001) == 0.001
     q = torch.randn(1, 4, 2, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match="^softmax_scale: expected a positive finite float"):
+    with torch.no_grad(), pytest.raises(ValueError, match="^softmax_scale: expected a positive float up to"):
         ulysses_attention(q, q, q, impl="reference", softmax_scale=huge)
     with torch.no_grad(), pytest.raises(ValueError, match="^pace: expected 'auto'"):
         ulysses_attention(q, q, q, impl="reference", pace=huge)
@@ -322,15 +322,18 @@ def test_refusals_under_torch_compile_are_the_plain_value_error():
 
     mod = block.UlyssesQKVAttention.from_linear(*_linears(), head_dim=64, world_size=1)
     x = torch.randn(1, 8, 64, dtype=BF16)
-    cases = [(emulated, (q,), "^softmax_scale: expected a positive finite float"),
+    cases = [(emulated, (q,), "^softmax_scale: expected a positive float up to"),
              (lambda x: block.ulysses_qkv_attention(x, mod.proj).flatten(2, 3), (x,), "^x: expected a CUDA tensor"),
-             (lambda x: mod(x).flatten(2, 3), (x,), "^x: expected a CUDA tensor"),
-             (lambda x: mod(x, joint=x)[1].flatten(2, 3), (x,), "^x: expected a CUDA tensor"),
-             (lambda x: torch.cat(mod.forward_emulated([x]), 1), (x,), r"^xs\[0\]: expected a CUDA tensor")]
+             (lambda x: torch.cat(mod.forward_emulated([x], seq_len=7), 1), (x,), r"^seq_len \(7\) does not fit")]
     for fn, args, match in cases:
         with torch.no_grad(), pytest.raises(ValueError, match=match) as info:
             torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
         assert type(info.value) is ValueError and info.value.__cause__ is None
+    # a compiled from_linear module runs its layers' chain, then the op (its fused copies could go stale
+    # unseen inside the graph): on CPU that is the reference, the eager chain's values
+    with torch.no_grad():
+        got = torch.compile(lambda x: mod(x), backend="aot_eager", fullgraph=True)(x)
+        assert torch.equal(got, ulysses_attention(*block._chain_qkv(x, None, mod._layers[0].chain())))
     with torch.no_grad():  # a valid call still compiles into one graph
         ok = torch.compile(lambda qs: ulysses_attention_emulated(qs, qs, qs, impl="reference"), backend="aot_eager",
                            fullgraph=True)(q)

@@ -107,7 +107,7 @@ def test_from_linear_builds_both_paths():
     assert mod.fused and mod.proj.world_size == 2 and mod.joint_proj.weight.shape == (3 * 256, 32)
     wan = _from(_qkv(dtype=torch.float32), norm_q=nn.RMSNorm(256, eps=1e-5), norm_k=nn.RMSNorm(256, eps=1e-5),
                 across_heads=True)
-    assert not wan.fused and wan.chain.eps == 1e-5 and wan.chain.num_heads == 4
+    assert not wan.fused and wan.chain is None and wan._chains()[0].eps == 1e-5 and wan._chains()[0].num_heads == 4
 
 
 def test_share_weights_refuses_gqa_replication_and_changes_nothing():
