@@ -63,7 +63,7 @@ from cute_kernels.limits import EPS
 
 from fa_a2a.op import traced_refusals
 from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
-                                   remember, signature_fields, signature_word, split_impl)
+                                   refuse_on_every_rank, remember, signature_fields, signature_word, split_impl)
 from fa_a2a.engine.projection import _emulated_blocks, _rank_block, _rope_source, segment_writes
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
@@ -662,7 +662,12 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
     if _inputs_want_grad([x], joint):
         from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
-        qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
+        try:
+            qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
+        except ValueError as e:
+            if torch.compiler.is_compiling():
+                raise
+            refuse_on_every_rank(e, group)
         kw = dict(group=group, impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len,
                   shard_rows=shard_rows, pace=pace)
         if weights is not None:
@@ -1056,12 +1061,17 @@ class UlyssesQKVAttention(nn.Module):
         from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
         main, joint_chain = self._chain_pair(chains)
-        weights = _out_weights(self.out_proj, joint)
-        q, k, v = _chain_qkv(x, rotary, main)
+        try:  # (checked before the op's own agreement: a refusal goes to every rank)
+            weights = _out_weights(self.out_proj, joint)
+            q, k, v = _chain_qkv(x, rotary, main)
+            jt = None if joint is None else _chain_qkv(joint, joint_rotary, joint_chain, "joint", "joint_rotary")
+        except ValueError as e:
+            if torch.compiler.is_compiling():
+                raise
+            refuse_on_every_rank(e, self.group)
         kw = dict(group=self.group, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         if weights is not None:
             return ulysses_attention_out_proj(q, k, v, *weights, **kw)
-        jt = None if joint is None else _chain_qkv(joint, joint_rotary, joint_chain, "joint", "joint_rotary")
         return ulysses_attention(q, k, v, joint=jt, **kw)
 
     def forward_emulated(self, xs: Sequence[torch.Tensor], *, rotary=None, joint: Optional[torch.Tensor] = None,

@@ -28,8 +28,8 @@ from ulysses.layout import check_rank
 from fa_a2a.engine.backward import wants_grad
 from fa_a2a.engine.forward import contiguous16, forward, forward_emulated, head_maps
 from fa_a2a.engine.pacing import check_pace, decode_pace, encode_pace
-from fa_a2a.engine.problem import (EMULATED_IMPLS, IMPLS, check_call, check_tensor, group_by_name, group_facts, resolve,
-                                   resolve_emulated)
+from fa_a2a.engine.problem import (EMULATED_IMPLS, IMPLS, check_call, check_tensor, group_by_name, group_facts,
+                                   refuse_on_every_rank, resolve, resolve_emulated)
 
 __all__ = [
     "IMPLS",
@@ -321,10 +321,7 @@ def ulysses_attention_out_proj(q, k, v, out_weight, out_bias=None, *, group=None
     except ValueError as e:
         if torch.compiler.is_compiling():
             raise
-        # refused on every rank of the group (the per-call agreement carries it), not here alone
-        group, group_name, P, rank = group_facts(group)
-        resolve(q, k, v, None, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P, rank=rank, group=group,
-                group_name=group_name, refusal=str(e), pace=pace)
+        refuse_on_every_rank(e, group)
     kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
     if not wants_grad(q, k, v) or torch.compiler.is_compiling():
         return F.linear(ulysses_attention(q, k, v, group=group, **kw).flatten(2), out_weight, out_bias)

@@ -460,6 +460,19 @@ def checked_and_agreed(checks, group):
     return result
 
 
+def refuse_on_every_rank(error: ValueError, group) -> None:
+    """Raise `error` on this rank and, through the per-call agreement (agree_call), the same ValueError on
+    every rank of `group` (as group_facts takes it): for a check that runs before a call's own agreement
+    (the block's torch chain, the output projection's weight), which would otherwise raise on its rank
+    alone and leave the others waiting for it."""
+    group, _, P, _ = group_facts(group)
+
+    def checks():
+        raise error
+
+    checked_and_agreed(checks, group if P > 1 and group is not None else None)
+
+
 def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, pace=None):
     """resolve for P emulated ranks in one process: lists of per-rank shards that must all match rank 0's."""
     for name, xs in (("qs", qs), ("ks", ks), ("vs", vs)):

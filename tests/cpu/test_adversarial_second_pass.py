@@ -170,3 +170,37 @@ def test_reload_weights_after_a_data_write_reaches_the_fused_copies():
     for name in ("weight", "bias", "norm_weight"):
         assert torch.equal(getattr(mod.proj, name), getattr(fresh, name)), name
     assert model["other"].processor.reloaded == 1
+
+
+def _one_rank_bad_block_input(rank, P):
+    """The block's checks that run before the op (the torch chain of a module on the chain path, the
+    functional block's grad path) refuse a bad input on one rank on every rank."""
+    from fa_a2a import block
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "5"
+    torch.manual_seed(0)
+    H, D, C = 2, 8, 16
+    lin = [nn.Linear(C, H * D) for _ in range(3)]
+    wan = UlyssesQKVAttention.from_linear(*lin, head_dim=D, across_heads=True, norm_q=nn.RMSNorm(H * D),
+                                          norm_k=nn.RMSNorm(H * D))
+    x = torch.randn(1, 4, C if rank == 0 else C + 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="x: expected C = 16 channels") as info:
+        wan(x)
+    assert not isinstance(info.value, TimeoutError)
+    dist.barrier()
+    D = 64
+    chain = block.TorchQKV(torch.randn(3 * H * D, C).to(torch.bfloat16), None, None, None, H, H, D)
+    proj = block.block_weights(chain, P)
+    xg = torch.randn(1, 4, C if rank == 0 else C + 1, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="channels") as info:
+        block.ulysses_qkv_attention(xg, proj)
+    assert not isinstance(info.value, TimeoutError)
+    dist.barrier()
+
+
+def test_a_bad_block_input_on_one_rank_reaches_every_rank():
+    from tests.multiproc import spawn_with_deadline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_with_deadline(_worker, (_one_rank_bad_block_input, 2, os.path.join(tmp, "init")), 2, 60,
+                            "one rank's bad block input")
