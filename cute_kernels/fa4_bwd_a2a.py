@@ -142,29 +142,37 @@ def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhea
     into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm90 with fp32 dK,
     dV accumulators, GQA). single_q_block / single_k_block: one m / n block (FA4 compiles those apart).
     extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the compiler."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-    from flash_attn.cute.testing import active_fake_mode
-    from flash_attn.cute.utils import AuxData
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     gqa = dkv_store == "accum"
     if gqa != (qhead_per_kvhead > 1):
         raise ValueError(f"dkv_store: 'accum' exactly when qhead_per_kvhead > 1, got {dkv_store!r} "
                          f"with qhead_per_kvhead={qhead_per_kvhead}")
     fa = _main_kernel(dkv_store, dtype, head_dim, qhead_per_kvhead, causal, deterministic)
     cfg = fa4_sm90_bwd_config(head_dim, causal)
-    P, B, H_kv, D = 2, 1, 1, head_dim
-    N = cfg.m_block_size if single_q_block else 640 * P
+    N = cfg.m_block_size if single_q_block else 640 * 2
     if single_k_block:
         N = min(N, cfg.n_block_size)
     if single_q_block != (N <= cfg.m_block_size) or single_k_block != (N <= cfg.n_block_size):
         raise ValueError("single_q_block, single_k_block: no sequence length has this pair of block counts")
+    return _compile_main(fa, gqa, dtype, head_dim, qhead_per_kvhead, has_seqused_k, deterministic, N,
+                         cfg.m_block_size, cfg.n_block_size, 1, extra_options)
+
+
+def _compile_main(fa, gqa: bool, dtype, head_dim: int, qhead_per_kvhead: int, has_seqused_k: bool,
+                  deterministic: bool, N: int, tm: int, tn: int, cluster: int, extra_options: str):
+    """cute.compile of a main backward kernel object (FA4's or the routed one, SM90 or SM100: the same
+    __call__ arguments) on fake tensors of one rank of P = 2 with N rows."""
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.testing import active_fake_mode
+    from flash_attn.cute.utils import AuxData
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    P, B, H_kv, D = 2, 1, 1, head_dim
     H = H_kv * qhead_per_kvhead
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         q = torch.empty(B, N, H, D, dtype=dtype, device="cuda")
         k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
-        s = _scratch(B, N, H, H_kv, D, cfg.m_block_size, cfg.n_block_size, gqa, deterministic, "cuda")
+        s = _scratch(B, N, H, H_kv, D, tm, tn, gqa, deterministic, "cuda", cluster)
         seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused_k else None
         if gqa:
             dk, dv = s.dk_accum, s.dv_accum
@@ -178,8 +186,8 @@ def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhea
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi {extra_options}".strip()
     if gqa:
-        # FA4 SM90 backward __call__: (..., dk, dv, scale, cu_q, cu_k, seqused_q, seqused_k, window_l,
-        # window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
+        # FA4's backward __call__ (SM90, SM100): (..., dk, dv, scale, cu_q, cu_k, seqused_q, seqused_k,
+        # window_l, window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
         return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, None, None, None, tsk, None,
                             None, *tsems, AuxData(None, None), None, None, stream, options=options)
     return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], stream=stream,
@@ -192,15 +200,20 @@ def compile_bwd_a2a_post(dtype: torch.dtype, head_dim: int, tile_m: int, num_thr
     """The routed postprocess of one key (FlashAttentionA2ABackwardPostprocessSm90): FA4's postprocess
     configuration of dQ (tile_m = the backward's m block, AtomLayoutMdQ, dQ_swapAB) or of GQA's dK, dV
     (n block, AtomLayoutNdKV, dKV_swapAB)."""
+    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardPostprocessSm90
+
+    fa = FlashAttentionA2ABackwardPostprocessSm90(_cute_dtype(dtype), head_dim, tile_m, num_threads, atom_layout,
+                                                  swap_ab)
+    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options)
+
+
+def _compile_post(fa, dtype, head_dim: int, has_seqused: bool, extra_options: str):
+    """cute.compile of a routed postprocess object (RoutedPostprocess, SM90 or SM100) on fake tensors."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.testing import active_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardPostprocessSm90
-
-    fa = FlashAttentionA2ABackwardPostprocessSm90(_cute_dtype(dtype), head_dim, tile_m, num_threads, atom_layout,
-                                                  swap_ab)
     P, B, S_loc, H_loc = 2, 1, 640, 1
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
         accum = torch.empty(B, H_loc, P * S_loc * head_dim, dtype=torch.float32, device="cuda")
@@ -231,12 +244,7 @@ def compile_bwd_a2a_main_sm100(dkv_store: str, dtype: torch.dtype, head_dim: int
     """The SM100 main backward kernel of one key: dkv_store "st" (FlashAttentionA2ABackwardSm100, dK, dV
     into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm100 with fp32 dK,
     dV accumulators, GQA), configured as flash_attn.cute.interface._flash_attn_bwd configures it."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
-    from flash_attn.cute.testing import active_fake_mode
-    from flash_attn.cute.utils import AuxData
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardSm100
 
@@ -251,31 +259,8 @@ def compile_bwd_a2a_main_sm100(dkv_store: str, dtype: torch.dtype, head_dim: int
         tile_n=tn, cluster_size=cluster, use_2cta_instrs=use_2cta, deterministic=deterministic,
         spt=causal and deterministic, q_subtile_factor=2, kv_subtile_factor=1,
     )
-    P, B, H_kv, D, N = 2, 1, 1, head_dim, 4 * tn
-    H = H_kv * qhead_per_kvhead
-    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
-        q = torch.empty(B, N, H, D, dtype=dtype, device="cuda")
-        k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
-        s = _scratch(B, N, H, H_kv, D, tm, tn, gqa, deterministic, "cuda", cluster)
-        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused_k else None
-        if gqa:
-            dk, dv = s.dk_accum, s.dv_accum
-        else:
-            dk = torch.empty(P, B, N // P, P * H_kv, D, dtype=dtype, device="cuda").narrow(3, 0, H_kv)
-            dv = dk
-        tq, tk, tdk, tdv = (to_cute_tensor(t) for t in (q, k, dk, dv))
-        tdpsum, tlse, tacc = (to_cute_tensor(t) for t in (s.dpsum, s.lse_log2, s.dq_accum))
-        tsk = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
-        tsems = [_semaphore_tensor(t) for t in (s.dq_sem, s.dk_sem, s.dv_sem)]
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi {extra_options}".strip()
-    if gqa:
-        # FA4 SM100 backward __call__: (..., dk, dv, scale, cu_q, cu_k, seqused_q, seqused_k, window_l,
-        # window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
-        return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, None, None, None, tsk, None,
-                            None, *tsems, AuxData(None, None), None, None, stream, options=options)
-    return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], stream=stream,
-                        options=options)
+    return _compile_main(fa, gqa, dtype, head_dim, qhead_per_kvhead, has_seqused_k, deterministic, 4 * tn, tm, tn,
+                         cluster, extra_options)
 
 
 @disk_cache
@@ -284,11 +269,7 @@ def compile_bwd_a2a_post_sm100(dtype: torch.dtype, head_dim: int, of_dq: bool, u
     """The routed SM100 postprocess of one key (FlashAttentionA2ABackwardPostprocessSm100) with FA4's
     postprocess configuration: dQ (of_dq: tile_m, 2-CTA as the main kernel, its dQ tile order) or GQA's
     dK, dV (tile_n, its dK/dV tile order)."""
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
-    from flash_attn.cute.testing import active_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardPostprocessSm100
 
@@ -296,15 +277,7 @@ def compile_bwd_a2a_post_sm100(dtype: torch.dtype, head_dim: int, of_dq: bool, u
     dq_order, dkv_order = FlashAttentionBackwardSm100.accum_tile_orders(use_2cta, tn)
     fa = FlashAttentionA2ABackwardPostprocessSm100(_cute_dtype(dtype), head_dim, tm if of_dq else tn,
                                                    use_2cta and of_dq, dq_order if of_dq else dkv_order)
-    P, B, S_loc, H_loc = 2, 1, 640, 1
-    with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
-        accum = torch.empty(B, H_loc, P * S_loc * head_dim, dtype=torch.float32, device="cuda")
-        windows = torch.empty(P, B, S_loc, P * H_loc, head_dim, dtype=dtype, device="cuda").narrow(3, 0, H_loc)
-        seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused else None
-        tacc, twin = to_cute_tensor(accum), to_cute_tensor(windows)
-        tsu = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(fa, tacc, twin, 1.0, tsu, stream=stream, options=f"--enable-tvm-ffi {extra_options}".strip())
+    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options)
 
 
 # ---- the launcher -----------------------------------------------------------------------------------

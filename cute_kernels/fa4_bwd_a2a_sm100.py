@@ -48,14 +48,12 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.utils import LayoutEnum
 
 import flash_attn.cute.flash_bwd_sm100 as _fa4_bwd_sm100
-from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
-from flash_attn.cute.flash_bwd_postprocess import FlashAttentionBackwardPostprocess
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
-from flash_attn.cute.tile_scheduler import SingleTileScheduler, TileSchedulerArguments
+from flash_attn.cute.tile_scheduler import SingleTileScheduler
 from flash_attn.cute.utils import AuxData
 
 from cute_kernels.fa4_a2a_sm90 import _assume_nested_aligned, rank_window_o
-from cute_kernels.fa4_bwd_a2a_sm90 import store_rows
+from cute_kernels.fa4_bwd_a2a_sm90 import RoutedPostprocess, store_rows
 from cute_kernels.limits import HEAD_DIMS
 
 
@@ -220,7 +218,7 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
             cute.copy(gmem_store, tXrX, tXgX)
 
 
-class FlashAttentionA2ABackwardPostprocessSm100(FlashAttentionBackwardPostprocess):
+class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
     """FA4's SM100 postprocess (fp32 accumulator -> bf16/fp16, scaled) storing each row into the window
     of the rank that owns it (module docstring): dQ from dq_accum (use_2cta_instrs as the main kernel's),
     GQA's dK, dV from dk_accum, dv_accum. FA4's copies and layouts (_get_tiled_mma, _setup_attributes,
@@ -232,49 +230,8 @@ class FlashAttentionA2ABackwardPostprocessSm100(FlashAttentionBackwardPostproces
         if self.check_hdim_oob:
             raise ValueError(f"head_dim: the routed postprocess takes head dims {HEAD_DIMS}")
 
-    @cute.jit
-    def __call__(
-        self,
-        mAccum: cute.Tensor,  # (b, h_loc, n_rounded * d) fp32: FA4's accumulator tiles
-        mWindows: cute.Tensor,  # (p, b, s_loc, h_loc, d): this rank's head slice of every window
-        scale: Float32,
-        mSeqUsed: Optional[cute.Tensor] = None,  # (b,) rows to write (dK, dV: seqused_k)
-        stream: cuda.CUstream = None,
-    ):
-        if const_expr(mWindows.element_type not in [cutlass.Float16, cutlass.BFloat16]):
-            raise TypeError("Only Float16 or BFloat16 is supported")
-        if const_expr(mAccum.element_type != Float32):
-            raise TypeError("The accumulator must be Float32")
-        mAccum = assume_tensor_aligned(mAccum)
-        mOut = _assume_nested_aligned(rank_window_o(mWindows))  # ((b, p), s_loc, h_loc, d)
-        self.tiled_mma = self._get_tiled_mma()
-        self._setup_attributes()
-        smem_size = max(
-            cute.size_in_bytes(Float32, self.sdQaccum_layout),
-            cute.size_in_bytes(self.dtype, self.sdQ_layout),
-        )
-        seqlen = mWindows.shape[0] * mWindows.shape[2]
-        sched_args = TileSchedulerArguments(
-            num_block=cute.ceil_div(seqlen, self.tile_m),
-            num_head=mWindows.shape[3],
-            num_batch=mWindows.shape[1],
-            num_splits=1,
-            seqlen_k=0,
-            headdim=mWindows.shape[4],
-            headdim_v=0,
-            total_q=seqlen,
-            tile_shape_mn=(self.tile_m, 1),
-        )
-        sched_params = SingleTileScheduler.to_underlying_arguments(sched_args)
-        self.kernel(
-            mAccum, mOut, mSeqUsed, scale, self.tiled_mma, self.sdQaccum_layout, self.sdQ_layout,
-            self.gmem_tiled_copy_dQ, self.g2r_tiled_copy_dQaccum, self.r2s_tiled_copy_dQ, sched_params,
-        ).launch(
-            grid=SingleTileScheduler.get_grid_shape(sched_params),
-            block=[self.num_threads, 1, 1],
-            smem=smem_size,
-            stream=stream,
-        )
+    def _kernel_copies(self) -> tuple:
+        return self.gmem_tiled_copy_dQ, self.g2r_tiled_copy_dQaccum, self.r2s_tiled_copy_dQ
 
     @cute.kernel
     def kernel(

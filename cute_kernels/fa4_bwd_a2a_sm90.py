@@ -261,15 +261,13 @@ class FlashAttentionA2ABackwardSm90(FlashAttentionBackwardSm90):
                        seqlen.seqlen_k)
 
 
-class FlashAttentionA2ABackwardPostprocessSm90(FlashAttentionBackwardPostprocess):
-    """FA4's SM90 postprocess (fp32 accumulator -> bf16/fp16, scaled) storing each row into the window
-    of the rank that owns it (module docstring): dQ from dq_accum, and GQA's dK, dV from dk_accum,
-    dv_accum. FA4's copies and layouts (_get_tiled_mma, _setup_attributes); no varlen, no sink."""
+class RoutedPostprocess(FlashAttentionBackwardPostprocess):
+    """FA4's postprocess (fp32 accumulator -> bf16/fp16, scaled) whose kernel stores each row into the
+    window of the rank that owns it: the launch of both architectures' routed postprocesses (this file's
+    SM90 one, cute_kernels.fa4_bwd_a2a_sm100's); a subclass names its kernel's copies (_kernel_copies)."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, num_threads: int, atom_layout: int, swap_ab: bool):
-        super().__init__(dtype, head_dim, 90, tile_m, num_threads, atom_layout, swap_ab)
-        if self.check_hdim_oob:
-            raise ValueError(f"head_dim: the routed postprocess takes head dims {HEAD_DIMS}")
+    def _kernel_copies(self) -> tuple:
+        raise NotImplementedError
 
     @cute.jit
     def __call__(
@@ -307,13 +305,27 @@ class FlashAttentionA2ABackwardPostprocessSm90(FlashAttentionBackwardPostprocess
         sched_params = SingleTileScheduler.to_underlying_arguments(sched_args)
         self.kernel(
             mAccum, mOut, mSeqUsed, scale, self.tiled_mma, self.sdQaccum_layout, self.sdQ_layout,
-            self.g2s_tiled_copy_dQaccum, self.s2r_tiled_copy_dQaccum, self.gmem_tiled_copy_dQ, sched_params,
+            *self._kernel_copies(), sched_params,
         ).launch(
             grid=SingleTileScheduler.get_grid_shape(sched_params),
             block=[self.num_threads, 1, 1],
             smem=smem_size,
             stream=stream,
         )
+
+
+class FlashAttentionA2ABackwardPostprocessSm90(RoutedPostprocess):
+    """FA4's SM90 postprocess (fp32 accumulator -> bf16/fp16, scaled) storing each row into the window
+    of the rank that owns it (module docstring): dQ from dq_accum, and GQA's dK, dV from dk_accum,
+    dv_accum. FA4's copies and layouts (_get_tiled_mma, _setup_attributes); no varlen, no sink."""
+
+    def __init__(self, dtype, head_dim: int, tile_m: int, num_threads: int, atom_layout: int, swap_ab: bool):
+        super().__init__(dtype, head_dim, 90, tile_m, num_threads, atom_layout, swap_ab)
+        if self.check_hdim_oob:
+            raise ValueError(f"head_dim: the routed postprocess takes head dims {HEAD_DIMS}")
+
+    def _kernel_copies(self) -> tuple:
+        return self.g2s_tiled_copy_dQaccum, self.s2r_tiled_copy_dQaccum, self.gmem_tiled_copy_dQ
 
     @cute.kernel
     def kernel(
