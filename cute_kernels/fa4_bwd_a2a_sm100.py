@@ -31,7 +31,10 @@ Ordering as on SM90: no kernel waits for its remote writes; the barrier kernel l
 last postprocess on the same stream publishes them (cute_kernels/signal.py).
 
 Status (2026-12-05): compiled for sm_100a on CPU only (tests/cpu/test_bwd_a2a_compile_sm100.py); it
-has not run on a Blackwell GPU (none is lent). tests/gpu/test_bwd_a2a.py checks it against FA4's own
+has not run on a Blackwell GPU (none is lent). ptxas 13.0 (sm_100a, 2026-12-05): the main kernel uses 128
+registers; D 128 with 2-CTA MMA spills 8 bytes, as FA4's own kernel of that configuration does (8 bytes
+with its TMA epilogue, 16 with its per-thread one); D 128 1-CTA and D 64 spill none; the postprocesses
+58-96 registers, no spill. tests/gpu/test_bwd_a2a.py checks it against FA4's own
 SM100 backward moved by the reference exchange on an SM100 device.
 """
 
