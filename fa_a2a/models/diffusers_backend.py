@@ -402,11 +402,51 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
     _agree_grad(cp, grad)
     if grad and (refusal := _grad_refusal(name, cp, reason, return_lse)) is not None:
         raise refusal
+    refusal = _templated_refusal(cp, query, key, attn_mask)
+    if refusal is not None:
+        raise refusal
+    if cp.ulysses_anything and attn_mask is not None and attn_mask.shape[-1] == key.shape[1]:
+        attn_mask = _gathered_key_mask(attn_mask, cp._ulysses_mesh.get_group())
     _log_once(name, reason)
     count_route(name, "templated")
     return _templated_context_parallel_attention(
         query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, return_lse,
         forward_op=_local_forward_op, backward_op=_local_backward_op, _parallel_config=parallel_config)
+
+
+def _templated_refusal(cp, query, key, attn_mask) -> Optional[ValueError]:
+    """What diffusers' templated route would get wrong or fail on unclearly, as a ValueError naming it
+    (the same facts on every rank, so every rank raises it): its ring attention hands the rank's own
+    key mask to every rank's K/V chunk (wrong numbers), and its Ulysses attention reshapes the heads
+    into ulysses_degree parts (a RuntimeError from a reshape when they do not divide)."""
+    if cp.ring_degree > 1 and attn_mask is not None:
+        return ValueError("attn_mask: diffusers' ring attention (ring_degree > 1) applies a rank's key mask to "
+                          "every rank's K/V chunk, so a masked call would be wrong; not supported (ring_degree 1 "
+                          "takes the mask)")
+    if not cp.ulysses_anything and cp.ulysses_degree > 1:
+        for name, t in (("query", query), ("key", key)):
+            if t.shape[2] % cp.ulysses_degree:
+                return ValueError(f"{name}: {t.shape[2]} heads do not split over ulysses_degree "
+                                  f"{cp.ulysses_degree} on diffusers' templated route (taken for a mask, K/V of "
+                                  f"another length or return_lse); pass ulysses_anything=True or drop that")
+    return None
+
+
+def _gathered_key_mask(mask: torch.Tensor, group) -> torch.Tensor:
+    """A key mask [..., S_k_loc] of every rank -> the full [..., S_k], each rank's part at its own length.
+    diffusers' ulysses_anything route gathers it padded to the longest part and trims only the end,
+    which is right only when the short parts are the last ones (2 ranks; not 3 + 2 + 2): given the full
+    mask it gathers nothing."""
+    import torch.distributed as dist
+
+    n = torch.tensor([mask.shape[-1]], device=mask.device)
+    sizes = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    sizes = [int(x) for x in sizes]
+    padded = torch.nn.functional.pad(mask, (0, max(sizes) - mask.shape[-1]))
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p[..., :k] for p, k in zip(parts, sizes)], dim=-1)
 
 
 def _make_backend(name: str, impl: str):
