@@ -63,7 +63,8 @@ from cute_kernels.limits import EPS
 
 from fa_a2a.op import traced_refusals
 from fa_a2a.engine.problem import (BLOCK_IMPLS, check_call, check_no_overlap, check_tensor, checked_and_agreed, lookup,
-                                   refuse_on_every_rank, remember, signature_fields, signature_word, split_impl)
+                                   joint_check, refuse_on_every_rank, remember, signature_fields, signature_word,
+                                   split_impl)
 from fa_a2a.engine.projection import _emulated_blocks, _rank_block, _rope_source, segment_writes
 
 __all__ = ["TorchQKV", "block_weights", "ulysses_qkv_attention", "ulysses_qkv_attention_emulated",
@@ -692,7 +693,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
             # (fa_a2a.engine.projection._rank_block)
             remember(hashable, entry)
         problem, fields, word, calls = entry
-        if collective and "joint_data" in fields:  # FA_A2A_CHECK_JOINT=1: this call's joint rows
+        if collective and joint_check(joint is not None, fields):  # FA_A2A_CHECK_JOINT=1: this call's joint rows
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
             word = signature_word(fields)
         segs = _rank_segments(x, proj, rotary)

@@ -82,22 +82,38 @@ class Channel:
         self.timeout_s = env.seconds(timeout_s, "timeout_s")
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.store = dist.distributed_c10d._get_default_store()
-        self.prefix = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
+        base = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
+        # A generation per construction over these ranks: a store can outlive its process groups
+        # (torchrun's agent store), and a channel built after destroy_process_group and a new init must
+        # not read the keys of the one before (every rank adds 1 once per construction, together)
+        generation = (self.store.add(f"{base}/generation", 1) - 1) // self.world_size
+        self.prefix = f"{base}/{generation}"
         self.calls = 1  # tags start at 1: the file's initial zeros match no call
         self._rows = self._map_shared()  # the two rows of P slots (memoryviews), or None: all_gather
         self.kind = "shared memory" if self._rows is not None else "all_gather"
 
     # ---- set-up (through the store) ------------------------------------------------------------------
-    def _wait(self, keys: list) -> None:
+    def _timeout(self) -> float:
+        """FA_A2A_TIMEOUT_S as it is when a wait begins (a value set after the channel was built counts),
+        else the channel's own (unset, or a bad value: the call's own checks refuse that by name)."""
+        if os.environ.get("FA_A2A_TIMEOUT_S") is None:
+            return self.timeout_s
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+            return env.timeout_s()
+        except ValueError:
+            return self.timeout_s
+
+    def _wait(self, keys: list) -> None:
+        timeout_s = self._timeout()
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
         except Exception as e:  # the store's own timeout error type differs between torch versions
             missing = [k for k in keys if not self.store.check([k])]
             absent = [f"rank {g}" for s, g in enumerate(self.global_ranks)
                       if not self.store.check([f"{self.prefix}/host/{s}"])]  # every rank's first key
             who = f"{', '.join(absent)} never reached it" if absent else f"waiting for {missing[:4]}"
             raise TimeoutError(f"fa_a2a: the ranks of group ranks {list(self.global_ranks)} did not meet at fa-a2a's "
-                               f"per-call agreement within {self.timeout_s:.0f} s: {who} (a rank that stopped "
+                               f"per-call agreement within {timeout_s:.0f} s: {who} (a rank that stopped "
                                f"calling, raised before its call, or runs another attention backend): {e}") from None
 
     def _map_shared(self) -> Optional[tuple]:
@@ -162,12 +178,13 @@ class Channel:
             # waiting past ~20 us: between reads, yield the core to whoever waits for it (the
             # late rank, where ranks outnumber cores), and past 1 ms sleep; give up after timeout_s
             now = time.monotonic()
-            start = start or now
-            if now - start > self.timeout_s:
+            if start is None:
+                start, timeout_s = now, self._timeout()
+            if now - start > timeout_s:
                 late = [s for s, v in enumerate(vals) if not lo <= v < lo + _WORDS]
                 raise TimeoutError(
                     f"fa_a2a: rank(s) {late} of {P} did not reach call {c} over group ranks "
-                    f"{list(self.global_ranks)} within {self.timeout_s:.0f} s (they stopped calling, or call "
+                    f"{list(self.global_ranks)} within {timeout_s:.0f} s (they stopped calling, or call "
                     "with another process group); set FA_A2A_TIMEOUT_S to wait longer")
             if now - start < 1e-3:
                 os.sched_yield()

@@ -4,7 +4,9 @@ Each variable is read where it is used, through its parser here (a value set aft
 and a bad value raises ValueError naming the variable: "FA_A2A_TIMEOUT_S: expected ..., got 'abc'".
 fa_a2a.engine.problem.check_call reads every one (check_settings) with every new call signature, inside the
 call's local checks, so a bad value on one rank reaches every rank as the same ValueError before anything
-waits on it (ulysses.channel builds its channel with the default timeout then, to carry it).
+waits on it (ulysses.channel builds its channel with the default timeout then, to carry it; a channel
+reads FA_A2A_TIMEOUT_S again whenever a wait begins, and the per-call agreement FA_A2A_CHECK_JOINT every
+call with joint rows).
 
   FA_A2A_TIMEOUT_S         seconds a rank waits for its peers (the per-call agreement, barriers): default 30
   FA_A2A_SETUP_TIMEOUT_S   seconds a transport's collective set-up waits: default 300

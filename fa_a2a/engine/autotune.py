@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -158,7 +159,11 @@ def read_record(key: Mapping, labels: Sequence[str]) -> Optional[Choice]:
         return None
     if not isinstance(data, dict) or data.get("key") != dict(key) or data.get("label") not in labels:
         return None
-    times = data.get("times") if isinstance(data.get("times"), dict) else None
+    times = data.get("times")
+    if times is not None and not (isinstance(times, dict) and all(
+            t in labels and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            for t, v in times.items())):
+        return None  # a foreign or damaged record: measured again (and written over)
     return Choice(data["label"], "disk", times, reason="read from disk, not measured")
 
 

@@ -496,20 +496,24 @@ def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
 
 
 # ---- the backward -------------------------------------------------------------------------------------
-def _agree_backward(spec: Spec, group) -> None:
-    """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes,
-    its path (fused or the exchanges: they meet in different collectives) and FA4's deterministic mode
-    (the fused backward's first build lines the ranks up per mode)."""
+def _agree_backward(spec: Spec, saved: Saved, group) -> None:
+    """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes
+    (the layout's, and the saved q's batch, head dim and dtype: two calls whose backwards run in
+    another order on each rank must not meet in exchanges of the same size), its path (fused or the
+    exchanges: they meet in different collectives) and FA4's deterministic mode (the fused
+    backward's first build lines the ranks up per mode)."""
     from .problem import agree_call, signature_word
 
     deterministic = torch.are_deterministic_algorithms_enabled()
-    key = (spec, group.group_name, deterministic)
+    B, _, _, D = saved.q.shape
+    key = (spec, group.group_name, deterministic, B, D, saved.q.dtype)
     entry = _backward_words.get(key)
     if entry is None:
         lay = spec.layout
         fields = dict(entry="ulysses_attention (backward)", group=group.group_name, world_size=lay.world_size,
-                      seq_len=lay.seq_len, shard_rows=lay.shard_rows, num_heads=lay.num_heads,
-                      num_kv_heads=lay.num_kv_heads, joint_len=lay.joint_len, causal=spec.causal,
+                      seq_len=lay.seq_len, shard_rows=lay.shard_rows, batch=B, num_heads=lay.num_heads,
+                      num_kv_heads=lay.num_kv_heads, head_dim=D, dtype=str(saved.q.dtype).replace("torch.", ""),
+                      joint_len=lay.joint_len, causal=spec.causal,
                       softmax_scale=spec.scale, impl="fused backward" if spec.fused else "exchange backward",
                       deterministic=deterministic)
         entry = _backward_words[key] = (fields, signature_word(fields))
@@ -680,7 +684,7 @@ def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=
     computes itself (_FusedRank.project_dout), the exchanges' in torch."""
     lay = spec.layout
     if group is not None:
-        _agree_backward(spec, group)
+        _agree_backward(spec, saved[0], group)
     if spec.fused:
         return _fused_backward(spec, ranks, saved, douts, rows, group, project)
     if project is not None:

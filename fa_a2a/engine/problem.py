@@ -41,7 +41,7 @@ from ulysses import channel as host_channel, env
 from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
-           "check_joint", "check_no_overlap", "check_settings", "agree_call", "checked_and_agreed",
+           "check_joint", "check_no_overlap", "check_settings", "agree_call", "checked_and_agreed", "joint_check",
            "signature_fields", "signature_word"]
 
 IMPLS = ("auto", "fused", "serial", "nccl", "reference")
@@ -331,6 +331,13 @@ def signature_fields(problem: Problem, entry: str, group_name: str, joint, requi
     return fields
 
 
+def joint_check(has_joint: bool, fields: dict) -> bool:
+    """Whether a call's cached signature fields must be built again for its joint data: when
+    FA_A2A_CHECK_JOINT is on now (read every call: a value set after a signature's first call counts)
+    or was on when they were built."""
+    return has_joint and (env.check_joint() or "joint_data" in fields)
+
+
 def signature_word(fields: dict) -> int:
     """A deterministic non-zero 47-bit hash of the fields (Python's hash() differs between processes)."""
     from ulysses.channel import WORD_BITS
@@ -437,7 +444,7 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
             entry = remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
         problem, has_joint, fields, word = entry
         joint_out = tuple(joint) if has_joint else None
-        if collective and "joint_data" in fields:  # debugging aid: this call's joint data
+        if collective and joint_check(has_joint, fields):  # debugging aid: this call's joint data
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out, grad)
             word = signature_word(fields)
         return (problem, joint_out), fields, word

@@ -406,7 +406,7 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
     transport.host_barrier = lambda *a, **kw: meet.wait()
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
     agreed = []
-    monkeypatch.setattr(fab, "_agree_backward", lambda spec, group: agreed.append((spec, group.group_name)))
+    monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group: agreed.append((spec, group.group_name)))
     for name in ("all_to_all_single", "all_reduce", "barrier", "all_gather"):
         monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("a torch.distributed collective ran"))
     poison_windows(transport, p)
@@ -446,17 +446,22 @@ def test_backward_agreement_names_its_path_and_mode(monkeypatch):
     monkeypatch.setattr(engine_problem, "agree_call", lambda fields, word, error, group: seen.append((fields, word)))
     monkeypatch.setattr(fab, "_backward_words", {})
     lay = layout(2, 20, 4, 2)
-    fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), _Group())
-    fab._agree_backward(fab.Spec(lay, False, 0.125, True, False), _Group())
+    saved = fab.Saved(torch.empty(1, 20, 2, 64, dtype=torch.bfloat16), None, None, None, None)
+    fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), saved, _Group())
+    fab._agree_backward(fab.Spec(lay, False, 0.125, True, False), saved, _Group())
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), _Group())
+        fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), saved, _Group())
     finally:
         torch.use_deterministic_algorithms(False)
-    (f0, w0), (f1, w1), (f2, w2) = seen
+    # the saved q's batch, head dim and dtype (two calls' exchanges of the same size must not meet)
+    for q in (torch.empty(2, 20, 2, 32, dtype=torch.bfloat16), torch.empty(1, 20, 2, 64, dtype=torch.float16)):
+        fab._agree_backward(fab.Spec(lay, False, 0.125, True, True), saved._replace(q=q), _Group())
+    (f0, w0), (f1, w1), (f2, w2), (f3, w3), (f4, w4) = seen
     assert (f0["impl"], f1["impl"]) == ("fused backward", "exchange backward")
     assert (f0["deterministic"], f2["deterministic"]) == (False, True)
-    assert len({w0, w1, w2}) == 3
+    assert (f3["batch"], f3["head_dim"], f4["dtype"]) == (2, 32, "float16")
+    assert len({w0, w1, w2, w3, w4}) == 5
     assert engine_problem._ARGUMENT["impl"] == "impl"  # a disagreement on the path names the argument
 
 

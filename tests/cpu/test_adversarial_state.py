@@ -1,0 +1,199 @@
+"""State across calls (a hostile pass, 2026-12-05): caches, plans, groups, autograd and settings that an
+earlier call leaves behind must not make a later call silently wrong, hang, or fail with an unclear error
+(each test here found one that did). Every numeric check is against a plain fp64 torch oracle of the
+unsplit sequence."""
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fa_a2a import ulysses_attention
+from tests.multiproc import spawn_with_deadline
+
+
+def _oracle(q, k, v, scale=None):
+    """fp64 softmax(q k^T * scale) v for q [B, S, H, D], k/v [B, S, H_kv, D] (GQA by repeat)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(g, 2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+def _full(seed, B, S, H, D, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, H, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
+
+
+def _run_ranks(case, P=2, *args, deadline_s=90, env=None):
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_with_deadline(_worker, (case, P, os.path.join(tmp, "init"), args, env or {}), P, deadline_s,
+                            case.__name__)
+
+
+def _worker(rank, case, P, init_file, args, env):
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        case(rank, P, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- backward order: two calls whose backwards move the same bytes -----------------------------------------
+def _oracle_grads(full, S_loc, rank, scale=None):
+    """fp64 grads of sum(out * w) on this rank's rows w.r.t. the full inputs' rows of this rank, summed over
+    every rank's loss (each rank backpropagates its own rows; the exact gradient of the whole loss)."""
+    xs = [t.double().requires_grad_() for t in full]
+    o = _oracle(*xs, scale=scale)
+    (o * _weights(o.shape)).sum().backward()
+    return [x.grad[:, rank * S_loc:(rank + 1) * S_loc] for x in xs]
+
+
+def _weights(shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+
+
+def _swapped_backward_order(rank, P, impl):
+    """Calls A (B=2, D=8) and B (B=1, D=16) move the same bytes; rank 0 runs A's backward first, rank 1 B's."""
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    S_loc, H = 4, 2
+    cases = {"A": (2, 8), "B": (1, 16)}
+    fulls, outs, shards = {}, {}, {}
+    for name, (B, D) in cases.items():
+        fulls[name] = _full(ord(name), B, P * S_loc, H, D)
+        shards[name] = [t[:, rank * S_loc:(rank + 1) * S_loc].clone().requires_grad_() for t in fulls[name]]
+        outs[name] = ulysses_attention(*shards[name], impl=impl, softmax_scale=0.3)
+    order = ("A", "B") if rank == 0 else ("B", "A")
+    try:
+        for name in order:
+            o = outs[name]
+            w = _weights((o.shape[0], P * S_loc) + tuple(o.shape[2:]))[:, rank * S_loc:(rank + 1) * S_loc]
+            (o * w.to(o.dtype)).sum().backward()
+    except (ValueError, TimeoutError, RuntimeError) as e:  # refused: fine, as long as it names the mismatch
+        assert isinstance(e, ValueError), f"rank {rank}: an unclear error for backwards in another order: {e!r}"
+        return
+    for name in cases:
+        want = _oracle_grads(fulls[name], S_loc, rank, 0.3)
+        for x, g in zip(shards[name], want):
+            err = (x.grad.double() - g).abs().max().item()
+            assert err < 1e-4, f"rank {rank}: call {name}'s gradients are wrong by {err} (backwards swapped)"
+
+
+@pytest.mark.parametrize("impl", ["reference", "nccl"])
+def test_backwards_run_in_another_order_on_each_rank_are_refused_not_mixed(impl):
+    """The backward's agreement omits B, D and dtype: swapped backwards of equal byte counts exchange each other's data."""
+    _run_ranks(_swapped_backward_order, 2, impl, deadline_s=90)
+
+
+# ---- destroy_process_group, then a new group in the same processes (torchrun's agent store persists) ------
+def _agent_store_worker(rank, P, port, case):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT="0", RANK=str(rank), WORLD_SIZE=str(P), FA_A2A_TIMEOUT_S="8")
+    torch.set_num_threads(1)
+    for session in range(2):
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=20))
+        try:
+            case(rank, P, session)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def _run_on_agent_store(case, P=2, deadline_s=60):
+    """Ranks that init over env:// on a store that outlives their process groups (torchrun's agent store,
+    TORCHELASTIC_USE_AGENT_STORE), two sessions of init / destroy_process_group in the same processes."""
+    server = dist.TCPStore("127.0.0.1", 0, P + 1, is_master=True, wait_for_workers=False)
+    spawn_with_deadline(_agent_store_worker, (P, server.port, case), P, deadline_s, case.__name__)
+
+
+def _disagreements_in_two_sessions(rank, P, session):
+    q = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        ulysses_attention(q, q, q, impl="reference")  # call 1: agreed
+        if session == 0:  # call 2: causal differs
+            kw, name = dict(causal=rank == 0), "causal"
+        else:  # call 2 of the new group: softmax_scale differs
+            kw, name = dict(softmax_scale=0.5 if rank == 0 else None), "softmax_scale"
+            if rank == 0:  # a rank descheduled for a moment after the exchange: rank 1 reads the store first
+                from ulysses.channel import Channel
+
+                gather = Channel.gather_messages
+                Channel.gather_messages = lambda self, message: (time.sleep(1.0), gather(self, message))[1]
+        with pytest.raises(ValueError) as info:
+            ulysses_attention(q, q, q, impl="reference", **kw)
+        assert str(info.value).startswith(f"{name}: expected the same value on every rank"), \
+            f"session {session}, rank {rank}: {info.value}"
+        out = ulysses_attention(q, q, q, impl="reference")
+        assert torch.isfinite(out).all()
+
+
+def test_a_new_group_after_destroy_does_not_read_the_old_groups_messages():
+    """After destroy + init on a persisting store, a disagreement must be named from this call's values, not stale keys."""
+    _run_on_agent_store(_disagreements_in_two_sessions)
+
+
+# ---- impl="auto" records on disk -------------------------------------------------------------------------------
+@pytest.mark.parametrize("times", [{"serial": "fast"}, {"serial": None}, {"serial": [1.0]}])
+def test_a_corrupted_auto_record_is_ignored_not_a_type_error(monkeypatch, tmp_path, times):
+    """A record on disk whose times are not numbers (hand-edited, another version's) crashes every first call."""
+    import json
+
+    from fa_a2a.engine import autotune
+    from tests.cpu.test_autotune import FakeTransport, _problem
+
+    monkeypatch.setenv("FA_A2A_CACHE_DIR", str(tmp_path))
+    problem, transport = _problem(), FakeTransport({})
+    key = autotune.record_key(problem, transport)
+    path = autotune._record_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(key=key, label="serial", times=times)))
+    monkeypatch.setattr(autotune, "_decisions", {})
+    choice = autotune.read_record(key, ("fused:tma", "fused:st", "serial"))
+    assert choice is None or isinstance(choice.describe(), str)  # decide() logs choice.describe()
+
+
+# ---- FA_A2A_* variables changed between calls --------------------------------------------------------------------
+def _check_joint_turned_on_later(rank, P):
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    S_loc, H, D = 4, 2, 8
+    q = torch.randn(1, S_loc, H, D, generator=torch.Generator().manual_seed(rank))
+    joint = [torch.randn(1, 3, H, D, generator=torch.Generator().manual_seed(7)) for _ in range(3)]
+    with torch.no_grad():
+        ulysses_attention(q, q, q, joint=joint, impl="reference")  # the signature cached, FA_A2A_CHECK_JOINT off
+        os.environ["FA_A2A_CHECK_JOINT"] = "1"  # e.g. set from a debugger or by the training script later on
+        mixed = [t + rank for t in joint]
+        with pytest.raises(ValueError, match=r"^joint \(data checksum"):
+            ulysses_attention(q, q, q, joint=mixed, impl="reference")
+
+
+def test_check_joint_set_after_the_first_call_checks_the_joint_data():
+    """FA_A2A_CHECK_JOINT=1 set after a signature's first call is never read for it: different joint data runs."""
+    _run_ranks(_check_joint_turned_on_later, 2, deadline_s=60)
+
+
+def _timeout_lowered_later(rank, P):
+    q = torch.randn(1, 4, 2, 8)
+    with torch.no_grad():
+        ulysses_attention(q, q, q, impl="reference")  # the channel built with the default timeout (30 s)
+        os.environ["FA_A2A_TIMEOUT_S"] = "2"
+        if rank == 1:
+            time.sleep(12)  # rank 1 stops calling for a while
+            return
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            ulysses_attention(q, q, q, impl="reference")
+        took = time.monotonic() - t0
+        assert took < 8, f"FA_A2A_TIMEOUT_S=2 set after the first call: the wait lasted {took:.1f} s"
+
+
+def test_timeout_set_after_the_first_call_bounds_the_wait():
+    """FA_A2A_TIMEOUT_S is read once, when a group's channel is built: a later value is ignored (waits 30 s)."""
+    _run_ranks(_timeout_lowered_later, 2, deadline_s=80)
