@@ -83,6 +83,18 @@ def check_attention(out, ref, base, atol: float, what: Optional[object] = None) 
     assert err <= 2 * base_err + atol, (what, err, base_err)
 
 
+def fp64_attention(q, k, v, scale=None, mask=None):
+    """A plain fp64 oracle, independent of the library: softmax(q k^T * scale) v for q [B, S, H, D], k/v
+    [B, S_k, H_kv, D] (GQA by repeat); mask: boolean (True keeps) or additive, broadcast to [B, H, S, S_k]."""
+    q, k, v = (t.double() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(g, 2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
 @contextlib.contextmanager
 def deterministic():
     """torch.use_deterministic_algorithms on (FA4's deterministic backward) for the block, off after."""

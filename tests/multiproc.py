@@ -68,6 +68,26 @@ def spawn_with_deadline(worker, args: tuple, nprocs: int, deadline_s: float, wha
         pytest.fail(f"{what}:\n" + "\n".join(failures))
 
 
+def run_gloo_case(case, P: int = 2, *args, deadline_s: float = 90, env: dict = None, may_abort: tuple = ()) -> None:
+    """case(rank, P, *args) on P gloo ranks (spawned CPU processes, a file init), each with `env` set
+    first, under spawn_with_deadline (a hang or a rank's error fails the test)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_with_deadline(_gloo_case_worker, (case, P, os.path.join(tmp, "init"), args, env or {}), P, deadline_s,
+                            case.__name__, may_abort=may_abort)
+
+
+def _gloo_case_worker(rank, case, P, init_file, args, env):
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        case(rank, P, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _enter_mps(stack: contextlib.ExitStack) -> None:
     if os.environ.get("FA_A2A_TEST_MPS") == "0" or not mps_available():
         return

@@ -3,9 +3,7 @@ ValueError naming the argument (the same on every rank where ranks are involved)
 no hang, no file left in /dev/shm. One test per item; multi-rank cases run gloo ranks under a hard
 deadline (tests.multiproc.spawn_with_deadline)."""
 
-import datetime
 import os
-import tempfile
 import time
 
 import pytest
@@ -15,29 +13,13 @@ from torch import nn
 
 from fa_a2a import block
 from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
-from tests.multiproc import spawn_with_deadline
+from tests.multiproc import run_gloo_case
 
 BF16 = torch.bfloat16
 
 
 def _linears(c_in=64, c_out=256, n=3):
     return [nn.Linear(c_in, c_out, dtype=BF16) for _ in range(n)]
-
-
-def _run_ranks(case, P=2, *args, deadline_s=90, may_abort=()):
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_with_deadline(_worker, (case, P, os.path.join(tmp, "init"), args), P, deadline_s, case.__name__,
-                            may_abort=may_abort)
-
-
-def _worker(rank, case, P, init_file, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        case(rank, P, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 # ---- from_linear with q/k norms the epilogue cannot compute -------------------------------------------------
@@ -121,7 +103,7 @@ def _block_joint_data(rank, P):
 
 
 def test_block_joint_rows_are_checked_with_check_joint():
-    _run_ranks(_block_joint_data, 2, deadline_s=60)
+    run_gloo_case(_block_joint_data, 2, deadline_s=60)
 
 
 # ---- different token counts fed to a diffusers model -------------------------------------------------------
@@ -162,7 +144,7 @@ def _token_counts(rank, P):
 
 def test_ranks_fed_different_token_counts_are_refused_on_every_rank():
     pytest.importorskip("diffusers")
-    _run_ranks(_token_counts)
+    run_gloo_case(_token_counts)
 
 
 def _anything_on_one_rank(rank, P):
@@ -196,7 +178,7 @@ def _anything_on_one_rank(rank, P):
 
 def test_ulysses_anything_on_one_rank_is_named_on_both_ranks():
     pytest.importorskip("diffusers")
-    _run_ranks(_anything_on_one_rank)
+    run_gloo_case(_anything_on_one_rank)
 
 
 # ---- FA_A2A_* variables ---------------------------------------------------------------------------------------
@@ -238,7 +220,7 @@ def _one_rank_bad_timeout(rank, P, value):
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc"])
 def test_a_bad_timeout_on_one_rank_reaches_every_rank(value):
-    _run_ranks(_one_rank_bad_timeout, 2, value, deadline_s=60)
+    run_gloo_case(_one_rank_bad_timeout, 2, value, deadline_s=60)
 
 
 def _channel_left_midway(rank, P):
@@ -247,7 +229,7 @@ def _channel_left_midway(rank, P):
     from ulysses.channel import Channel, _host_id
 
     group = dist.group.WORLD
-    prefix = f"fa_a2a/channel/{','.join(map(str, range(P)))}"
+    prefix = f"fa_a2a/channel/{','.join(map(str, range(P)))}/0"  # (the ranks' first channel: generation 0)
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         with pytest.raises(TimeoutError, match="did not meet"):
@@ -260,7 +242,7 @@ def _channel_left_midway(rank, P):
 
 
 def test_channel_files_are_removed_when_set_up_fails():
-    _run_ranks(_channel_left_midway, 2, deadline_s=60)
+    run_gloo_case(_channel_left_midway, 2, deadline_s=60)
 
 
 # ---- from_linear arguments: world_size, out_features ----------------------------------------------------------

@@ -14,19 +14,10 @@ import torch
 pytest.importorskip("diffusers")
 
 from fa_a2a.models import diffusers_backend as backend  # noqa: E402
+from tests.helpers import fp64_attention  # noqa: E402
 from tests.multiproc import spawn_with_deadline  # noqa: E402
 
 ATOL = 1e-5
-
-
-def _oracle(q, k, v, mask=None):
-    """fp64 softmax(q k^T / sqrt(D) + mask) v; q [B, Sq, H, D], k/v [B, Sk, H, D]; mask bool (True: keep)
-    or additive, broadcast against [B, H, Sq, Sk]."""
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
-    return (s.softmax(-1) @ v).transpose(1, 2)
 
 
 def _tiny_flux():
@@ -72,7 +63,7 @@ def _masked_call(rank, world, cfg, S, split):
     q, k, v = (torch.randn(2, S, 6, 8, generator=g) for _ in range(3))
     keep = torch.rand(2, S, generator=g) > 0.3
     keep[:, 0] = True
-    want = split(_oracle(q, k, v, keep[:, None, None, :]), 1)
+    want = split(fp64_attention(q, k, v, mask=keep[:, None, None, :]), 1)
     out = dispatch_attention_fn(split(q, 1), split(k, 1), split(v, 1), attn_mask=split(keep, 1),
                                 backend="fa_a2a_reference", parallel_config=cfg)
     return out, want
@@ -201,7 +192,7 @@ def _odd_heads_worker(rank, world, init_file):
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"rank {rank}: 3 heads on 2 ranks with a mask raised {type(e).__name__}: {e} "
                         "(expected a right answer or a ValueError naming the heads)")
-        err = (out.double() - shard(_oracle(q, k, v, keep[:, None, None, :]))).abs().max().item()
+        err = (out.double() - shard(fp64_attention(q, k, v, mask=keep[:, None, None, :]))).abs().max().item()
         assert err <= ATOL, f"rank {rank}: max error {err:.3g}"
     finally:
         dist.destroy_process_group()

@@ -1,9 +1,7 @@
 """What a second hostile pass found (2026-12-05): inputs for which a CPU-runnable path gave a silent wrong
 answer or an unclear error, each now right or refused by name on every rank. Every numeric check is
 against a plain fp64 torch oracle."""
-import datetime
 import os
-import tempfile
 
 import pytest
 import torch
@@ -12,15 +10,8 @@ from torch import nn
 
 from fa_a2a import ulysses_attention
 from fa_a2a.block import UlyssesQKVAttention
-
-
-def _oracle(q, k, v, scale=None):
-    """fp64 softmax(q k^T * scale) v for q [B, S, H, D], k/v [B, S, H_kv, D] (GQA by repeat)."""
-    q, k, v = (t.double() for t in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    k, v = (t.repeat_interleave(g, 2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+from tests.helpers import fp64_attention
+from tests.multiproc import run_gloo_case
 
 
 def test_from_linear_module_follows_weights_updated_through_data():
@@ -33,7 +24,7 @@ def test_from_linear_module_follows_weights_updated_through_data():
 
     def want():
         q, k, v = (layer(x).unflatten(-1, (H, D)) for layer in (lq, lk, lv))
-        return _oracle(q, k, v)
+        return fp64_attention(q, k, v)
 
     with torch.no_grad():
         assert (module(x).double() - want()).abs().max() < 1e-5
@@ -53,7 +44,7 @@ def test_compiled_from_linear_module_follows_an_in_place_weight_update():
 
     def want():
         q, k, v = (layer(x).unflatten(-1, (H, D)) for layer in (lq, lk, lv))
-        return _oracle(q, k, v)
+        return fp64_attention(q, k, v)
 
     with torch.no_grad():
         assert (compiled(x).double() - want()).abs().max() < 1e-5
@@ -73,7 +64,7 @@ def test_softmax_scale_beyond_fp32_range_is_refused_or_exact(dtype):
         assert "softmax_scale" in str(e)
         return
     assert not out.isnan().any(), "softmax_scale=1e39 returned NaN with no error"
-    assert (out.double() - _oracle(q, k, v, 1e39)).abs().max() < 1e-2
+    assert (out.double() - fp64_attention(q, k, v, 1e39)).abs().max() < 1e-2
 
 
 def test_double_backward_through_the_op_is_exact_or_refused():
@@ -91,7 +82,7 @@ def test_double_backward_through_the_op_is_exact_or_refused():
         (g ** 2).sum().backward()
         return w.grad
 
-    want = weight_grad(_oracle)
+    want = weight_grad(fp64_attention)
     try:
         got = weight_grad(lambda q, k, v: ulysses_attention(q, k, v))
     except RuntimeError as e:  # refused (e.g. once_differentiable's DelayedError): fine
@@ -119,23 +110,9 @@ def _one_rank_bad_argument(rank, P):
         dist.barrier()
 
 
-def _worker(rank, case, P, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        case(rank, P)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_bad_out_proj_weight_or_module_input_on_one_rank_reaches_every_rank():
     """ulysses_attention_out_proj / UlyssesAttention check locally before the agreement: the other ranks time out."""
-    from tests.multiproc import spawn_with_deadline
-
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_with_deadline(_worker, (_one_rank_bad_argument, 2, os.path.join(tmp, "init")), 2, 60,
-                            "one rank's bad argument")
+    run_gloo_case(_one_rank_bad_argument, 2, deadline_s=60)
 
 
 def test_reload_weights_after_a_data_write_reaches_the_fused_copies():
@@ -199,8 +176,4 @@ def _one_rank_bad_block_input(rank, P):
 
 
 def test_a_bad_block_input_on_one_rank_reaches_every_rank():
-    from tests.multiproc import spawn_with_deadline
-
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_with_deadline(_worker, (_one_rank_bad_block_input, 2, os.path.join(tmp, "init")), 2, 60,
-                            "one rank's bad block input")
+    run_gloo_case(_one_rank_bad_block_input, 2, deadline_s=60)

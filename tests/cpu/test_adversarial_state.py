@@ -4,7 +4,6 @@ earlier call leaves behind must not make a later call silently wrong, hang, or f
 unsplit sequence."""
 import datetime
 import os
-import tempfile
 import time
 
 import pytest
@@ -12,16 +11,8 @@ import torch
 import torch.distributed as dist
 
 from fa_a2a import ulysses_attention
-from tests.multiproc import spawn_with_deadline
-
-
-def _oracle(q, k, v, scale=None):
-    """fp64 softmax(q k^T * scale) v for q [B, S, H, D], k/v [B, S, H_kv, D] (GQA by repeat)."""
-    q, k, v = (t.double() for t in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    k, v = (t.repeat_interleave(g, 2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+from tests.multiproc import run_gloo_case, spawn_with_deadline
+from tests.helpers import fp64_attention
 
 
 def _full(seed, B, S, H, D, dtype=torch.float32):
@@ -29,30 +20,12 @@ def _full(seed, B, S, H, D, dtype=torch.float32):
     return [torch.randn(B, S, H, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
 
 
-def _run_ranks(case, P=2, *args, deadline_s=90, env=None):
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn_with_deadline(_worker, (case, P, os.path.join(tmp, "init"), args, env or {}), P, deadline_s,
-                            case.__name__)
-
-
-def _worker(rank, case, P, init_file, args, env):
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        case(rank, P, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 # ---- backward order: two calls whose backwards move the same bytes -----------------------------------------
 def _oracle_grads(full, S_loc, rank, scale=None):
     """fp64 grads of sum(out * w) on this rank's rows w.r.t. the full inputs' rows of this rank, summed over
     every rank's loss (each rank backpropagates its own rows; the exact gradient of the whole loss)."""
     xs = [t.double().requires_grad_() for t in full]
-    o = _oracle(*xs, scale=scale)
+    o = fp64_attention(*xs, scale=scale)
     (o * _weights(o.shape)).sum().backward()
     return [x.grad[:, rank * S_loc:(rank + 1) * S_loc] for x in xs]
 
@@ -90,7 +63,7 @@ def _swapped_backward_order(rank, P, impl):
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
 def test_backwards_run_in_another_order_on_each_rank_are_refused_not_mixed(impl):
     """The backward's agreement omits B, D and dtype: swapped backwards of equal byte counts exchange each other's data."""
-    _run_ranks(_swapped_backward_order, 2, impl, deadline_s=90)
+    run_gloo_case(_swapped_backward_order, 2, impl, deadline_s=90)
 
 
 # ---- destroy_process_group, then a new group in the same processes (torchrun's agent store persists) ------
@@ -176,7 +149,7 @@ def _check_joint_turned_on_later(rank, P):
 
 def test_check_joint_set_after_the_first_call_checks_the_joint_data():
     """FA_A2A_CHECK_JOINT=1 set after a signature's first call is never read for it: different joint data runs."""
-    _run_ranks(_check_joint_turned_on_later, 2, deadline_s=60)
+    run_gloo_case(_check_joint_turned_on_later, 2, deadline_s=60)
 
 
 def _timeout_lowered_later(rank, P):
@@ -196,4 +169,4 @@ def _timeout_lowered_later(rank, P):
 
 def test_timeout_set_after_the_first_call_bounds_the_wait():
     """FA_A2A_TIMEOUT_S is read once, when a group's channel is built: a later value is ignored (waits 30 s)."""
-    _run_ranks(_timeout_lowered_later, 2, deadline_s=80)
+    run_gloo_case(_timeout_lowered_later, 2, deadline_s=80)
