@@ -51,9 +51,10 @@ from fa_a2a.tools.bench_config import (CALL_SEQLENS, DEFAULT_SEQLENS, DEFAULT_WO
                                  H200_FA4_TFLOPS, H200_NUM_SMS, QUICK_SEQLENS, BenchConfig, load_platform)
 from fa_a2a.tools.bench_methods import BY_KEY, METHODS, _Point, not_applicable
 from fa_a2a.tools.bench_report import (_finite, _first_line, _git_commit, _Log, _tiles, _versions, derive, format_eager,
-                                 format_model, format_predictions, format_table, model_applies, model_row,
+                                 format_model, format_predictions, format_table, model_applies, model_row, window_dest,
                                  predictions, write_plots, write_result)
-from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_seqlens, rank_from_env
+from fa_a2a.tools.cli import (MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_out_dir, check_seqlens,
+                               rank_from_env)
 from fa_a2a.tools.xstage import US
 
 EMULATION_NOTE = (
@@ -212,6 +213,10 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
     if ns.methods and whole_call:
         raise ValueError("--methods: the whole-call benchmark under torchrun runs every method that applies; "
                          "--methods selects the kernel methods (one process, or torchrun with --per-kernel)")
+    if ns.platform is not None and whole_call:
+        raise ValueError("--platform: the whole-call benchmark under torchrun has no model column; the X-Stage "
+                         "predictions are the per-kernel benchmark's (one process, or torchrun with --per-kernel)")
+    check_out_dir(ns.out)
     methods = tuple(ns.methods) if ns.methods else tuple(keys)
     bad = [m for m in methods if m not in keys]
     if bad:
@@ -293,6 +298,11 @@ def _predict_without_gpu(cfg: BenchConfig) -> int:
     if "host" in cfg.dests:
         print(HOST_NOTE + (" The model below is of another path: give --platform of a host calibration."
                            if not model_applies(model, "host") or cfg.platform is None else ""))
+    other = [window_dest(cfg, d) for d in cfg.dests if not model_applies(model, window_dest(cfg, d))]
+    if cfg.platform is not None and other:
+        print(f"Note: the model ({source}) measured windows in {model.meta.get('dest')}, not in "
+              f"{' and '.join(other)}: its predictions below do not describe those (give --platform of their "
+              "calibration).")
     print(format_predictions(predictions(cfg, model, sigma, cfg.num_sms), source))
     print(f"Nothing written to {cfg.out} (only measurements are written), nor to the compile cache.")
     return 0
@@ -405,6 +415,7 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
                       barrier=ctx["barrier"], group=ctx["group"], monitor=monitor, progress=progress,
                       after_capture=poison)
     torch.cuda.synchronize()
+    mine = []
     for key in names:
         ok = True
         for f, t in zip(calls[key], outputs[key]):
@@ -412,10 +423,15 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
                 t = f()
                 torch.cuda.synchronize()
             ok = ok and _finite(t)
-        point["finite"][key] = ok
+        mine.append(0.0 if ok else 1.0)
+    # one verdict for every rank: rank 0 reports, and the eager timing's collectives need the same methods
+    bad = rank_max(torch.tensor(mine, dtype=torch.float64), ctx["group"]) if names else []
+    for key, b in zip(names, bad):
+        point["finite"][key] = ok = bool(b == 0)
         if not ok:
             status[key] = "non-finite output"
-            log(f"  {BY_KEY[key].label} at M={M} ({dest}): output has NaN/Inf after the run; its time is not reported")
+            log(f"  {BY_KEY[key].label} at M={M} ({dest}): output has NaN/Inf after the run (on some rank); its "
+                "time is not reported")
     point["raw_us"] = raw
     point["median_us"] = {m: median(raw[m]) for m in names if point["finite"][m]}
     eager = time_eager({m: calls[m] for m in point["median_us"]}, n_calls, EAGER_TRIALS,

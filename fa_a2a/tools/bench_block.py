@@ -50,7 +50,7 @@ import math
 import os
 import time
 
-from fa_a2a.tools.cli import add_block_shape_args, check_seqlens, no_gpu
+from fa_a2a.tools.cli import add_block_shape_args, check_out_dir, check_seqlens, no_gpu
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         ap.error(f"--heads: a multiple of --world-size {args.world_size} expected, got {args.heads}")
     try:
         check_seqlens(args.seqlens)
+        check_out_dir(args.out)
     except ValueError as e:
         ap.error(str(e))
 

@@ -625,12 +625,14 @@ def run_call_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     else:
         raw = eager_raw = time_batches(eager, n_calls, cfg.trials, cfg.warmup, before=align, group=group)
     del graphs
-    for key in ("serial", "fused", "fused_unpaced", "fused_st", "nccl", "auto", "block"):  # fresh outputs, checked once
-        # after the timing
-        if key in names:
-            point["finite"][key] = _finite(calls[key]())
-            if not point["finite"][key]:
-                log(f"  M={M} {CALL_BY_KEY[key].label}: output has NaN/Inf; its time is not reported")
+    checked = [k for k in ("serial", "fused", "fused_unpaced", "fused_st", "nccl", "auto", "block") if k in names]
+    # fresh outputs, checked once after the timing; one verdict for every rank (rank 0 reports, and the
+    # breakdown below meets in collectives)
+    bad = rank_max(torch.tensor([0.0 if _finite(calls[k]()) else 1.0 for k in checked], dtype=torch.float64), group)
+    for key, b in zip(checked, bad.tolist()):
+        point["finite"][key] = b == 0
+        if not point["finite"][key]:
+            log(f"  M={M} {CALL_BY_KEY[key].label}: output has NaN/Inf (on some rank); its time is not reported")
     rank_rows = None
     if steps is not None and "fused" in names and point["finite"]["fused"]:
         phases, launch = _breakdown(steps, n_calls, EAGER_TRIALS, align)

@@ -11,6 +11,7 @@ the plots into --out).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -176,28 +177,41 @@ def _fmt_test(result) -> str:
     return "undecided: " + ", ".join(result.undecided) + " (Q is a lower bound)"
 
 
+def q_loop_tiles(t, causal: bool) -> float:
+    """KV tiles one Q tile's loop walks: all of them, or with causal masking those up to its diagonal,
+    as the mean over the Q tiles (from ceil(tile_m / tile_n) for the first to all for the last)."""
+    if not causal:
+        return t.kv_tiles
+    n_q = math.ceil(t.seqlen / t.tile_m)
+    return sum(min(t.kv_tiles, math.ceil((i + 1) * t.tile_m / t.tile_n)) for i in range(n_q)) / n_q
+
+
 def predictions(cfg: BenchConfig, model: PlatformModel, sigma_us: float, num_sms: int) -> dict:
     """The Burst-Gap model's predictions for each M (times in us) with no measurement: the aligned
     burst V = K * Bt, the recovery gap G*, the Q-loop gap G(M) = KV tiles * sigma (its fixed part
-    dropped), the issue overhead per burst [V/R - G - T_iss0]+, the design test at G(M), and the
-    sufficient sequence length M_ub* = tile_n * G* / sigma."""
+    dropped; causal: the mean KV tiles up to the diagonal, q_loop_tiles), the issue overhead per burst
+    [V/R - G - T_iss0]+, the design test at G(M), and the sufficient sequence length M_ub* =
+    tile_n * G* / sigma (causal: sigma scaled by the Q-loop's share of the KV tiles)."""
     rows = []
     mub = None
     for M in cfg.seqlens:
         t = _tiles(cfg, M, num_sms)
         V = t.volume
-        gap_s = t.kv_tiles * sigma_us * US
-        mub = model.fa_min_seqlen(V, sigma_us * US, t.tile_n)
+        share = q_loop_tiles(t, cfg.causal) / t.kv_tiles
+        gap_s = t.kv_tiles * share * sigma_us * US
+        mub = model.fa_min_seqlen(V, sigma_us * share * US, t.tile_n)
         rows.append({"M": M, "K": t.producers, "volume_bytes": V, "gap_us": gap_s / US,
                      "recovery_gap_us": model.recovery_gap(V) / US,
                      "issue_overhead_us": model.issue_overhead(V, gap_s) / US,
                      "design_test": _fmt_test(model.design_test(V, gap_s)), "m_ub": mub})
-    return {"sigma_us": sigma_us, "num_sms": num_sms, "rows": rows, "m_ub": mub}
+    return {"sigma_us": sigma_us, "num_sms": num_sms, "rows": rows, "m_ub": mub, "causal": cfg.causal}
 
 
 def format_predictions(pred: dict, source: str) -> str:
+    causal = " (causal: a Q tile's loop runs to its diagonal; G is the mean over the Q tiles)" if pred.get(
+        "causal") else ""
     lines = [f"Burst-Gap model predictions (platform: {source}; Q-loop {pred['sigma_us']:.3f} us per KV tile, "
-             f"K <= {pred['num_sms']} SMs). Model output, not measurements:",
+             f"K <= {pred['num_sms']} SMs){causal}. Model output, not measurements:",
              "| M | K | V (KiB) | Q-loop gap G (us) | G* (us) | issue overhead per burst (us) "
              "| design test at G | M_ub* |",
              "|---|---|---|---|---|---|---|---|"]
@@ -208,15 +222,23 @@ def format_predictions(pred: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-_MODEL_DEST = {"hbm": "hbm", "local": "hbm", "cuda-ipc": "hbm", "ipc": "hbm", "host": "host"}
+_MODEL_DEST = {"hbm": "hbm", "local": "hbm", "cuda-ipc": "hbm", "ipc": "hbm", "host": "host", "peer": "peer"}
 
 
 def model_applies(model: Optional[PlatformModel], dest: str) -> bool:
-    """A calibration describes the destination it measured (meta "dest"); one without says nothing."""
+    """A calibration describes the destination it measured (meta "dest"); one without says nothing. A
+    calibration of another GPU's memory (calibrate --dest peer) describes neither the rows' own HBM nor
+    pinned host memory: it applies to rows of dest "peer" only."""
     if model is None:
         return False
     measured = _MODEL_DEST.get(str(model.meta.get("dest")))
     return measured is None or measured == dest
+
+
+def window_dest(cfg: BenchConfig, dest: str) -> str:
+    """What the windows of a row are, as a calibration names it: real ranks store into other processes'
+    windows ("peer": another GPU's memory on a machine of several), emulated ranks into `dest`."""
+    return "peer" if cfg.real_ranks else dest
 
 
 def model_row(p: dict, cfg: BenchConfig, model: Optional[PlatformModel], num_sms: int) -> Optional[dict]:
@@ -234,7 +256,7 @@ def model_row(p: dict, cfg: BenchConfig, model: Optional[PlatformModel], num_sms
            "gap_us": fa / t.waves, "e_res_us": p["derived"].get("e_res_us"), "hiding": p["derived"].get("hiding"),
            "fused_us": med.get("fused"), "design_test": None, "e_res_model_us": None, "hiding_model": None,
            "a2a_GBps": None, "t_bound_us": None, "hiding_bound": None}
-    if model_applies(model, row["dest"]):
+    if model_applies(model, window_dest(cfg, row["dest"])):
         row["design_test"] = _fmt_test(model.design_test(t.volume, fa / t.waves * US))
         row["e_res_model_us"] = fused_residual(model, t, fa * US)["e_res"] / US
         if comm:

@@ -87,7 +87,7 @@ from typing import Optional
 
 import numpy as np
 
-from fa_a2a.tools.cli import MAX_WORLD_SIZE, float_in, int_in, no_gpu
+from fa_a2a.tools.cli import MAX_WORLD_SIZE, check_out_dir, float_in, int_in, no_gpu
 from fa_a2a.tools.xstage import (
     GB,
     KiB,
@@ -762,6 +762,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--peer: not with --spread (which writes into every GPU), got --peer {args.peer}")
     if args.threads % 32:
         raise ValueError(f"--threads: expected a multiple of 32 in [32, 1024], got {args.threads}")
+    check_out_dir(args.out)
 
 
 def main(argv=None) -> int:

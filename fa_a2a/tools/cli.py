@@ -73,6 +73,15 @@ def float_in(lo: float, hi: float, *, lo_inclusive: bool = False):
 SEQLEN = int_in(1, MAX_SEQLEN)  # argparse type of every --seqlens entry
 
 
+def check_out_dir(path, flag: str = "--out") -> None:
+    """An output folder: refused (ValueError naming the flag) where the path is an existing file, before any
+    measurement (the results would be lost when they are written at the end)."""
+    import os
+
+    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag}: expected a folder (new or existing), got the file {path!r}")
+
+
 def check_seqlens(values: Iterable, multiple: int = 1, of: str = "", *, flag: str = "--seqlens") -> tuple:
     """The tools' one check of a list of sequence lengths, after argparse: each an integer in
     [1, MAX_SEQLEN] (as SEQLEN says it; a parser that must raise ValueError instead of exiting

@@ -293,7 +293,7 @@ class PlatformModel:
             if clash:
                 raise ValueError(f"extra: keys {sorted(clash)} clash with the model's keys")
             d.update(extra)
-        text = json.dumps(d, indent=indent, default=_json_default)
+        text = json.dumps(_finite_or_null(d), indent=indent, default=_json_default, allow_nan=False)
         if path is not None:
             with open(path, "w") as f:
                 f.write(text + "\n")
@@ -393,6 +393,19 @@ def fused_residual(model: PlatformModel, tiles: FaTiles, t_fa: float) -> dict:
               for v in vols[:-1]]
     tail = max(model.t_iss0, vols[-1] / model.drain_rate)
     return {"gap": gap, "stalls": stalls, "tail": tail, "e_res": sum(stalls) + tail}
+
+
+def _finite_or_null(x):
+    """x with every float NaN / inf (e.g. a sweep's knee that was not found) as None: JSON has no NaN."""
+    if isinstance(x, (np.ndarray, np.floating, np.integer)):
+        x = x.tolist()
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    return x
 
 
 def _json_default(o):
