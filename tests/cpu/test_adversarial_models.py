@@ -42,6 +42,15 @@ def _spawn(worker, nprocs, what, deadline_s=180):
         spawn_with_deadline(worker, (nprocs, os.path.join(tmp, "init")), nprocs, deadline_s, what)
 
 
+def _leave():
+    """Every rank's collectives done before the group goes (a rank that leaves while a peer's gloo pair still
+    sends makes that peer abort, SIGABRT, seen in CI on the 3-rank QwenImage case)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _ranks(rank, world, init_file):
     """Join the gloo group, set up the CPU testbed, register the reference backend -> its name."""
     import torch.distributed as dist
@@ -71,7 +80,6 @@ def _masked_call(rank, world, cfg, S, split):
 
 # ---- ring degree > 1 with an attention mask -------------------------------------------------------------
 def _ring_mask_worker(rank, world, init_file):
-    import torch.distributed as dist
 
     try:
         _ranks(rank, world, init_file)
@@ -84,7 +92,7 @@ def _ring_mask_worker(rank, world, init_file):
         err = (out.double() - want).abs().max().item()
         assert err <= ATOL, f"rank {rank}: ring attention with a key mask, max error {err:.3g} against the oracle"
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_ring_attention_with_key_mask_is_right_or_refused():
@@ -93,7 +101,6 @@ def test_ring_attention_with_key_mask_is_right_or_refused():
 
 
 def _qwen_ring_mask_worker(rank, world, init_file):
-    import torch.distributed as dist
     from diffusers import ContextParallelConfig
 
     from tests.cpu.test_dit_cpu import EVEN, _qwen, _qwen_inputs
@@ -115,7 +122,7 @@ def _qwen_ring_mask_worker(rank, world, init_file):
         err = (out - ref).abs().max().item()
         assert err <= ATOL, f"rank {rank}: QwenImage text mask under ring degree 2, max error {err:.3g}"
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_qwenimage_text_mask_under_ring_is_right_or_refused():
@@ -125,7 +132,6 @@ def test_qwenimage_text_mask_under_ring_is_right_or_refused():
 
 # ---- ulysses_anything with an attention mask over 3 ranks ----------------------------------------------
 def _anything_mask_worker(rank, world, init_file):
-    import torch.distributed as dist
 
     try:
         _ranks(rank, world, init_file)
@@ -135,7 +141,7 @@ def _anything_mask_worker(rank, world, init_file):
         err = (out.double() - want).abs().max().item()
         assert err <= ATOL, f"rank {rank}: ulysses_anything with a key mask, max error {err:.3g} against the oracle"
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_ulysses_anything_key_mask_over_three_ranks():
@@ -144,7 +150,6 @@ def test_ulysses_anything_key_mask_over_three_ranks():
 
 
 def _qwen_anything_mask_worker(rank, world, init_file):
-    import torch.distributed as dist
     from diffusers import ContextParallelConfig
 
     from tests.cpu.test_dit_cpu import UNEVEN, _qwen, _qwen_inputs
@@ -162,7 +167,7 @@ def _qwen_anything_mask_worker(rank, world, init_file):
         err = (out - ref).abs().max().item()
         assert err <= ATOL, f"rank {rank}: QwenImage text mask, ulysses_anything on 3 ranks, max error {err:.3g}"
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_qwenimage_text_mask_ulysses_anything_three_ranks():
@@ -172,7 +177,6 @@ def test_qwenimage_text_mask_ulysses_anything_three_ranks():
 
 # ---- heads that the ranks do not divide, on the templated route ------------------------------------------
 def _odd_heads_worker(rank, world, init_file):
-    import torch.distributed as dist
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     try:
@@ -195,7 +199,7 @@ def _odd_heads_worker(rank, world, init_file):
         err = (out.double() - shard(fp64_attention(q, k, v, mask=keep[:, None, None, :]))).abs().max().item()
         assert err <= ATOL, f"rank {rank}: max error {err:.3g}"
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def test_heads_not_divisible_on_templated_route_named_error():
