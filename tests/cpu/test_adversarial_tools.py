@@ -29,23 +29,14 @@ def test_bench_refuses_out_that_is_an_existing_file(tmp_path):
         bench.parse_args(["--out", str(f)], env={})
 
 
-def test_bench_block_refuses_out_that_is_an_existing_file(tmp_path, capsys, monkeypatch):
-    """bench_block: --out naming an existing file is a usage error naming --out, before any GPU work."""
+@pytest.mark.parametrize("tool", ["bench_block", "calibrate"])
+def test_tools_refuse_out_that_is_an_existing_file(tool, tmp_path, capsys, monkeypatch):
+    """bench_block, calibrate: --out naming an existing file is a usage error naming --out, before any work."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     f = tmp_path / "existing.json"
     f.write_text("{}")
     with pytest.raises(SystemExit) as e:
-        bench_block.main(["--out", str(f)])
-    assert e.value.code == 2 and "--out" in capsys.readouterr().err
-
-
-def test_calibrate_refuses_out_that_is_an_existing_file(tmp_path, capsys, monkeypatch):
-    """calibrate: --out naming an existing file is a usage error naming --out, before the sweeps."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    f = tmp_path / "existing.json"
-    f.write_text("{}")
-    with pytest.raises(SystemExit) as e:
-        calibrate.main(["--out", str(f)])
+        {"bench_block": bench_block, "calibrate": calibrate}[tool].main(["--out", str(f)])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
 
 
