@@ -210,7 +210,7 @@ class Channel:
         return [pickle.loads(self.store.get(f"{key}/{s}")) for s in range(self.world_size)]
 
 
-_channels: dict = {}  # (group name, default store's id) and (global ranks, store id) -> channel
+_channels: dict = {}  # (group name, default group's id) and (global ranks, default group's id) -> channel
 _group_channels: dict = {}  # group object -> its channel: the per-call lookup (each key stays alive in here)
 
 
@@ -225,7 +225,11 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
         return ch
     import torch.distributed as dist
 
-    key = (group.group_name, id(dist.distributed_c10d._get_default_store()))
+    # the default group object names this init (its store's Python wrapper is made anew at every lookup:
+    # its id is reused, and a new init's group could meet the old init's channel); each channel holds
+    # the default group it was built under, so that id is not reused while the channel is kept
+    world = dist.distributed_c10d._get_default_group()
+    key = (group.group_name, id(world))
     ch = _channels.get(key)
     if ch is None:
         ranks_key = (tuple(dist.get_process_group_ranks(group)), key[1])
@@ -237,6 +241,7 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
                 except ValueError:  # the call's own checks refuse it by name (fa_a2a.engine.problem), over this channel
                     timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
+            ch.default_group = world
         _channels[key] = ch
     _group_channels[group] = ch
     return ch
