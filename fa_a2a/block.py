@@ -666,8 +666,6 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
         try:
             qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
         except ValueError as e:
-            if torch.compiler.is_compiling():
-                raise
             refuse_on_every_rank(e, group)
         kw = dict(group=group, impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len,
                   shard_rows=shard_rows, pace=pace)
@@ -962,12 +960,12 @@ class UlyssesQKVAttention(nn.Module):
                 raise ValueError(f"{names[0]}: expected to_q's {to_q.weight.dtype} on {to_q.weight.device}, got "
                                  f"{q.weight.dtype} on {q.weight.device}")
             sources.append(_Layers(names, q, k, v, nq, nk, *heads, head_dim, across_heads, eps))
+            if across_heads:  # the constructor's chain (dropped below: the layers' own runs at every call)
+                with torch.no_grad():
+                    made.append((heads, sources[-1].chain()))
+                continue
             w = [m.weight.detach() for m in (q, k, v)]
             b = (None,) * 3 if bias is None else bias
-            if across_heads:
-                made.append((heads, TorchQKV(torch.cat(w), None if bias is None else torch.cat(bias), *norms,
-                                             *heads, head_dim, True, eps)))
-                continue
             proj = _gather_weights(w, b, *norms, head_dim, world_size)
             del w, b
             if share_weights:  # before the next group's gathering: one layer's copy at a time
@@ -1067,8 +1065,6 @@ class UlyssesQKVAttention(nn.Module):
             q, k, v = _chain_qkv(x, rotary, main)
             jt = None if joint is None else _chain_qkv(joint, joint_rotary, joint_chain, "joint", "joint_rotary")
         except ValueError as e:
-            if torch.compiler.is_compiling():
-                raise
             refuse_on_every_rank(e, self.group)
         kw = dict(group=self.group, seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         if weights is not None:

@@ -319,8 +319,6 @@ def ulysses_attention_out_proj(q, k, v, out_weight, out_bias=None, *, group=None
     try:
         _check_out_proj(out_weight, out_bias, q)
     except ValueError as e:
-        if torch.compiler.is_compiling():
-            raise
         refuse_on_every_rank(e, group)
     kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
     if not wants_grad(q, k, v) or torch.compiler.is_compiling():

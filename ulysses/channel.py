@@ -82,6 +82,8 @@ class Channel:
         self.timeout_s = env.seconds(timeout_s, "timeout_s")
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.store = dist.distributed_c10d._get_default_store()
+        # the init it was built in (get_channel's key is this object's id: holding it keeps the id unused)
+        self.default_group = dist.distributed_c10d._get_default_group()
         base = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
         # A generation per construction over these ranks: a store can outlive its process groups
         # (torchrun's agent store), and a channel built after destroy_process_group and a new init must
@@ -227,9 +229,8 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
 
     # the default group object names this init (its store's Python wrapper is made anew at every lookup:
     # its id is reused, and a new init's group could meet the old init's channel); each channel holds
-    # the default group it was built under, so that id is not reused while the channel is kept
-    world = dist.distributed_c10d._get_default_group()
-    key = (group.group_name, id(world))
+    # the default group it was built under (Channel.default_group), so that id is not reused meanwhile
+    key = (group.group_name, id(dist.distributed_c10d._get_default_group()))
     ch = _channels.get(key)
     if ch is None:
         ranks_key = (tuple(dist.get_process_group_ranks(group)), key[1])
@@ -241,7 +242,6 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
                 except ValueError:  # the call's own checks refuse it by name (fa_a2a.engine.problem), over this channel
                     timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
-            ch.default_group = world
         _channels[key] = ch
     _group_channels[group] = ch
     return ch

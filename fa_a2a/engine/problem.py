@@ -188,7 +188,7 @@ def check_joint(joint) -> Optional[tuple]:
     return tuple(joint)
 
 
-FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
@@ -471,7 +471,10 @@ def refuse_on_every_rank(error: ValueError, group) -> None:
     """Raise `error` on this rank and, through the per-call agreement (agree_call), the same ValueError on
     every rank of `group` (as group_facts takes it): for a check that runs before a call's own agreement
     (the block's torch chain, the output projection's weight), which would otherwise raise on its rank
-    alone and leave the others waiting for it."""
+    alone and leave the others waiting for it. While torch.compile traces: `error` here alone (the
+    traced call's own checks agree at run time)."""
+    if torch.compiler.is_compiling():
+        raise error
     group, _, P, _ = group_facts(group)
 
     def checks():

@@ -293,7 +293,7 @@ class PlatformModel:
             if clash:
                 raise ValueError(f"extra: keys {sorted(clash)} clash with the model's keys")
             d.update(extra)
-        text = json.dumps(_finite_or_null(d), indent=indent, default=_json_default, allow_nan=False)
+        text = json.dumps(_finite_or_null(d), indent=indent, allow_nan=False)
         if path is not None:
             with open(path, "w") as f:
                 f.write(text + "\n")
@@ -396,7 +396,8 @@ def fused_residual(model: PlatformModel, tiles: FaTiles, t_fa: float) -> dict:
 
 
 def _finite_or_null(x):
-    """x with every float NaN / inf (e.g. a sweep's knee that was not found) as None: JSON has no NaN."""
+    """x as JSON takes it: numpy arrays and numbers as Python's, every float NaN / inf (e.g. a sweep's knee
+    that was not found) as None (JSON has no NaN)."""
     if isinstance(x, (np.ndarray, np.floating, np.integer)):
         x = x.tolist()
     if isinstance(x, float):
@@ -406,14 +407,6 @@ def _finite_or_null(x):
     if isinstance(x, (list, tuple)):
         return [_finite_or_null(v) for v in x]
     return x
-
-
-def _json_default(o):
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
 # --------------------------------------------------------------------------------------------
