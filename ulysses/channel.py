@@ -45,6 +45,7 @@ import pickle
 import socket
 import tempfile
 import time
+import weakref
 from typing import Optional
 
 from ulysses import env
@@ -77,13 +78,13 @@ class Channel:
     def __init__(self, group, timeout_s: float):
         import torch.distributed as dist
 
-        self.group = group  # the all_gather fallback's group (several hosts)
+        # the all_gather fallback's group (several hosts), held weakly: a process group kept alive past
+        # destroy_process_group is destroyed at interpreter exit instead, where gloo's aborts the process
+        self._group = weakref.ref(group)
         self.world_size, self.rank = group.size(), group.rank()
         self.timeout_s = env.seconds(timeout_s, "timeout_s")
         self.global_ranks = tuple(dist.get_process_group_ranks(group))
         self.store = dist.distributed_c10d._get_default_store()
-        # the init it was built in (get_channel's key is this object's id: holding it keeps the id unused)
-        self.default_group = dist.distributed_c10d._get_default_group()
         base = f"fa_a2a/channel/{','.join(map(str, self.global_ranks))}"
         # A generation per construction over these ranks: a store can outlive its process groups
         # (torchrun's agent store), and a channel built after destroy_process_group and a new init must
@@ -197,10 +198,13 @@ class Channel:
         import torch
         import torch.distributed as dist
 
-        backend = str(dist.get_backend(self.group))
+        group = self._group()
+        if group is None:
+            raise RuntimeError(f"fa_a2a: the process group of ranks {list(self.global_ranks)} was destroyed")
+        backend = str(dist.get_backend(group))
         device = "cpu" if ("gloo" in backend or "cpu" in backend) else torch.device("cuda", torch.cuda.current_device())
         out = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(out, torch.tensor([word], dtype=torch.int64, device=device), group=self.group)
+        dist.all_gather_into_tensor(out, torch.tensor([word], dtype=torch.int64, device=device), group=group)
         return out.tolist()
 
     def gather_messages(self, message) -> list:
@@ -213,7 +217,17 @@ class Channel:
 
 
 _channels: dict = {}  # (group name, default group's id) and (global ranks, default group's id) -> channel
-_group_channels: dict = {}  # group object -> its channel: the per-call lookup (each key stays alive in here)
+# group object -> its channel: the per-call lookup. Groups are held weakly (a process group kept alive
+# past destroy_process_group is destroyed at interpreter exit, where gloo's aborts the process: SIGABRT)
+_group_channels = weakref.WeakKeyDictionary()
+_watched_inits: set = set()  # ids of the default groups whose channels _channels holds
+
+
+def _forget_init(default_id: int) -> None:
+    """The default group of an init was freed: drop its channels before its id can be reused."""
+    _watched_inits.discard(default_id)
+    for key in [k for k in _channels if k[1] == default_id]:
+        del _channels[key]
 
 
 def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
@@ -228,9 +242,13 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
     import torch.distributed as dist
 
     # the default group object names this init (its store's Python wrapper is made anew at every lookup:
-    # its id is reused, and a new init's group could meet the old init's channel); each channel holds
-    # the default group it was built under (Channel.default_group), so that id is not reused meanwhile
-    key = (group.group_name, id(dist.distributed_c10d._get_default_group()))
+    # its id is reused, and a new init's group could meet the old init's channel); its channels are
+    # dropped when it is freed, before its id can be reused
+    default = dist.distributed_c10d._get_default_group()
+    key = (group.group_name, id(default))
+    if key[1] not in _watched_inits:
+        _watched_inits.add(key[1])
+        weakref.finalize(default, _forget_init, key[1])
     ch = _channels.get(key)
     if ch is None:
         ranks_key = (tuple(dist.get_process_group_ranks(group)), key[1])

@@ -65,6 +65,27 @@ def test_backwards_run_in_another_order_on_each_rank_are_refused_not_mixed(impl)
     run_gloo_case(_swapped_backward_order, 2, impl, deadline_s=90)
 
 
+# ---- destroy_process_group: fa_a2a keeps no process group alive -------------------------------------------
+def _group_freed_after_destroy(rank, P, impl):
+    """A call (forward and backward) over the default group, then destroy_process_group: the group object
+    is freed. (The channel cache held it: it was destroyed at interpreter exit instead, where gloo's
+    aborted the rank process now and then, SIGABRT "terminate called without an active exception".)"""
+    import gc
+    import weakref
+
+    x = [t[:, rank * 4:(rank + 1) * 4].clone().requires_grad_() for t in _full(3, 1, P * 4, 2, 8)]
+    ulysses_attention(*x, impl=impl).sum().backward()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    assert world() is None, f"rank {rank}: the default process group is still alive after destroy_process_group"
+
+
+@pytest.mark.parametrize("impl", ["reference", "nccl"])
+def test_no_process_group_outlives_destroy_process_group(impl):
+    run_gloo_case(_group_freed_after_destroy, 2, impl, deadline_s=60)
+
+
 # ---- destroy_process_group, then a new group in the same processes (torchrun's agent store persists) ------
 def _two_channels_over_one_store(rank, P):
     """Two channels built one after the other over the same ranks and store (as after destroy_process_group
