@@ -217,9 +217,10 @@ class Channel:
 
 
 _channels: dict = {}  # (group name, default group's id) and (global ranks, default group's id) -> channel
-# group object -> its channel: the per-call lookup. Groups are held weakly (a process group kept alive
-# past destroy_process_group is destroyed at interpreter exit, where gloo's aborts the process: SIGABRT)
-_group_channels = weakref.WeakKeyDictionary()
+# id of a group object -> its channel: the per-call lookup. No group is held here (a process group kept
+# alive past destroy_process_group is destroyed at interpreter exit, where gloo's aborts the process:
+# SIGABRT); an entry goes when its group is freed, before its id can be reused
+_group_channels: dict = {}
 _watched_inits: set = set()  # ids of the default groups whose channels _channels holds
 
 
@@ -236,7 +237,7 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
     group objects still meet, and the signature (which names the group) tells them apart.
     After the first call over a group object, one dict lookup (a new default store, after
     destroy_process_group and a new init, comes with new group objects)."""
-    ch = _group_channels.get(group)
+    ch = _group_channels.get(id(group))
     if ch is not None:
         return ch
     import torch.distributed as dist
@@ -261,7 +262,10 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
                     timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
         _channels[key] = ch
-    _group_channels[group] = ch
+    if ch._group() is None:  # the group it was built over is gone: the all_gather fallback takes this one
+        ch._group = weakref.ref(group)
+    _group_channels[id(group)] = ch
+    weakref.finalize(group, _group_channels.pop, id(group), None)
     return ch
 
 

@@ -76,6 +76,26 @@ def _channel_per_group(rank, P, init_file):
     assert fresh.exchange(7) == [7] * P
 
 
+def _freed_group_then_another(rank, P):
+    """A group over every rank is destroyed (the default group stays) and another built over the same ranks:
+    the channel they share holds neither, and its all_gather fallback (several hosts) runs over the live one."""
+    import gc
+    import weakref
+
+    channel_mod._host_id = lambda: f"host {rank}"
+    first = dist.new_group(list(range(P)))
+    ch = get_channel(first)
+    assert ch.exchange(rank) == list(range(P))
+    freed = weakref.ref(first)
+    dist.destroy_process_group(first)
+    del first
+    gc.collect()
+    assert freed() is None, "the channel cache kept a process group alive"
+    second = dist.new_group(list(range(P)))
+    assert get_channel(second) is ch
+    assert ch.exchange(rank + 5) == [5 + s for s in range(P)]
+
+
 def _one_rank_stops(rank, P):
     ch = Channel(dist.group.WORLD, timeout_s=1)
     assert ch.exchange(5) == [5] * P
@@ -99,6 +119,10 @@ def test_the_all_gather_fallback_gets_the_same_words():
 def test_each_group_object_finds_its_channel_and_a_new_init_a_new_one():
     with tempfile.TemporaryDirectory() as tmp:
         _run(_channel_per_group, 2, os.path.join(tmp, "init2"))
+
+
+def test_a_freed_group_is_not_kept_and_its_channel_serves_the_next_group():
+    _run(_freed_group_then_another, 2)
 
 
 def test_a_rank_that_stops_calling_is_named():
