@@ -158,9 +158,17 @@ def overlaps(t: torch.Tensor) -> bool:
     """Whether two elements of t may share memory, from its shape and strides: sorted by stride, each
     dim of extent > 1 must step past the span of the smaller ones (exact for every dense layout,
     permuted or not, and for views of them; an interleaving that does not overlap but fails this,
-    e.g. shape (3, 2) strides (2, 3), counts as overlapping)."""
+    e.g. shape (3, 2) strides (2, 3), counts as overlapping). The smallest stride is picked by plain
+    comparisons, not sorted() / min(): dynamo cannot sort the symbolic strides of torch.compile's
+    dynamic shapes (a transposed input at a second sequence length)."""
+    dims = [(st, n) for st, n in zip(t.stride(), t.shape) if n > 1]
     span = 0
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+    while dims:
+        first = 0
+        for i in range(1, len(dims)):
+            if dims[i][0] < dims[first][0]:
+                first = i
+        stride, size = dims.pop(first)
         if stride <= span:
             return True
         span += stride * (size - 1)
