@@ -29,7 +29,7 @@ from fa_a2a.engine.backward import wants_grad
 from fa_a2a.engine.forward import contiguous16, forward, forward_emulated, head_maps
 from fa_a2a.engine.pacing import check_pace, decode_pace, encode_pace
 from fa_a2a.engine.problem import (EMULATED_IMPLS, IMPLS, check_call, check_tensor, group_by_name, group_facts,
-                                   refuse_on_every_rank, resolve, resolve_emulated)
+                                   refuse_on_every_rank, resolve, resolve_emulated, RECHECK)
 
 __all__ = [
     "IMPLS",
@@ -210,7 +210,9 @@ def ulysses_attention(
                                         pace)
             softmax_scale = problem.softmax_scale
         except ValueError as e:
-            refusal = str(e)
+            # the op's body checks again and raises what it finds: a message naming sizes that torch.compile
+            # traced as dynamic (symbolic) is no constant the graph could carry
+            refusal = RECHECK
             joint = tuple(joint) if isinstance(joint, (tuple, list)) and len(joint) == 3 else None
         try:
             pace = encode_pace(check_pace(pace))

@@ -42,7 +42,7 @@ from ulysses.layout import UlyssesLayout
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
            "check_joint", "check_no_overlap", "check_settings", "agree_call", "checked_and_agreed", "joint_check",
-           "signature_fields", "signature_word"]
+           "signature_fields", "signature_word", "RECHECK"]
 
 IMPLS = ("auto", "fused", "serial", "nccl", "reference")
 EMULATED_IMPLS = ("auto", "fused", "serial", "reference")  # nccl needs one rank per GPU
@@ -427,6 +427,11 @@ def remember(key, entry):
     return entry
 
 
+# The refusal of a call that torch.compile traced: its body checks the call again and raises the message it
+# finds (a message naming sizes traced as dynamic, symbolic, is no constant the graph could carry)
+RECHECK = "fa_a2a: refused while traced; checked again when run"
+
+
 def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=None, *, world_size: int, rank: int = 0,
             group=None, group_name: str = "", refusal: Optional[str] = None, pace=None, grad: bool = False):
     """Validate (once per signature), then, on a group of several ranks, agree this call with every
@@ -442,12 +447,15 @@ def resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows=Non
     collective = world_size > 1 and group is not None
 
     def checks():
-        if refusal is not None:
+        if refusal is not None and refusal != RECHECK:
             raise ValueError(refusal)
-        entry = hit
+        entry = hit if refusal is None else None
         if entry is None:
             problem, joint_out = check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size,
                                             shard_rows, rank, pace)
+            if refusal is not None:  # (the checks that refused it while traced passed on the real tensors)
+                raise ValueError("ulysses_attention: refused while torch.compile traced it (dynamic shapes), "
+                                 "accepted when run: call it eagerly to see the refusal")
             fields = signature_fields(problem, "ulysses_attention", group_name, joint_out, grad) if collective else None
             entry = remember(key, (problem, joint_out is not None, fields, fields and signature_word(fields)))
         problem, has_joint, fields, word = entry

@@ -456,6 +456,22 @@ def test_compiled_bhsd_module_trains_at_a_new_sequence_length():
     torch._dynamo.reset()
 
 
+def test_compiled_refusal_at_a_dynamic_sequence_length_is_the_value_error():
+    """A refusal whose message names sizes (here: v's heads share memory) at a second sequence length, which
+    torch.compile traces as dynamic: the ValueError with the call's sizes. (It was dynamo's "Failed to convert
+    args/kwargs to proxy": the message, formatted from symbolic sizes, was passed to the op as its argument.)"""
+    torch._dynamo.reset()
+    module = UlyssesAttention(impl="reference", layout="bhsd")
+    f = torch.compile(lambda q, k, v: module(q, k, v), backend="aot_eager", fullgraph=True)
+    for S in (8, 12):
+        q, k = torch.randn(1, 4, S, 8), torch.randn(1, 4, S, 8)
+        v = torch.randn(1, 1, S, 8).expand(1, 4, S, 8)
+        with pytest.raises(ValueError, match=rf"v: expected a tensor whose elements do not share memory, got shape "
+                                             rf"\(1, {S}, 4, 8\)"):
+            f(q, k, v)
+    torch._dynamo.reset()
+
+
 # ---- real ranks (gloo) -----------------------------------------------------------------------------------------------
 GLOO = [
     dict(B=2, S=13, H=5, H_kv=1, D=8, J=3, scale=0.3),
