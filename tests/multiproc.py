@@ -1,6 +1,11 @@
 """Run a check on gloo groups of several sizes in spawned processes (CPU and GPU tests share it), or a
 test file's main under torchrun (the multi-GPU tests: run_torchrun).
 
+torch.distributed.nn is imported here, before the rank processes initialize their groups: its functions
+bind `group.WORLD` as a default argument when imported, and a first import after the init (torch._dynamo
+imports it: torch.compile, torch.utils.checkpoint) keeps that group alive past destroy_process_group until
+interpreter exit, where gloo aborts the process now and then (SIGABRT after a passing test).
+
 Rank processes on one GPU run under a private CUDA MPS daemon where one can start (their kernels
 then run at once instead of time-slicing the GPU); elsewhere, or with FA_A2A_TEST_MPS=0, they
 time-slice it (a warning says why where MPS was expected to start)."""
@@ -16,6 +21,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any init in the rank processes: see below)
 import torch.multiprocessing as mp
 
 from fa_a2a.tools.mps import MpsUnavailableError, mps_available, mps_daemon
