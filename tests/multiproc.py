@@ -21,7 +21,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  (before any init in the rank processes: see below)
+import torch.distributed.nn  # noqa: F401  (before any init in the rank processes: see the module docstring)
 import torch.multiprocessing as mp
 
 from fa_a2a.tools.mps import MpsUnavailableError, mps_available, mps_daemon

@@ -221,14 +221,6 @@ _channels: dict = {}  # (group name, default group's id) and (global ranks, defa
 # alive past destroy_process_group is destroyed at interpreter exit, where gloo's aborts the process:
 # SIGABRT); an entry goes when its group is freed, before its id can be reused
 _group_channels: dict = {}
-_watched_inits: set = set()  # ids of the default groups whose channels _channels holds
-
-
-def _forget_init(default_id: int) -> None:
-    """The default group of an init was freed: drop its channels before its id can be reused."""
-    _watched_inits.discard(default_id)
-    for key in [k for k in _channels if k[1] == default_id]:
-        del _channels[key]
 
 
 def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
@@ -247,9 +239,6 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
     # dropped when it is freed, before its id can be reused
     default = dist.distributed_c10d._get_default_group()
     key = (group.group_name, id(default))
-    if key[1] not in _watched_inits:
-        _watched_inits.add(key[1])
-        weakref.finalize(default, _forget_init, key[1])
     ch = _channels.get(key)
     if ch is None:
         ranks_key = (tuple(dist.get_process_group_ranks(group)), key[1])
@@ -261,7 +250,9 @@ def get_channel(group, timeout_s: Optional[float] = None) -> Channel:
                 except ValueError:  # the call's own checks refuse it by name (fa_a2a.engine.problem), over this channel
                     timeout_s = env.DEFAULT_TIMEOUT_S
             ch = _channels[ranks_key] = Channel(group, timeout_s)
+            weakref.finalize(default, _channels.pop, ranks_key, None)
         _channels[key] = ch
+        weakref.finalize(default, _channels.pop, key, None)
     if ch._group() is None:  # the group it was built over is gone: the all_gather fallback takes this one
         ch._group = weakref.ref(group)
     _group_channels[id(group)] = ch
