@@ -54,7 +54,10 @@ heads, 2+2 blocks, 1024 image + 64 text tokens) and Wan (2 blocks, 1024 tokens),
 
 from __future__ import annotations
 
+import atexit
 import collections
+import functools
+import gc
 import importlib.util
 import inspect
 import logging
@@ -550,7 +553,18 @@ def register_diffusers_backend(name: str = "fa_a2a", impl: str = "auto", pace="a
     if importlib.util.find_spec("cache_dit") is not None:
         _register_with_cache_dit(name, fn)
     _registered[name] = (impl, pace)
+    _collect_meshes_at_exit()
     return name
+
+
+@functools.cache
+def _collect_meshes_at_exit() -> None:
+    """diffusers' enable_parallelism builds DeviceMeshes that reference each other and hold their process
+    groups (DeviceMesh._pg_registry): a reference cycle, which outlives `del model` and destroy_process_group
+    until the garbage collector runs. Left to the interpreter's finalization, a gloo group is destroyed
+    there and aborts its rank now and then (SIGABRT "terminate called without an active exception", CI
+    2026-12-05). One collection at exit, while the interpreter is whole, frees them first."""
+    atexit.register(gc.collect)
 
 
 def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "auto", name: Optional[str] = None,

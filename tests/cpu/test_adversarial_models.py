@@ -253,3 +253,43 @@ def test_fused_processor_falls_back_for_linear_with_instance_forward(monkeypatch
     why = _hooked_reason(monkeypatch, lambda lin: HookRegistry.check_if_exists_or_initialize(lin).register_hook(
         AddOne(), "add_one"))
     assert why is not None, "a to_q whose forward a diffusers hook wraps would run fused: the hook is skipped"
+
+
+# ---- diffusers' meshes hold the process groups in a reference cycle ---------------------------------------
+_group_watch = []  # weakrefs whose callbacks record when each group is freed
+
+
+def _groups_freed_before_exit(rank, P, record):
+    """enable_ulysses, then destroy_process_group (by run_gloo_case) and the end of the process: each group
+    is freed before the interpreter's finalization (diffusers' DeviceMeshes hold them in a cycle; freed in
+    the finalization, a gloo group aborted its rank now and then: SIGABRT in CI on 2026-12-05)."""
+    import sys
+    import weakref
+
+    from torch.distributed.distributed_c10d import _world
+
+    from fa_a2a.models.diffusers_backend import cpu_testbed, enable_ulysses
+
+    cpu_testbed()
+    enable_ulysses(_tiny_flux(), impl="reference")
+
+    def freed(_):
+        with open(f"{record}.{rank}", "a") as fh:
+            fh.write(f"finalizing={sys.is_finalizing()}\n")
+
+    _group_watch.extend(weakref.ref(g, freed) for g in list(_world.pg_map))
+    with open(f"{record}.{rank}.n", "w") as fh:
+        fh.write(str(len(_group_watch)))
+
+
+def test_diffusers_meshes_free_their_groups_before_interpreter_exit(tmp_path):
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_groups_freed_before_exit, 2, str(tmp_path / "freed"), deadline_s=90)
+    for rank in range(2):
+        n = int((tmp_path / f"freed.{rank}.n").read_text())
+        path = tmp_path / f"freed.{rank}"
+        lines = path.read_text().split() if path.exists() else []
+        assert n >= 2 and lines == ["finalizing=False"] * n, (
+            f"rank {rank}: of {n} process groups, freed before finalization: {lines.count('finalizing=False')}, "
+            f"in it: {lines.count('finalizing=True')} (a gloo group destroyed there can abort the rank)")
