@@ -32,7 +32,8 @@ class UlyssesAttention(nn.Module):
     (FA4 with the post-A2A in its epilogue; "fused:tma" / "fused:st" force its O-store path),
     "serial", "nccl" (permute + all_to_all_single baseline) or "reference". causal / softmax_scale as in SDPA (scale
     default 1/sqrt(D)). seq_len (forward): valid rows of the full sequence when P does not
-    divide it (the last shards end in padding rows; their outputs are zeros). pace: the fused
+    divide it (the last shards end in padding rows; their outputs are zeros); shard_rows (forward):
+    uneven shards instead, every rank's row count (as ulysses_attention takes it). pace: the fused
     kernel's store pacing, "auto" (default), None or GB/s (fa_a2a.engine.pacing). Differentiable, as
     ulysses_attention (fa_a2a.engine.backward): every rank runs the backward of every call with grad.
     """
@@ -43,8 +44,6 @@ class UlyssesAttention(nn.Module):
         from fa_a2a.engine.pacing import check_pace
 
         split_impl(impl)
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
         if not isinstance(causal, bool):
             raise ValueError(f"causal: expected a bool, got {causal!r}")
         self.group = group
@@ -53,6 +52,16 @@ class UlyssesAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.layout = layout
         self.pace = check_pace(pace)
+
+    @property
+    def layout(self) -> str:
+        return self._layout
+
+    @layout.setter
+    def layout(self, layout: str) -> None:  # checked when set (in forward it would raise on one rank alone)
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        self._layout = layout
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, causal={self.causal}, layout={self.layout!r}"
@@ -63,10 +72,11 @@ class UlyssesAttention(nn.Module):
         return x.transpose(1, 2) if self.layout == "bhsd" and isinstance(x, torch.Tensor) and x.dim() == 4 else x
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                joint: Optional[Sequence[torch.Tensor]] = None, seq_len: Optional[int] = None):
+                joint: Optional[Sequence[torch.Tensor]] = None, seq_len: Optional[int] = None,
+                shard_rows: Optional[Sequence[int]] = None):
         if isinstance(joint, (tuple, list)):
             joint = tuple(self._in(t) for t in joint)
         res = ulysses_attention(self._in(q), self._in(k), self._in(v), group=self.group, impl=self.impl,
                                 joint=joint, causal=self.causal, softmax_scale=self.softmax_scale,
-                                seq_len=seq_len, pace=self.pace)
+                                seq_len=seq_len, shard_rows=shard_rows, pace=self.pace)
         return self._in(res) if joint is None else (self._in(res[0]), self._in(res[1]))

@@ -345,12 +345,13 @@ def ulysses_attention_out_proj_emulated(qs, ks, vs, out_weight, out_bias=None, *
         raise ValueError(f"qs: expected a non-empty list of per-rank tensors, got {type(qs).__name__}")
     _check_out_proj(out_weight, out_bias, qs[0])
     kw = dict(impl=impl, causal=causal, softmax_scale=softmax_scale, seq_len=seq_len, shard_rows=shard_rows, pace=pace)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs))
-    if not grad or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return [F.linear(o.flatten(2), out_weight, out_bias) for o in ulysses_attention_emulated(qs, ks, vs, **kw)]
+    problem, _ = resolve_emulated(qs, ks, vs, None, impl, causal, softmax_scale, seq_len, shard_rows, pace)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs))):
         return [F.linear(o.flatten(2), out_weight, out_bias) for o in ulysses_attention_emulated(qs, ks, vs, **kw)]
     from fa_a2a.engine.backward import projected_with_grad
 
-    problem, _ = resolve_emulated(qs, ks, vs, None, impl, causal, softmax_scale, seq_len, shard_rows, pace)
     return projected_with_grad(problem, qs, ks, vs, out_weight, out_bias, None, None)
 
 

@@ -116,7 +116,7 @@ class Channel:
                       if not self.store.check([f"{self.prefix}/host/{s}"])]  # every rank's first key
             who = f"{', '.join(absent)} never reached it" if absent else f"waiting for {missing[:4]}"
             raise TimeoutError(f"fa_a2a: the ranks of group ranks {list(self.global_ranks)} did not meet at fa-a2a's "
-                               f"per-call agreement within {timeout_s:.0f} s: {who} (a rank that stopped "
+                               f"per-call agreement within {timeout_s:g} s: {who} (a rank that stopped "
                                f"calling, raised before its call, or runs another attention backend): {e}") from None
 
     def _map_shared(self) -> Optional[tuple]:
@@ -185,9 +185,12 @@ class Channel:
                 start, timeout_s = now, self._timeout()
             if now - start > timeout_s:
                 late = [s for s, v in enumerate(vals) if not lo <= v < lo + _WORDS]
+                # withdraw this rank's word: a rank arriving later must not find the call agreed and
+                # wait in the call's collectives past its own timeout, but fail at the messages' wait
+                row[self.rank] = lo | ERROR_WORD
                 raise TimeoutError(
                     f"fa_a2a: rank(s) {late} of {P} did not reach call {c} over group ranks "
-                    f"{list(self.global_ranks)} within {timeout_s:.0f} s (they stopped calling, or call "
+                    f"{list(self.global_ranks)} within {timeout_s:g} s (they stopped calling, or call "
                     "with another process group); set FA_A2A_TIMEOUT_S to wait longer")
             if now - start < 1e-3:
                 os.sched_yield()

@@ -31,6 +31,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_SETUP_TIMEOUT_S", "MAX_SECONDS", "TRANS
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_SETUP_TIMEOUT_S = 300.0
+MIN_SECONDS = 1e-3  # the stores' waits count whole milliseconds, and 0 ms is no timeout at all (FileStore)
 MAX_SECONDS = 1e6  # ~11.6 days: a wait past any real one, inside datetime.timedelta and int64 nanoseconds
 TRANSPORTS = ("vmm", "ipc", "host", "symm")
 OUT_SLOTS = 8  # out-windows an output may stay in, besides the staging window (FA_A2A_OUT_SLOTS overrides)
@@ -38,13 +39,13 @@ MAX_OUT_SLOTS = 16
 
 
 def seconds(value, name: str) -> float:
-    """value (a number, or its text) as a timeout in (0, MAX_SECONDS] seconds; ValueError naming `name`."""
+    """value (a number, or its text) as a timeout in [MIN_SECONDS, MAX_SECONDS]; ValueError naming `name`."""
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
         v = float("nan")
-    if not 0 < v <= MAX_SECONDS:  # NaN fails too
-        raise ValueError(f"{name}: expected a number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
+    if not MIN_SECONDS <= v <= MAX_SECONDS:  # NaN fails too
+        raise ValueError(f"{name}: expected a number of seconds in [{MIN_SECONDS:g}, {MAX_SECONDS:g}], got {value!r}")
     return v
 
 

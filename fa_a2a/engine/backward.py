@@ -450,13 +450,36 @@ def forward_saving(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
     p = _decided(p, q, k, v, joint, group, rank)
     spec = spec_of(p, q.device)
     if p.world_size > 1 and p.impl in KERNEL_IMPLS:
-        return (*_kernel_forward(p, q, k, v, joint, group, rank), spec)
-    lay, rows = p.layout, q.shape[1]
-    padded = [_padded(lay, rank, x) for x in (q, k, v)]
-    [(res, saved)] = _collective_forward(spec, [rank], *([x] for x in padded), joint,
-                                         _exchanger(group if p.world_size > 1 else None))
-    out, jout = _deliver(lay, rank, res, rows)
+        out, jout, saved = _kernel_forward(p, q, k, v, joint, group, rank)
+    else:
+        lay, rows = p.layout, q.shape[1]
+        padded = [_padded(lay, rank, x) for x in (q, k, v)]
+        [(res, saved)] = _collective_forward(spec, [rank], *([x] for x in padded), joint,
+                                             _exchanger(group if p.world_size > 1 else None))
+        out, jout = _deliver(lay, rank, res, rows)
+    if p.world_size > 1:
+        _note_forward_call(saved.q, group)
     return out, jout, saved, spec
+
+
+# The forward call whose backward each saved q (by its data pointer: the call's own storage, not the
+# windows) belongs to: the count of the group channel's exchanges when the forward ran, the same on
+# every rank (every rank agrees the same calls in the same order). The backward agrees it: two calls of
+# one signature whose backwards run in another order on each rank move the same bytes, and would give
+# each rank the other call's gradients. Past _FORWARD_CALLS_KEPT entries (backwards that never ran)
+# the oldest goes.
+_forward_calls: dict = {}
+_FORWARD_CALLS_KEPT = 4096
+
+
+def _note_forward_call(saved_q: torch.Tensor, group) -> None:
+    from ulysses.channel import get_channel
+
+    key = saved_q.data_ptr()
+    _forward_calls.pop(key, None)
+    _forward_calls[key] = get_channel(group).calls
+    if len(_forward_calls) > _FORWARD_CALLS_KEPT:
+        del _forward_calls[next(iter(_forward_calls))]
 
 
 def _kernel_forward_emulated(p: Problem, qs, ks, vs, joint, rows) -> tuple:
@@ -498,10 +521,12 @@ def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
 # ---- the backward -------------------------------------------------------------------------------------
 def _agree_backward(spec: Spec, saved: Saved, group) -> None:
     """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes
-    (the layout's, and the saved q's batch, head dim and dtype: two calls whose backwards run in
-    another order on each rank must not meet in exchanges of the same size), its path (fused or the
-    exchanges: they meet in different collectives) and FA4's deterministic mode (the fused
-    backward's first build lines the ranks up per mode)."""
+    (the layout's, and the saved q's batch, head dim and dtype), the forward call it belongs to
+    (_forward_calls: two calls whose backwards run in another order on each rank must not meet in
+    exchanges), its path (fused or the exchanges: they meet in different collectives) and FA4's
+    deterministic mode (the fused backward's first build lines the ranks up per mode)."""
+    from ulysses.channel import WORD_BITS
+
     from .problem import agree_call, signature_word
 
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -517,7 +542,10 @@ def _agree_backward(spec: Spec, saved: Saved, group) -> None:
                       softmax_scale=spec.scale, impl="fused backward" if spec.fused else "exchange backward",
                       deterministic=deterministic)
         entry = _backward_words[key] = (fields, signature_word(fields))
-    agree_call(*entry, None, group)
+    fields, word = entry
+    call = _forward_calls.get(saved.q.data_ptr(), 0)
+    word = ((word ^ (call * 0x9E3779B97F4A7C15)) & ((1 << WORD_BITS) - 1)) or 1  # (signature words are never 0)
+    agree_call(dict(fields, forward_call=call), word, None, group)
 
 
 _backward_words: dict = {}

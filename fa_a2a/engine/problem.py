@@ -120,7 +120,9 @@ _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size=
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)",
-                 deterministic="torch.use_deterministic_algorithms (FA4's deterministic backward)")
+                 deterministic="torch.use_deterministic_algorithms (FA4's deterministic backward)",
+                 forward_call="the backward's call (its forward's number over the group: every rank must run the "
+                              "backwards of its calls in the same order)")
 
 
 # ---- the process group -----------------------------------------------------------------------------
@@ -150,6 +152,8 @@ def group_by_name(group_name: str):
 def check_tensor(t, name: str, ndim: int = 4) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
 
@@ -197,6 +201,7 @@ def check_joint(joint) -> Optional[tuple]:
 
 
 FP32_MAX = torch.finfo(torch.float32).max
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
@@ -217,8 +222,8 @@ def _check_qkv(q, k, v, empty_shard_ok: bool = False) -> None:
     B, S_loc, H, D = q.shape
     if min(B, S_loc if not empty_shard_ok else 1, H, D) < 1:
         raise ValueError(f"q: expected every dim of [B, S_loc, H, D] >= 1, got {tuple(q.shape)}")
-    if not q.is_floating_point():
-        raise ValueError(f"q: expected a floating-point dtype, got {q.dtype}")
+    if q.dtype not in FLOAT_DTYPES:  # float8: no exchange (gloo) or attention here computes in it
+        raise ValueError(f"q: expected float16, bfloat16, float32 or float64, got {q.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if (k.shape[0], k.shape[1], k.shape[3]) != (B, S_loc, D):
@@ -397,13 +402,15 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
         facts = (q.shape, q.dtype, q.device, q.stride(), k.shape, k.dtype, k.device, k.stride(),
                  v.shape, v.dtype, v.device, v.stride())
         if joint is not None:
+            if not isinstance(joint, (tuple, list)):  # an iterator would be spent here: check_joint names it
+                return None
             facts += tuple((t.shape, t.dtype, t.device, t.stride()) for t in joint)
         rows = tuple((type(n), n) for n in shard_rows) if isinstance(shard_rows, (list, tuple)) else shard_rows
         # typed: 1 == True == 1.0 in a dict key, but check_call refuses some of them
         scalars = (type(impl), impl, type(causal), causal, type(softmax_scale), softmax_scale, type(seq_len), seq_len,
                    type(pace), pace)
         return (facts, joint is None, scalars, rows, world_size, rank, group_name)
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a nested or sparse tensor
         return None
 
 
@@ -515,7 +522,8 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
         return hit[0], (tuple(joint) if hit[1] else None)
     checked = []
     for r in range(P):
-        check_tensor(qs[r], f"qs[{r}]")
+        for name, xs in (("qs", qs), ("ks", ks), ("vs", vs)):
+            check_tensor(xs[r], f"{name}[{r}]")
         checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, shard_rows, r,
                                   pace))
     problem, joint_out = checked[0]

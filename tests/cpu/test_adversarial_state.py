@@ -65,6 +65,33 @@ def test_backwards_run_in_another_order_on_each_rank_are_refused_not_mixed(impl)
     run_gloo_case(_swapped_backward_order, 2, impl, deadline_s=90)
 
 
+def _swapped_backward_same_signature(rank, P, impl):
+    """Calls A and B of one signature (other data); rank 0 runs A's backward first, rank 1 B's: both
+    ranks' gradients were wrong by ~1.3 (each rank's exchanges met the other call's)."""
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    S_loc = 4
+    fulls = {name: _full(seed, 1, P * S_loc, 2, 8) for name, seed in (("A", 10), ("B", 20))}
+    shards = {name: [t[:, rank * S_loc:(rank + 1) * S_loc].clone().requires_grad_() for t in f]
+              for name, f in fulls.items()}
+    outs = {name: ulysses_attention(*shards[name], impl=impl) for name in fulls}
+    w = _weights((1, P * S_loc, 2, 8))[:, rank * S_loc:(rank + 1) * S_loc].float()
+    for name in (("A", "B") if rank == 0 else ("B", "A")):
+        with pytest.raises(ValueError, match="the backward's call .* got rank 0: [0-9]+, rank 1: [0-9]+"):
+            (outs[name] * w).sum().backward()
+    for name in ("A", "B"):  # in the same order on every rank, after the refusal: right
+        (outs[name] * w).sum().backward()
+        want = _oracle_grads(fulls[name], S_loc, rank)
+        for x, g in zip(shards[name], want):
+            err = (x.grad.double() - g).abs().max().item()
+            assert err < 1e-4, f"rank {rank}: call {name}'s gradients are wrong by {err}"
+
+
+@pytest.mark.parametrize("impl", ["reference", "nccl"])
+def test_backwards_of_one_signature_in_another_order_on_each_rank_are_refused(impl):
+    """The backward agrees the forward call it belongs to, not only the signature."""
+    run_gloo_case(_swapped_backward_same_signature, 2, impl, deadline_s=90)
+
+
 # ---- destroy_process_group: fa_a2a keeps no process group alive -------------------------------------------
 def _group_freed_after_destroy(rank, P, impl):
     """A call (forward and backward) over the default group, then destroy_process_group: the group object

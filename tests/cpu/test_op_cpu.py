@@ -74,7 +74,7 @@ def _bad_calls():
         (dict(q=q, k=k, v=k, group=object()), "group"),
         (dict(q=q, k=k[:, :, :0], v=k[:, :, :0]), "k:"),  # no KV heads
         (dict(q=q[..., :0], k=k[..., :0], v=k[..., :0]), "q:"),  # head dim 0
-        (dict(q=q.int(), k=k.int(), v=k.int()), "q: expected a floating-point"),
+        (dict(q=q.int(), k=k.int(), v=k.int()), "q: expected float16, bfloat16, float32 or float64"),
     ]
 
 

@@ -1,0 +1,112 @@
+"""A fourth hostile pass (2026-12-05): arguments and state that gave a silent wrong answer or an unclear
+error, each now a right answer or a ValueError naming the argument. Numeric checks are against a plain
+fp64 torch oracle of the unsplit sequence (CPU, impl "reference"; gloo ranks where ranks matter)."""
+import warnings
+
+import pytest
+import torch
+
+import fa_a2a
+from tests.helpers import fp64_attention
+
+
+def _qkv(seed, B=1, S=6, H=2, D=8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, H, D, generator=g) for _ in range(3)]
+
+
+def test_a_joint_iterator_is_refused_by_name_also_after_a_cached_call():
+    """The signature key spent a generator given as joint; after one valid call of the same shapes the
+    cache hit and the call failed with 'not enough values to unpack', which names nothing."""
+    q, k, v = _qkv(0)
+    j = _qkv(1, S=2)
+    fa_a2a.ulysses_attention(q, k, v, impl="reference", joint=tuple(j))
+    with pytest.raises(ValueError, match="^joint: expected a tuple"):
+        fa_a2a.ulysses_attention(q, k, v, impl="reference", joint=(t for t in j))
+
+
+@pytest.mark.parametrize("kind", ["nested", "sparse"])
+def test_a_nested_or_sparse_q_is_refused_by_name(kind):
+    """A nested q failed inside the signature key (RuntimeError: NestedTensorImpl doesn't support sizes); a
+    sparse one was refused as 'elements share memory ... strides (0, 0, 0, 0)'."""
+    q, k, v = _qkv(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nested tensor prototype's warning
+        bad = torch.nested.nested_tensor([q[0]]) if kind == "nested" else q.to_sparse()
+    with pytest.raises(ValueError, match=f"^q: expected a dense \\(strided\\) tensor, got a {kind if kind == 'nested' else 'torch.sparse_coo'}"):
+        fa_a2a.ulysses_attention(bad, k, v, impl="reference")
+
+
+def test_float8_is_refused_by_name():
+    """float8 passed every check and then failed in gloo's all_to_all ('Invalid scalar type') on real
+    ranks, while one rank and emulated ranks ran it: refused alike everywhere now."""
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _qkv(3))
+    with pytest.raises(ValueError, match="^q: expected float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"):
+        fa_a2a.ulysses_attention(q, k, v, impl="reference")
+    with pytest.raises(ValueError, match="^q: expected float16"):
+        fa_a2a.ulysses_attention_emulated([q, q], [k, k], [v, v], impl="reference")
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "qs[1]"])
+def test_out_proj_emulated_refuses_bad_shard_lists_by_name(bad):
+    """With grad on, requires_grad was read over qs, ks, vs before they were checked: TypeError or
+    AttributeError ('int' object has no attribute 'requires_grad')."""
+    qs, ks, vs = ([t.requires_grad_() for t in _qkv(4 + r, S=3)] for r in range(3))
+    qs, ks, vs = [qs[0], ks[0]], [qs[1], ks[1]], [qs[2], ks[2]]
+    w = torch.randn(5, 16)
+    if bad == "qs[1]":
+        qs, want = [qs[0], 7], "^qs\\[1\\]"
+    else:
+        ks, want = bad, "^ks"
+    with pytest.raises(ValueError, match=want):
+        fa_a2a.ulysses_attention_out_proj_emulated(qs, ks, vs, w)
+
+
+def test_module_takes_shard_rows_and_checks_its_layout_when_set():
+    """UlyssesAttention.forward had no shard_rows (uneven shards could not pass through the module); a
+    layout set after construction was not checked ('bhsd ' ran as bshd: wrong where S_loc == H)."""
+    m = fa_a2a.UlyssesAttention(impl="reference", layout="bhsd")
+    with pytest.raises(ValueError, match="^layout: expected one of"):
+        m.layout = "bhsd "
+    assert m.layout == "bhsd"
+    q, k, v = (t.transpose(1, 2) for t in _qkv(5, S=4, H=4))  # bhsd, S_loc == H
+    out = m(q, k, v, shard_rows=[4])
+    want = fp64_attention(*(t.transpose(1, 2).double() for t in (q, k, v))).transpose(1, 2)
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+# ---- timeouts ---------------------------------------------------------------------------------------------
+def _late_rank_after_a_peer_timed_out(rank, P):
+    import os
+    import time
+
+    os.environ["FA_A2A_TIMEOUT_S"] = {0: "5", 1: "1"}[rank]
+    q = torch.randn(1, 4, 2, 8)
+    with torch.no_grad():
+        fa_a2a.ulysses_attention(q, q, q, impl="reference")  # the channel built, the ranks in step
+        if rank == 0:
+            time.sleep(2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="fa_a2a"):
+            fa_a2a.ulysses_attention(q, q, q, impl="reference")
+        waited = time.monotonic() - t0
+        assert waited < 8, f"rank {rank}: the call ended after {waited:.1f} s, past its FA_A2A_TIMEOUT_S"
+        if rank == 1:
+            time.sleep(8)  # goes on with other work, not calling the op
+
+
+def test_a_rank_late_for_a_peer_that_timed_out_times_out_too():
+    """A rank that timed out left its word published: a rank arriving later found the call agreed and
+    waited in the call's exchange (gloo's process-group timeout, 30 s here, 30 min by default)."""
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_late_rank_after_a_peer_timed_out, 2, deadline_s=60)
+
+
+def test_a_timeout_under_a_millisecond_is_refused():
+    """FA_A2A_TIMEOUT_S=0.0001 became a 0 ms store wait, which a FileStore takes as no timeout: a hang."""
+    from ulysses import env
+
+    with pytest.raises(ValueError, match=r"^FA_A2A_TIMEOUT_S: expected a number of seconds in \[0.001, 1e\+06\]"):
+        env.timeout_s({"FA_A2A_TIMEOUT_S": "0.0001"})
+    assert env.timeout_s({"FA_A2A_TIMEOUT_S": "0.001"}) == 0.001
