@@ -77,8 +77,9 @@ def enabled() -> bool:
 
 def cache_dir() -> Path:
     """The cache folder (not created here)."""
-    if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR]).expanduser()
+    folder = os.environ.get(ENV_DIR, "").strip()  # blank: unset (not a folder named by spaces)
+    if folder:
+        return Path(folder).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "fa_a2a"
 
@@ -257,12 +258,19 @@ def load_or_compile(name: str, key: tuple, compile: Callable[[], Any]) -> tuple:
         _warn_once(f"fa_a2a compile cache: cannot use {folder} ({e}); compiling in memory only "
                    f"(set {ENV_DIR}, or {ENV_SWITCH}=0)")
         return compile(), False
-    if full_key in store:  # loads the entry (shared lock) into the store's memory
-        _link_shared(_entry_file(folder, full_key))
-        return store[full_key], True
+    try:
+        if full_key in store:  # loads the entry (shared lock) into the store's memory
+            _link_shared(_entry_file(folder, full_key))
+            return store[full_key], True
+    except OSError as e:  # e.g. a lock path that is a folder
+        _warn_once(f"fa_a2a compile cache: cannot read {folder} ({e}); compiling in memory only")
+        return compile(), False
     compiled = compile()
-    store[full_key] = compiled  # exports (exclusive lock, temporary file renamed into place)
-    _link_shared(_entry_file(folder, full_key))
+    try:
+        store[full_key] = compiled  # exports (exclusive lock, temporary file renamed into place)
+        _link_shared(_entry_file(folder, full_key))
+    except OSError as e:
+        _warn_once(f"fa_a2a compile cache: cannot write {folder} ({e}); this kernel stays in memory")
     return compiled, False
 
 

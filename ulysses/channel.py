@@ -98,7 +98,8 @@ class Channel:
     # ---- set-up (through the store) ------------------------------------------------------------------
     def _timeout(self) -> float:
         """FA_A2A_TIMEOUT_S as it is when a wait begins (a value set after the channel was built counts),
-        else the channel's own (unset, or a bad value: the call's own checks refuse that by name)."""
+        else the channel's own: unset, or a bad value (the checks of a call's first signature refuse it by
+        name; a value set bad after that is not read here, and a wait must still end)."""
         if os.environ.get("FA_A2A_TIMEOUT_S") is None:
             return self.timeout_s
         try:

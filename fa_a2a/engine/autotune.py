@@ -146,6 +146,9 @@ def _record_file(key: Mapping) -> Path:
     return records_dir() / f"{digest}.json"
 
 
+_RECORD_MAX_BYTES = 1 << 16  # a record is a few hundred bytes
+
+
 def read_record(key: Mapping, labels: Sequence[str]) -> Optional[Choice]:
     """This machine's decision of `key`, if one is on disk, its key matches and its label is one of
     `labels`; None otherwise (and with the disk cache off)."""
@@ -153,17 +156,21 @@ def read_record(key: Mapping, labels: Sequence[str]) -> Optional[Choice]:
 
     if not enabled():
         return None
+    path = _record_file(key)
     try:
-        data = json.loads(_record_file(key).read_text())
-    except (OSError, ValueError):
+        # a plain file of a record's size (not a FIFO, which would block the read)
+        if not path.is_file() or path.stat().st_size > _RECORD_MAX_BYTES:
+            return None
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("key") != dict(key) or data.get("label") not in labels:
+            return None
+        times = data.get("times")
+        if times is not None and not (isinstance(times, dict) and all(
+                t in labels and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                and v >= 0 for t, v in times.items())):
+            return None  # a foreign or damaged record: measured again (and written over)
+    except (OSError, ValueError, OverflowError, RecursionError):  # unreadable, not JSON, a huge int, nested deep
         return None
-    if not isinstance(data, dict) or data.get("key") != dict(key) or data.get("label") not in labels:
-        return None
-    times = data.get("times")
-    if times is not None and not (isinstance(times, dict) and all(
-            t in labels and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-            for t, v in times.items())):
-        return None  # a foreign or damaged record: measured again (and written over)
     return Choice(data["label"], "disk", times, reason="read from disk, not measured")
 
 
@@ -174,12 +181,16 @@ def write_record(key: Mapping, choice: Choice) -> None:
     if not enabled():
         return
     path = _record_file(key)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dict(key=dict(key), label=choice.label, times=dict(choice.times or {})), indent=1))
         os.replace(tmp, path)
     except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         logger.warning("fa_a2a impl='auto': could not write its record to %s (%s); the next process measures again",
                        path, e)
 
@@ -189,6 +200,8 @@ def clear_records() -> int:
     folder = records_dir()
     removed = 0
     for path in folder.glob("*.json") if folder.is_dir() else ():
+        if path.is_dir():  # not a record
+            continue
         path.unlink(missing_ok=True)
         removed += 1
     return removed

@@ -512,8 +512,16 @@ def _auto_decided(p: Problem, where: tuple, q, cpu_label: str, measure) -> Probl
     if hit is None:
         from fa_a2a.engine import autotune
 
-        choice = measure() if q.is_cuda else autotune.static_choice(
-            cpu_label, f"CPU tensors: {cpu_label} is the one candidate without CUDA kernels")
+        if q.is_cuda:
+            choice = measure()
+        else:  # (FA_A2A_IMPL forcing another path is said, not refused: this rank alone reads it here)
+            try:
+                forced = autotune.forced_label()
+            except ValueError:  # (checked with the call; set since)
+                forced = None
+            ignored = f"; {autotune.ENV_IMPL}={forced!r} does not apply" if forced not in (None, cpu_label) else ""
+            choice = autotune.static_choice(cpu_label, f"CPU tensors: {cpu_label} is the one candidate without CUDA "
+                                                       f"kernels{ignored}")
         hit = _keep_decision(p, where, autotune.concrete(p, choice.label))
     return hit
 

@@ -119,6 +119,7 @@ _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size=
                  batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
+                 check_joint="FA_A2A_CHECK_JOINT (whether this rank checks joint's data)",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)",
                  deterministic="torch.use_deterministic_algorithms (FA4's deterministic backward)",
                  forward_call="the backward's call (its forward's number over the group: every rank must run the "
@@ -341,6 +342,7 @@ def signature_fields(problem: Problem, entry: str, group_name: str, joint, requi
         for t in joint:
             digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
         fields["joint_data"] = digest.hexdigest()
+        fields["check_joint"] = True  # (a rank without it sends neither: the message names the setting)
     return fields
 
 

@@ -17,7 +17,10 @@ def _check_positive(name: str, value: float, *, allow_inf: bool = False, allow_z
     (or inf with allow_inf); bools and strings are refused: True is not 1 s, "1e-6" is not a number."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name}: expected a number, got {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name}: expected a number in float's range, got an int of {len(str(value))} digits") from None
     if math.isnan(v) or v < 0 or (v == 0 and not allow_zero) or (math.isinf(v) and not allow_inf):
         what = "non-negative" if allow_zero else "positive"
         raise ValueError(f"{name}: must be a {what}{'' if allow_inf else ' finite'} number, got {value!r}")

@@ -74,12 +74,24 @@ SEQLEN = int_in(1, MAX_SEQLEN)  # argparse type of every --seqlens entry
 
 
 def check_out_dir(path, flag: str = "--out") -> None:
-    """An output folder: refused (ValueError naming the flag) where the path is an existing file, before any
-    measurement (the results would be lost when they are written at the end)."""
+    """An output folder, checked before any measurement (the results would be lost when they are written
+    at the end): refused (ValueError naming the flag) where the path is empty or an existing file, or its
+    nearest existing folder above is a file or not writable."""
     import os
 
-    if path is not None and os.path.exists(path) and not os.path.isdir(path):
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ValueError(f"{flag}: expected a folder (new or existing), got {path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag}: expected a folder (new or existing), got the file {path!r}")
+    here = os.path.abspath(path)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ValueError(f"{flag}: {path!r} cannot be made: {here!r} is a file")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: {path!r} cannot be written: {here!r} is not writable here")
 
 
 def check_seqlens(values: Iterable, multiple: int = 1, of: str = "", *, flag: str = "--seqlens") -> tuple:

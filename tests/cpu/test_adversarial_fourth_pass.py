@@ -110,3 +110,72 @@ def test_a_timeout_under_a_millisecond_is_refused():
     with pytest.raises(ValueError, match=r"^FA_A2A_TIMEOUT_S: expected a number of seconds in \[0.001, 1e\+06\]"):
         env.timeout_s({"FA_A2A_TIMEOUT_S": "0.0001"})
     assert env.timeout_s({"FA_A2A_TIMEOUT_S": "0.001"}) == 0.001
+
+
+# ---- impl "auto"'s records on disk ------------------------------------------------------------------------
+def test_damaged_auto_records_are_ignored_and_a_record_folder_is_left_clean(tmp_path, monkeypatch):
+    """A time written as a 400-digit int (OverflowError), JSON nested deep (RecursionError) or a FIFO (the
+    read blocked) at a record's path escaped read_record or hung it; a negative time was accepted; a failed
+    write left its temporary file; clear_records raised on a folder named like a record."""
+    import json
+    import os
+
+    from fa_a2a.engine import autotune
+    from tests.cpu.test_autotune import FakeTransport, _problem
+
+    monkeypatch.setenv("FA_A2A_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FA_A2A_CACHE", raising=False)
+    labels = ("fused:tma", "fused:st", "serial")
+    key = autotune.record_key(_problem(), FakeTransport({}))
+    path = autotune._record_file(key)
+    path.parent.mkdir(parents=True)
+    good = dict(key=key, label="serial", times={"serial": 1.0})
+    path.write_text(json.dumps(good))
+    assert autotune.read_record(key, labels).label == "serial"  # the records are read here
+    for text in ['{"key": %s, "label": "serial", "times": {"serial": 1%s}}' % (json.dumps(key), "0" * 400),
+                 "[" * 5000 + "]" * 5000, json.dumps(dict(good, times={"serial": -1.0}))]:
+        path.write_text(text)
+        assert autotune.read_record(key, labels) is None, text[:60]
+    path.unlink()
+    os.mkfifo(path)
+    assert autotune.read_record(key, labels) is None
+    path.unlink()
+    path.mkdir()  # the record's path is a folder: the write warns, leaves nothing behind
+    autotune.write_record(key, autotune.Choice("serial", "measured", {"serial": 1.0}))
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert autotune.clear_records() == 0 and path.is_dir()
+
+
+# ---- settings that differ between ranks -------------------------------------------------------------------
+def _check_joint_on_one_rank(rank, P):
+    import os
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    if rank == 0:
+        os.environ["FA_A2A_CHECK_JOINT"] = "1"
+    q = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(rank))
+    joint = [torch.randn(1, 3, 2, 8, generator=torch.Generator().manual_seed(7)) for _ in range(3)]  # the same
+    with torch.no_grad(), pytest.raises(ValueError) as info:
+        fa_a2a.ulysses_attention(q, q, q, joint=joint, impl="reference")
+    assert str(info.value).startswith("FA_A2A_CHECK_JOINT (whether this rank checks joint's data): expected the "
+                                      "same value on every rank, got rank 0: True, rank 1: None"), str(info.value)
+
+
+def test_check_joint_set_on_one_rank_is_named_as_the_setting():
+    """FA_A2A_CHECK_JOINT on rank 0 alone, the same joint data: the refusal read as if the data differed
+    ('joint (data checksum ...)', rank 1: None)."""
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_check_joint_on_one_rank, 2, deadline_s=60)
+
+
+def test_fa_a2a_impl_that_cannot_run_on_cpu_tensors_is_said(monkeypatch):
+    """FA_A2A_IMPL=serial with CPU tensors ran reference and said only 'CPU tensors: reference is the one
+    candidate': the decision now says the setting does not apply."""
+    from fa_a2a.engine import autotune
+
+    monkeypatch.setenv("FA_A2A_IMPL", "serial")
+    qs, ks, vs = ([t] for t in _qkv(8, S=5))
+    fa_a2a.ulysses_attention_emulated(qs + qs, ks + ks, vs + vs, impl="auto")
+    reasons = [c.reason for c in autotune.decisions().values() if "CPU tensors" in c.reason]
+    assert any("FA_A2A_IMPL='serial' does not apply" in r for r in reasons), reasons

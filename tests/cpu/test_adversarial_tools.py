@@ -183,3 +183,28 @@ def test_whole_call_bench_agrees_the_finite_check_across_ranks():
     """bench_call.run_call_point: the fused call's finite check is per rank, and the breakdown (with its
     barriers and all_reduce) runs only where it passed: one NaN rank leaves the others in a collective."""
     run_gloo_case(_call_point_case, 2, deadline_s=120)
+
+
+# ------------------------------------------------------------------------------ fourth pass (2026-12-05)
+@pytest.mark.parametrize("out", ["", "afile/sub"])
+def test_bench_refuses_out_that_cannot_be_made(out, tmp_path):
+    """--out under an existing file, or empty, was accepted: the writes at the end of the run failed."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="^--out: "):
+        bench.parse_args(["--out", str(tmp_path / out) if out else out], env={})
+
+
+@pytest.mark.parametrize("damage", ["huge int", "deep"])
+def test_a_platform_file_of_a_huge_int_or_deep_json_is_a_usage_error(damage, tmp_path, capsys, monkeypatch):
+    """A platform file holding a 400-digit int (OverflowError) or JSON nested deep (RecursionError): a
+    traceback, exit 1, instead of the usage error naming --platform."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, path = _model_file(tmp_path, "peer")
+    data = json.loads(open(path).read())
+    data["t_iss0_s"] = 10 ** 400
+    text = json.dumps(data) if damage == "huge int" else "[" * 5000 + "]" * 5000
+    with open(path, "w") as fh:
+        fh.write(text)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--platform", path])
+    assert e.value.code == 2 and "--platform" in capsys.readouterr().err

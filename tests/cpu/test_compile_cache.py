@@ -332,3 +332,25 @@ def test_the_launch_paths_import_no_cute_dsl():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "-"
+
+
+def test_lock_paths_that_are_folders_and_a_blank_folder_setting(tmp_path, monkeypatch):
+    """A hostile pass (2026-12-05): lock paths that are folders raised IsADirectoryError from inside the
+    store (only opening the store was guarded); FA_A2A_CACHE_DIR of blanks made a folder named by them."""
+    monkeypatch.setenv(C.ENV_SWITCH, "1")
+    monkeypatch.setenv(C.ENV_DIR, str(tmp_path))
+    C._warn_once.cache_clear()
+    fn = _fresh_barrier()
+    bound = C.inspect.signature(compile_barrier.__wrapped__).bind(2, 1)
+    bound.apply_defaults()
+    folder = C.entry_folder("compile_barrier")
+    entry = C._entry_file(folder, ("compile_barrier", tuple(bound.arguments.values()), C._compile_settings()))
+    folder.mkdir(parents=True)
+    (folder / (entry.name + ".lock")).mkdir()
+    (folder / (entry.stem + ".lock")).mkdir()
+    with pytest.warns(RuntimeWarning, match="fa_a2a compile cache: cannot"):
+        fn(2, 1)
+    assert fn.cache_info().loads == 0
+    monkeypatch.setenv(C.ENV_DIR, "  ")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert C.cache_dir() == tmp_path / "xdg" / "fa_a2a"
