@@ -119,6 +119,7 @@ _ARGUMENT = dict(entry="entry point", group="group (process group)", world_size=
                  batch="q (B)", seq_loc="q (S_loc)", num_heads="q (H)", num_kv_heads="k (H_kv)", head_dim="q (D)",
                  joint_len="joint (J rows; 0 = no joint)", causal="causal", softmax_scale="softmax_scale", pace="pace",
                  requires_grad="requires_grad (grad mode on and q, k, v or joint requiring grad)",
+                 transport="FA_A2A_TRANSPORT (the windows' transport)",
                  check_joint="FA_A2A_CHECK_JOINT (whether this rank checks joint's data)",
                  joint_data="joint (data checksum, FA_A2A_CHECK_JOINT=1)",
                  deterministic="torch.use_deterministic_algorithms (FA4's deterministic backward)",
@@ -337,6 +338,9 @@ def check_call(q, k, v, joint, impl, causal, softmax_scale, seq_len, world_size:
 # ---- cross-rank agreement, every call ----------------------------------------------------------------
 def signature_fields(problem: Problem, entry: str, group_name: str, joint, requires_grad: bool = False) -> dict:
     fields = dict(problem.agreed_fields(), entry=entry, group=group_name, requires_grad=requires_grad)
+    if problem.device_type == "cuda" and problem.impl not in ("nccl", "reference"):
+        # the transport the windows come from: its set-up is collective, and each kind's is its own
+        fields["transport"] = "vmm" if env.transport() == "ipc" else env.transport()
     if joint is not None and env.check_joint():
         digest = hashlib.blake2b(digest_size=8)
         for t in joint:

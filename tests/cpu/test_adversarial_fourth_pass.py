@@ -179,3 +179,29 @@ def test_fa_a2a_impl_that_cannot_run_on_cpu_tensors_is_said(monkeypatch):
     fa_a2a.ulysses_attention_emulated(qs + qs, ks + ks, vs + vs, impl="auto")
     reasons = [c.reason for c in autotune.decisions().values() if "CPU tensors" in c.reason]
     assert any("FA_A2A_IMPL='serial' does not apply" in r for r in reasons), reasons
+
+
+def test_fa_a2a_transport_is_agreed_for_the_calls_that_use_it(monkeypatch):
+    """FA_A2A_TRANSPORT was in no call's signature: ranks with vmm and host (or symm) windows ran different
+    collective set-ups (an unclear TransportSetupError, or a wait until the process group's timeout). It
+    is agreed now wherever the windows are used (CUDA tensors, impl auto / fused / serial); a GPU shows the
+    set-up itself, this checks the agreement's fields and message."""
+    import dataclasses
+
+    from fa_a2a.engine import problem as pb
+
+    q, k, v = _qkv(9)
+    base, _ = pb.check_call(q, k, v, None, "reference", False, None, None, 2, None, 0, None)
+    cuda = dataclasses.replace(base, device_type="cuda", impl="fused")
+    fields = {}
+    for rank, value in enumerate(("vmm", "host")):
+        monkeypatch.setenv("FA_A2A_TRANSPORT", value)
+        fields[rank] = pb.signature_fields(cuda, "ulysses_attention", "0", None)
+    assert pb.signature_word(fields[0]) != pb.signature_word(fields[1])
+    err = pb._disagreement([("ok", fields[0]), ("ok", fields[1])], None)
+    assert str(err) == ("FA_A2A_TRANSPORT (the windows' transport): expected the same value on every rank, got "
+                        "rank 0: 'vmm', rank 1: 'host'")
+    monkeypatch.setenv("FA_A2A_TRANSPORT", "ipc")  # another name of vmm
+    assert pb.signature_fields(cuda, "ulysses_attention", "0", None) == fields[0]
+    for other in (base, dataclasses.replace(cuda, impl="nccl")):  # no windows: not agreed
+        assert "transport" not in pb.signature_fields(other, "ulysses_attention", "0", None)
