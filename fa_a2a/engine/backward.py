@@ -519,7 +519,7 @@ def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
 
 
 # ---- the backward -------------------------------------------------------------------------------------
-def _agree_backward(spec: Spec, saved: Saved, group) -> None:
+def _agree_backward(spec: Spec, saved: Saved, group, refusal: Optional[str] = None) -> None:
     """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes
     (the layout's, and the saved q's batch, head dim and dtype), the forward call it belongs to
     (_forward_calls: two calls whose backwards run in another order on each rank must not meet in
@@ -545,7 +545,7 @@ def _agree_backward(spec: Spec, saved: Saved, group) -> None:
     fields, word = entry
     call = _forward_calls.get(saved.q.data_ptr(), 0)
     word = ((word ^ (call * 0x9E3779B97F4A7C15)) & ((1 << WORD_BITS) - 1)) or 1  # (signature words are never 0)
-    agree_call(dict(fields, forward_call=call), word, None, group)
+    agree_call(dict(fields, forward_call=call), word, refusal, group)
 
 
 _backward_words: dict = {}
@@ -703,16 +703,19 @@ def _projected_douts(lay, weight, dys) -> list:
     return [(dy @ weight).unflatten(-1, (lay.num_heads, -1)) for dy in dys]
 
 
-def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None) -> list:
+def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None, refusal=None) -> list:
     """The backward of these local ranks' calls (group: the real ranks' group, None for P = 1 or
     emulated ranks) -> per rank (dq, dk, dv, djq, djk, djv), joint grads None without joint rows.
     spec.fused: the fused backward (no torch.distributed collective); else FA4's (or the reference's)
     backward between two exchanges. project = (weight, dys) in place of douts: each rank's dO is
     dys[i] @ weight (the output projection's input gradient), which the fused backward's dO stage
-    computes itself (_FusedRank.project_dout), the exchanges' in torch."""
+    computes itself (_FusedRank.project_dout), the exchanges' in torch. refusal: a ValueError message
+    this rank's backward must raise (SECOND_ORDER), on every rank alike."""
     lay = spec.layout
     if group is not None:
-        _agree_backward(spec, saved[0], group)
+        _agree_backward(spec, saved[0], group, refusal)
+    elif refusal is not None:
+        raise ValueError(refusal)
     if spec.fused:
         return _fused_backward(spec, ranks, saved, douts, rows, group, project)
     if project is not None:
@@ -733,23 +736,23 @@ class _Call(NamedTuple):
     rank: int
 
 
+SECOND_ORDER = ("create_graph: fa_a2a's attention has no double backward (its gradients cannot be differentiated "
+                "again); run this backward without create_graph=True")
+
+
 def _first_order(backward_fn):
-    """A backward whose gradients cannot be differentiated again, refused by name when they would be:
-    under create_graph=True they come out requiring grad through torch's DelayedError (a later backward
-    through them raises). torch's once_differentiable does so only when the incoming gradients require
-    grad; from a constant one (loss = out.sum()) it returns constants, and a gradient penalty then
-    silently loses the attention's second-order term."""
+    """A backward refused under create_graph=True (grad mode on in the backward), on every rank alike
+    (backward(refusal=...): the backward's agreement carries it). Its gradients would have no second-order
+    term: once_differentiable returns constants from a constant dO (loss = out.sum()), and torch's
+    DelayedError on detached outputs raised only for a later .backward() over every node, never for
+    autograd.grad(..., inputs) or autograd.functional.hessian, which skip it (a gradient penalty's weight
+    gradient, the Hessian, silently without the attention's term)."""
 
     @functools.wraps(backward_fn)
     def wrapper(ctx, *grads):
+        ctx.refusal = SECOND_ORDER if torch.is_grad_enabled() else None
         with torch.no_grad():
-            outs = backward_fn(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outs
-        err = torch._C._functions.DelayedError(
-            b"fa_a2a: double backward (differentiating the op's gradients, create_graph=True) is not supported",
-            len(outs))
-        return err(*[None if t is None else t.detach().requires_grad_() for t in outs])
+            return backward_fn(ctx, *grads)
 
     return wrapper
 
@@ -768,7 +771,8 @@ class _UlyssesFunction(torch.autograd.Function):
     @_first_order
     def backward(ctx, dout, djout):
         group = ctx.group if ctx.spec.layout.world_size > 1 else None
-        [grads] = backward(ctx.spec, [ctx.rank], [Saved(*ctx.saved_tensors)], [dout], [djout], [ctx.rows], group)
+        [grads] = backward(ctx.spec, [ctx.rank], [Saved(*ctx.saved_tensors)], [dout], [djout], [ctx.rows], group,
+                           refusal=ctx.refusal)
         return (None, *grads[:3], *(grads[3:] if ctx.has_joint else (None,) * 3))
 
 
@@ -796,7 +800,7 @@ class _EmulatedFunction(torch.autograd.Function):
         flat, n = ctx.saved_tensors, ctx.n_saved
         saved = [Saved(*flat[r * n:(r + 1) * n]) for r in range(P)]
         djouts = grads[P:] if spec.layout.joint_len else [None] * P
-        res = backward(spec, range(P), saved, grads[:P], djouts, ctx.rows)
+        res = backward(spec, range(P), saved, grads[:P], djouts, ctx.rows, refusal=ctx.refusal)
         per_input = [[g[i] for g in res] for i in range(3)]
         joint = [_sum_ranks([g[i] for g in res]) for i in range(3, 6)] if spec.layout.joint_len else []
         return (None, *per_input[0], *per_input[1], *per_input[2], *joint)
@@ -854,7 +858,8 @@ class _ProjectedFunction(torch.autograd.Function):
                 dweight = dy_rows.t() @ torch.cat([o.flatten(0, 1).flatten(1) for o in outs])
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 dbias = dy_rows.sum(0)
-        res = backward(ctx.spec, ctx.ranks, saved, [None] * n, [None] * n, ctx.rows, ctx.group, project=(weight, dys))
+        res = backward(ctx.spec, ctx.ranks, saved, [None] * n, [None] * n, ctx.rows, ctx.group, project=(weight, dys),
+                       refusal=ctx.refusal)
         return (None, dweight, dbias, *(g[i] for i in range(3) for g in res))
 
 

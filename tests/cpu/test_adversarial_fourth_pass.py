@@ -205,3 +205,46 @@ def test_fa_a2a_transport_is_agreed_for_the_calls_that_use_it(monkeypatch):
     assert pb.signature_fields(cuda, "ulysses_attention", "0", None) == fields[0]
     for other in (base, dataclasses.replace(cuda, impl="nccl")):  # no windows: not agreed
         assert "transport" not in pb.signature_fields(other, "ulysses_attention", "0", None)
+
+
+# ---- double backward --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["autograd.grad", "hessian", "emulated", "out_proj"])
+def test_double_backward_is_refused_however_it_is_asked_for(how):
+    """create_graph=True: the gradients came out detached behind a DelayedError that only a .backward()
+    over every node met; autograd.grad(penalty, w) and autograd.functional.hessian skipped it and silently
+    lost the attention's second-order term (a wrong weight gradient, an all-zero Hessian)."""
+    S, H, D, C = 4, 2, 4, 6
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, S, C, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(H * D, C, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, S, H, D, dtype=torch.float64, generator=g) for _ in range(2))
+    with pytest.raises(ValueError, match="^create_graph: fa_a2a's attention has no double backward"):
+        if how == "hessian":
+            torch.autograd.functional.hessian(lambda q: fa_a2a.ulysses_attention(q, k, v).pow(2).sum(), k.clone())
+        else:
+            q = torch.nn.functional.linear(x, w).unflatten(-1, (H, D))
+            if how == "emulated":
+                out = torch.cat(fa_a2a.ulysses_attention_emulated(list(q.chunk(2, 1)), list(k.chunk(2, 1)),
+                                                                 list(v.chunk(2, 1)), impl="reference"), 1)
+            elif how == "out_proj":
+                out = fa_a2a.ulysses_attention_out_proj(q, k, v, torch.randn(3, H * D, dtype=torch.float64))
+            else:
+                out = fa_a2a.ulysses_attention(q, k, v)
+            gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            torch.autograd.grad((gx ** 2).sum(), w)
+
+
+def _double_backward_on_ranks(rank, P):
+    import os
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    q, k, v = (t[:, rank * 3:(rank + 1) * 3].clone().requires_grad_() for t in _qkv(11, S=6))
+    out = fa_a2a.ulysses_attention(q, k, v, impl="reference")
+    with pytest.raises(ValueError, match="create_graph: fa_a2a's attention has no double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=rank == 0)  # on one rank only: both refuse
+
+
+def test_double_backward_on_one_rank_is_refused_on_every_rank():
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_double_backward_on_ranks, 2, deadline_s=60)
