@@ -407,6 +407,9 @@ def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
                              "routes them)")
         t = n.weight if isinstance(n, nn.Module) else n
         size = heads * D if across_heads else D
+        if isinstance(n, nn.Module) and t is None:
+            raise ValueError(f"{name}: expected an RMSNorm with a weight, got one without (elementwise_affine=False); "
+                             f"pass a weight tensor of ones [{size}] instead")
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (size,) or t.device != w.device:
             got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected an RMSNorm or a weight tensor, [{size}] on {w.device} ("
@@ -468,6 +471,21 @@ def _segment_names(name: str, n: int) -> tuple:
     return tuple((f"{name}[{i}].x", f"{name}[{i}].proj", f"{name}[{i}].rotary") for i in range(n))
 
 
+def _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch) -> None:
+    """A block call's arguments that every path checks alike (the fused projection, and the torch chain
+    of hidden states that require grad, where config / one_launch do not apply): a call accepted in
+    training must not be refused at inference."""
+    from cute_kernels.qkv_a2a_sm90 import GemmConfig
+
+    split_impl(impl, BLOCK_IMPLS)
+    if joint is None and (joint_proj is not None or joint_rotary is not None):
+        raise ValueError("joint: expected the joint rows x with joint_proj / joint_rotary, got None")
+    if not (config is None or (isinstance(config, str) and config == "auto") or isinstance(config, GemmConfig)):
+        raise ValueError(f"config: expected 'auto', None or a GemmConfig, got {config!r}")
+    if not isinstance(one_launch, bool):
+        raise ValueError(f"one_launch: expected a bool, got {one_launch!r}")
+
+
 def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal, softmax_scale, seq_len,
                      shard_rows, P: int, rank: int, name: str = "x", pace=None):
     """Every local check of rank `rank`'s block call -> its Problem (the rotaries checked as
@@ -483,7 +501,6 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
         if s.x.shape[0] != x0.shape[0] or s.x.dtype != x0.dtype or s.x.device != x0.device:
             raise ValueError(f"{xn}: expected [{x0.shape[0]}, rows, C] {x0.dtype} on {x0.device} like {names[0][0]}, "
                              f"got {tuple(s.x.shape)} {s.x.dtype} on {s.x.device}")
-    split_impl(impl, BLOCK_IMPLS)
     D, (H, Hk) = p0.head_dim, p0.head_map[:2]
     jq = None
     if joint is not None:
@@ -495,8 +512,6 @@ def _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
                              f"{joint.dtype}")
         J = joint.shape[1]
         jq = (_stand_in(joint, J, H, D), _stand_in(joint, J, Hk, D), _stand_in(joint, J, Hk, D))
-    elif joint_proj is not None or joint_rotary is not None:
-        raise ValueError("joint: expected the joint rows x with joint_proj / joint_rotary, got None")
     rows = sum(s.x.shape[1] for s in segs)
     if shard_rows is not None and isinstance(shard_rows, (list, tuple)) and len(shard_rows) == P \
             and isinstance(shard_rows[rank], int) and rows != shard_rows[rank]:
@@ -664,6 +679,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
         from fa_a2a.op import ulysses_attention, ulysses_attention_out_proj
 
         try:
+            _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch)
             qkv, jt = _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, "x")
         except ValueError as e:
             refuse_on_every_rank(e, group)
@@ -681,6 +697,7 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
         check_no_overlap(_named_inputs(x, joint))
         hashable, entry = lookup(key)
         if entry is None:
+            _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch)
             problem = _check_rank_call(x, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                        softmax_scale, seq_len, shard_rows, P, rank, pace=pace)
             fields = None
@@ -711,6 +728,20 @@ def emulated_plan(world_size: int, layout, B: int, D: int, dtype, device):
     return window_plan(emulated_transport(world_size, device), layout, B, D, dtype)
 
 
+def per_rank_rotary(rotary, P: int) -> list:
+    """An emulated call's rotary: None or a list of P per-rank rotaries -> that list. A tuple of two
+    tensors is refused: one rank's (cos, sin) pair, or two ranks' tables (P = 2 cannot tell them apart)."""
+    if rotary is None:
+        return [None] * P
+    if isinstance(rotary, tuple) and len(rotary) == 2 and all(isinstance(t, torch.Tensor) for t in rotary):
+        raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got a tuple of two tensors "
+                         "(one rank's (cos, sin) pair? pass a list, one entry per rank)")
+    if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
+        got = f"{len(rotary)} entries" if isinstance(rotary, (list, tuple)) else type(rotary).__name__
+        raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {got}")
+    return list(rotary)
+
+
 @traced_refusals(_emulated_block_stand_ins)
 def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
                                    joint: Optional[torch.Tensor] = None, joint_proj=None, joint_rotary=None,
@@ -727,13 +758,12 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
         raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
     P = len(xs)
-    rotary = [None] * P if rotary is None else rotary
-    if isinstance(rotary, torch.Tensor) or not isinstance(rotary, (list, tuple)) or len(rotary) != P:
-        raise ValueError(f"rotary: expected None or a list of {P} per-rank rotaries, got {type(rotary).__name__}")
+    rotary = per_rank_rotary(rotary, P)
     weights = _out_weights(out_proj, joint)
     if _inputs_want_grad(xs, joint):
         from fa_a2a.op import ulysses_attention_emulated, ulysses_attention_out_proj_emulated
 
+        _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch)
         ranks = [_attention_with_grad(x, proj, rotary[r], None if r else joint, joint_proj, joint_rotary, f"xs[{r}]")
                  for r, x in enumerate(xs)]  # (the joint rows once: every rank's are the same)
         qkvs = ([qkv[i] for qkv, _ in ranks] for i in range(3))
@@ -748,6 +778,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
     keys, entry = lookup(None if None in keys else ("ulysses_qkv_attention_emulated", keys))
     if entry is None:  # (Problem, {(device, rows per rank): the P ranks' _RankBlocks}: engine.projection)
+        _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch)
         entry = remember(keys, _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, causal,
                                                softmax_scale, seq_len, shard_rows, pace))
     p, prepared = entry
@@ -775,6 +806,40 @@ def _check_emulated(xs, proj, rotary, joint, joint_proj, joint_rotary, impl, cau
             raise ValueError(f"xs[{r}]: expected rank 0's batch, dtype and device ({tuple(a.shape)} "
                              f"{a.dtype} on {a.device}), got {tuple(b.shape)} {b.dtype} on {b.device}")
     return p, {}
+
+
+def not_plain(modules) -> Optional[tuple]:
+    """(index, reason) of the first of `modules` whose call is more than its weights (from_linear and the
+    fused processors read the weights, never call the layers: what a call adds would be dropped), else
+    None. Reasons: "wrapper" (not an nn.Linear / RMSNorm's own forward: a LoRA adapter or another
+    wrapper), "hooks" (forward (pre-)hooks, a forward set on the instance as diffusers' HookRegistry and
+    accelerate's hooks do, or torch's global module hooks: index -1). Non-modules (weight tensors, None)
+    are skipped; a module other than nn.Linear is the caller's to refuse."""
+    from torch.nn.modules import module as torch_module
+
+    for i, m in enumerate(modules):
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward:
+            return i, "wrapper"
+        if isinstance(m, nn.Module) and (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)):
+            return i, "hooks"
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return -1, "hooks"
+    return None
+
+
+def _check_plain(names, modules) -> None:
+    """from_linear's layers (and norms) as not_plain says: ValueError naming the layer."""
+    found = not_plain(modules)
+    if found is None:
+        return
+    i, why = found
+    if i < 0:
+        raise ValueError(f"{', '.join(n for n, m in zip(names, modules) if isinstance(m, nn.Module))}: torch's global "
+                         "module forward hooks are registered, which the block would not run (it reads the "
+                         "layers' weights)")
+    what = (f"{type(modules[i]).__name__} computes more than its weight (a forward of its own: a LoRA adapter or "
+            "another wrapper)" if why == "wrapper" else "has forward hooks (or a forward set on the instance)")
+    raise ValueError(f"{names[i]}: {what}, which the block would not run (it reads the layers' weights)")
 
 
 def weight_facts(tensors) -> tuple:
@@ -813,8 +878,27 @@ class _Layers(NamedTuple):
     def requires_grad(self) -> bool:
         return any(t.requires_grad for t in self.tensors())
 
+    def check_plain(self) -> None:
+        """Every call (hooks can be added later): the layers' calls are their weights' (_check_plain)."""
+        _check_plain(self.names, (self.q, self.k, self.v, self.q_norm, self.k_norm))
+
+    def check_shapes(self) -> None:
+        """Wherever the chain is taken (a changed layer changes its weight_facts): the layers' shapes as
+        from_linear took them, a bias on all three or none (ValueError naming the layer)."""
+        layers = (self.q, self.k, self.v)
+        widths = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        for name, m, heads in zip(self.names, layers, widths):
+            if tuple(m.weight.shape) != (heads * self.head_dim, self.q.weight.shape[1]):
+                raise ValueError(f"{name}: expected its weight [{heads * self.head_dim}, {self.q.weight.shape[1]}] as "
+                                 f"from_linear took it, got {tuple(m.weight.shape)} (build the module again)")
+        with_bias = [n for n, m in zip(self.names, layers) if m.bias is not None]
+        if len(with_bias) not in (0, 3):
+            raise ValueError(f"{', '.join(self.names[:3])}: expected a bias on all three or on none, got one on "
+                             f"{', '.join(with_bias)} only")
+
     def chain(self) -> TorchQKV:
         """The torch chain of the layers' parameters as they are now (torch.cat: differentiable)."""
+        self.check_shapes()
         layers = (self.q, self.k, self.v)
         bias = None if self.q.bias is None else torch.cat([m.bias for m in layers])
         q_norm, k_norm = (n.weight if isinstance(n, nn.Module) else n for n in (self.q_norm, self.k_norm))
@@ -827,6 +911,8 @@ def reload_weights(model: nn.Module) -> None:
     which torch does not version: every UlyssesQKVAttention in `model` rebuilds its fused copies, and every
     fused attention processor (fa_a2a.enable_fused_projection) gathers its weights again, before their next
     call. Other changes (optimizer steps, load_state_dict, `.data =`, `.to()`) need no call: they are seen."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
     for m in model.modules():
         if isinstance(m, UlyssesQKVAttention):
             m.reload_weights()
@@ -951,9 +1037,20 @@ class UlyssesQKVAttention(nn.Module):
         if add_q is not None:
             groups.append((joint_names, joint))
         world_size = None if across_heads else _world_size(kwargs.get("group"), kwargs.get("world_size"))
+        if share_weights:  # a tensor of two layers can be a view of one block's rows only
+            seen = {}
+            for names, layers in groups:
+                for name, m in zip(names[:3], layers[:3]):
+                    for t in (m.weight, m.bias) if isinstance(m, nn.Module) else ():
+                        if t is not None and id(t) in seen:
+                            raise ValueError(f"share_weights: expected layers with weights of their own, got "
+                                             f"{seen[id(t)]} and {name} sharing one (tied layers)")
+                        if t is not None:
+                            seen[id(t)] = name
         made = []
         for names, (q, k, v, nq, nk) in groups:
             heads, bias, norms, eps = _check_linears(names, (q, k, v), (nq, nk), head_dim, across_heads)
+            _check_plain(names, (q, k, v, nq, nk))
             if made and heads != made[0][0]:
                 raise ValueError(f"{names[0]}, {names[1]}: expected to_q's and to_k's heads {made[0][0]}, got {heads}")
             if made and (q.weight.dtype, q.weight.device) != (to_q.weight.dtype, to_q.weight.device):
@@ -1001,6 +1098,12 @@ class UlyssesQKVAttention(nn.Module):
         if (self._layers is None or not self.fused or torch.compiler.is_compiling()
                 or self._facts == tuple(g.facts() for g in self._layers)):
             return
+        from cute_kernels.limits import DTYPES as KERNEL_DTYPES
+
+        for g in self._layers:
+            if g.q.weight.dtype not in KERNEL_DTYPES:
+                raise ValueError(f"{g.names[0]}: expected bfloat16/float16 weights (the fused projection's, as "
+                                 f"from_linear took them), got {g.q.weight.dtype}")
         with torch.no_grad():
             projs = [block_weights(g.chain(), self.world_size) for g in self._layers]
             if self._shared:
@@ -1048,10 +1151,19 @@ class UlyssesQKVAttention(nn.Module):
         main, *text = chains or (self.chain, self.joint_chain)
         return main, (text[0] if text and text[0] is not None else main)
 
+    def _layers_now(self) -> Optional[list]:
+        """from_linear's layers checked (_Layers.check_plain), the copies refreshed -> _chains()."""
+        for g in self._layers or ():
+            g.check_plain()
+        self._refresh()
+        return self._chains()
+
     def forward(self, x: torch.Tensor, *, rotary=None, joint: Optional[torch.Tensor] = None, joint_rotary=None,
                 seq_len: Optional[int] = None, shard_rows: Optional[Sequence[int]] = None):
-        self._refresh()
-        chains = self._chains()
+        try:  # (a refusal goes to every rank: the others are at the call's agreement)
+            chains = self._layers_now()
+        except ValueError as e:
+            refuse_on_every_rank(e, self.group)
         if chains is None and self.fused:
             return ulysses_qkv_attention(x, self.proj, group=self.group, rotary=rotary, joint=joint,
                                          joint_proj=self.joint_proj, joint_rotary=joint_rotary, seq_len=seq_len,
@@ -1077,8 +1189,7 @@ class UlyssesQKVAttention(nn.Module):
         """All world_size ranks in one process (module built with world_size=P, group None)."""
         if isinstance(xs, (list, tuple)) and len(xs) != self.world_size:
             raise ValueError(f"xs: expected {self.world_size} per-rank tensors (world_size), got {len(xs)}")
-        self._refresh()
-        chains = self._chains()
+        chains = self._layers_now()
         if chains is None and self.fused:
             return ulysses_qkv_attention_emulated(xs, self.proj, rotary=rotary, joint=joint,
                                                   joint_proj=self.joint_proj, joint_rotary=joint_rotary,
@@ -1088,8 +1199,9 @@ class UlyssesQKVAttention(nn.Module):
 
         main, joint_chain = self._chain_pair(chains)
         weights = _out_weights(self.out_proj, joint)
-        rotary = [None] * len(xs) if rotary is None else rotary
-        qkv = [_chain_qkv(x, rot, main) for x, rot in zip(xs, rotary)]
+        if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+            raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
+        qkv = [_chain_qkv(x, rot, main) for x, rot in zip(xs, per_rank_rotary(rotary, len(xs)))]
         qs, ks, vs = ([t[i] for t in qkv] for i in range(3))
         kw = dict(seq_len=seq_len, shard_rows=shard_rows, **self._kw())
         if weights is not None:

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
-from fa_a2a.block import EPS, Segment, UlyssesQKVAttention, is_rms_norm, ulysses_qkv_attention, weight_facts
+from fa_a2a.block import (EPS, Segment, UlyssesQKVAttention, is_rms_norm, not_plain, ulysses_qkv_attention,
+                          weight_facts)
 from fa_a2a.engine.log import log_once
 from fa_a2a.engine.problem import BLOCK_IMPLS, split_impl
 from fa_a2a.models import diffusers_backend
@@ -81,29 +82,18 @@ def _why_not_block(proc, attn, hidden_states, encoder_hidden_states, attention_m
     return None
 
 
-def _global_forward_hooks() -> bool:
-    """Whether torch's global module forward (pre-)hooks are registered (register_module_forward_hook)."""
-    from torch.nn.modules import module as torch_module
-
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-
-
 def _why_not_layers(attn, x, linears, norms, widths) -> Optional[str]:
     """The reasons in attn's projection layers: layers other than plain nn.Linear (a LoRA adapter's
     wrapper computes more than its base weight), weights that require grad under grad mode (the
     fused block would cut their gradient), q/k norms the epilogue cannot compute, heads split by
     tensor parallelism (a Linear narrower than `widths`, its out_features unsharded), weights of
     another dtype/device, channels not a multiple of 8."""
-    odd = [type(lin).__name__ for lin in linears
-           if not isinstance(lin, torch.nn.Linear) or type(lin).forward is not torch.nn.Linear.forward]
-    if odd:
-        return f"projection layers other than plain nn.Linear ({odd[0]}: a LoRA adapter or another wrapper)"
-    # the fused block reads the weights, not the layers' calls: anything that changes a call (a forward
-    # hook, a forward set on the instance as diffusers' HookRegistry and accelerate's hooks do, torch's
-    # global module hooks) would be dropped
-    hooked = [m for m in (*linears, *norms) if isinstance(m, torch.nn.Module) and (
-        m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m))]
-    if hooked or _global_forward_hooks():
+    odd = [type(lin).__name__ for lin in linears if not isinstance(lin, torch.nn.Linear)]
+    found = not_plain((*linears, *norms))  # the fused block reads the weights, not the layers' calls
+    if odd or (found is not None and found[1] == "wrapper"):
+        name = odd[0] if odd else type((*linears, *norms)[found[0]]).__name__
+        return f"projection layers other than plain nn.Linear ({name}: a LoRA adapter or another wrapper)"
+    if found is not None:
         return "projection layers with forward hooks (or a forward of their own)"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for m in (*linears, *norms)
                                        for t in (getattr(m, "weight", None), getattr(m, "bias", None))):

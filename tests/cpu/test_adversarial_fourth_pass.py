@@ -248,3 +248,91 @@ def test_double_backward_on_one_rank_is_refused_on_every_rank():
     from tests.multiproc import run_gloo_case
 
     run_gloo_case(_double_backward_on_ranks, 2, deadline_s=60)
+
+
+# ---- the attention block's layers (from_linear), on its grad path (CPU) -----------------------------------
+def _layers(bias=True, C=16, H=2, D=64):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(C, H * D, bias=bias).to(torch.bfloat16).requires_grad_(False) for _ in range(3)]
+    with torch.no_grad():
+        for m in layers:
+            if bias:
+                m.bias.normal_()
+    return layers
+
+
+def _x(C=16, S=6):
+    return torch.randn(1, S, C, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_bias_removed_after_from_linear_is_refused(which):
+    """to_q.bias = None after from_linear left out to_k's and to_v's biases too (relative error 0.97, in
+    training as well); to_k.bias = None failed in torch.cat (TypeError)."""
+    layers = _layers()
+    module = fa_a2a.UlyssesQKVAttention.from_linear(*layers, head_dim=64, world_size=1)
+    layers[which].bias = None
+    with pytest.raises(ValueError, match="^to_q, to_k, to_v: expected a bias on all three or on none"):
+        module(_x())
+
+
+@pytest.mark.parametrize("how", ["subclass", "hook", "instance forward"])
+def test_layers_whose_call_is_more_than_their_weights_are_refused(how):
+    """A LoRA-style nn.Linear subclass, a forward hook or a forward set on the instance: accepted, and
+    what they add was dropped (relative errors 1.03, 0.75, 9.0). Hooks added after from_linear count too."""
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    layers = _layers()
+    if how == "subclass":
+        adapted = Adapted(16, 128).to(torch.bfloat16).requires_grad_(False)
+        adapted.load_state_dict(layers[0].state_dict())
+        with pytest.raises(ValueError, match="^to_q: Adapted computes more than its weight"):
+            fa_a2a.UlyssesQKVAttention.from_linear(adapted, *layers[1:], head_dim=64, world_size=1)
+        return
+    module = fa_a2a.UlyssesQKVAttention.from_linear(*layers, head_dim=64, world_size=1)
+    if how == "hook":
+        layers[1].register_forward_hook(lambda m, args, out: out * 2)
+    else:
+        layers[1].forward = lambda x: torch.nn.functional.linear(x, layers[1].weight) * 2
+    with pytest.raises(ValueError, match="^to_k: has forward hooks"):
+        module(_x())
+
+
+def test_share_weights_refuses_tied_layers():
+    """to_q and to_k sharing one Parameter: share_weights pointed it at k's rows only, so a `.data` write
+    reached one copy (relative error 1.57 after it)."""
+    layers = _layers(bias=False)
+    layers[1].weight = layers[0].weight
+    with pytest.raises(ValueError, match="^share_weights: expected layers with weights of their own, got to_q and "
+                                         "to_k sharing one"):
+        fa_a2a.UlyssesQKVAttention.from_linear(*layers, head_dim=64, world_size=1, share_weights=True)
+
+
+def test_forward_emulated_takes_a_list_of_every_ranks_rotary():
+    """rotary of one entry for 2 ranks: zip cut the call to one rank's output; one (cos, sin) pair for P 2
+    was taken as two ranks' tables."""
+    from fa_a2a import block
+
+    layers = _layers()
+    module = fa_a2a.UlyssesQKVAttention.from_linear(*layers, head_dim=64, world_size=2)
+    xs = [_x(S=3), _x(S=3)]
+    cos, sin = block.rotary_pair(torch.arange(3), 64)
+    for rotary, got in (([(cos, sin)], "got 1 entries"), ((cos, sin), "got a tuple of two tensors")):
+        with pytest.raises(ValueError, match=f"^rotary: expected None or a list of 2 per-rank rotaries, {got}"):
+            module.forward_emulated(xs, rotary=rotary)
+
+
+@pytest.mark.parametrize("arg", ["joint_rotary", "impl", "config", "one_launch"])
+def test_the_grad_path_checks_the_arguments_the_fused_path_checks(arg):
+    """Hidden states that require grad: joint_rotary without joint, impl 'nccl', config 'bogus' and
+    one_launch 'x' ran (a call accepted in training, refused at inference)."""
+    from fa_a2a import block
+
+    proj = block.block_weights(block.TorchQKV(torch.cat([m.weight for m in _layers(bias=False)]), None, None, None,
+                                              2, 2, 64), 1)
+    kw = {"joint_rotary": dict(joint_rotary=torch.zeros(2, 64)), "impl": dict(impl="nccl"),
+          "config": dict(config="bogus"), "one_launch": dict(one_launch="x")}[arg]
+    with pytest.raises(ValueError, match=f"^{'joint' if arg == 'joint_rotary' else arg}: "):
+        fa_a2a.ulysses_qkv_attention(_x(), proj, **kw)
