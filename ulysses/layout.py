@@ -60,8 +60,18 @@ __all__ = [
 ]
 
 
+# Row counts that torch.compile may trace as symbolic (dynamic shapes): they stay so in a traced layout, where
+# operator.index would fix them to the traced value (a graph per sequence length, a failure at torch's
+# recompile limit under fullgraph=True). Head counts and the world size are fixed per graph as before.
+_ROWS = ("seq_len", "seq_loc", "joint_len", "shard_rows")
+
+
 def _as_int(value, name: str, minimum: int) -> int:
-    if not isinstance(value, bool):
+    if (name in _ROWS and isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+            and torch.compiler.is_compiling()):
+        if value >= minimum:
+            return value
+    elif not isinstance(value, bool):
         try:
             index = operator.index(value)
             if index >= minimum:

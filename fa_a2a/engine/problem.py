@@ -423,8 +423,10 @@ def _signature(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows,
 def lookup(key):
     """(key, cached entry) of the per-signature cache (the op's keys and the block's, fa_a2a.block):
     (key, None) for a new signature, (None, None) for a key None or one that cannot be hashed (an
-    unhashable argument, e.g. a list as seq_len, which check_call names): checked every time."""
-    if key is None:
+    unhashable argument, e.g. a list as seq_len, which check_call names): checked every time. Not
+    while torch.compile traces: a key of sizes it traces as symbolic would fix them (hashing them
+    guards each on its value), and a traced call is checked once per graph anyway."""
+    if key is None or torch.compiler.is_compiling():
         return None, None
     try:
         hit = _resolved.get(key)
@@ -533,9 +535,12 @@ def resolve_emulated(qs, ks, vs, joint, impl, causal, softmax_scale, seq_len, sh
         checked.append(check_call(qs[r], ks[r], vs[r], joint, impl, causal, softmax_scale, seq_len, P, shard_rows, r,
                                   pace))
     problem, joint_out = checked[0]
-    for r in range(1, P):
-        same_rows = shard_rows is not None or (qs[r].shape, ks[r].shape) == (qs[0].shape, ks[0].shape)
-        if checked[r][0] != problem or qs[r].device != qs[0].device or not same_rows:
+    for r in range(1, P):  # (each rank's own checks passed: rank 0's B, H, H_kv, D, dtype and device, and rows
+        # without shard_rows, make the same Problem; compared size by size, as torch.compile can trace them)
+        a, b = qs[r], qs[0]
+        if (a.dtype != b.dtype or a.device != b.device or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2]
+                or a.shape[3] != b.shape[3] or ks[r].shape[2] != ks[0].shape[2]
+                or (shard_rows is None and a.shape[1] != b.shape[1])):
             raise ValueError(f"qs[{r}]: expected rank 0's shapes, dtype and device "
                              f"({tuple(qs[0].shape)} {qs[0].dtype} on {qs[0].device}), got "
                              f"{tuple(qs[r].shape)} {qs[r].dtype} on {qs[r].device}")

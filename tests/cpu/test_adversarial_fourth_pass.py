@@ -336,3 +336,52 @@ def test_the_grad_path_checks_the_arguments_the_fused_path_checks(arg):
           "config": dict(config="bogus"), "one_launch": dict(one_launch="x")}[arg]
     with pytest.raises(ValueError, match=f"^{'joint' if arg == 'joint_rotary' else arg}: "):
         fa_a2a.ulysses_qkv_attention(_x(), proj, **kw)
+
+
+# ---- torch.compile with dynamic sequence lengths ----------------------------------------------------------
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("entry", ["op", "module", "emulated"])
+def test_one_graph_serves_every_sequence_length(entry, grad):
+    """The traced checks fixed the sequence length (operator.index in the layout, the signature cache's key):
+    a graph per length under dynamic=True, FailOnRecompileLimitHit at the 9th under fullgraph=True, and
+    torch._dynamo.mark_dynamic on the rows a ConstraintViolationError."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    if entry == "emulated" and grad:
+        pytest.skip("emulated ranks are differentiable eagerly only (refused under torch.compile)")
+    torch._dynamo.reset()
+    module = fa_a2a.UlyssesAttention(impl="reference", layout="bhsd")
+    calls = {
+        "op": lambda q, k, v: fa_a2a.ulysses_attention(q, k, v, impl="reference", softmax_scale=0.3),
+        "module": lambda q, k, v: module(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2),
+        "emulated": lambda q, k, v: torch.cat(fa_a2a.ulysses_attention_emulated(
+            list(q.chunk(2, 1)), list(k.chunk(2, 1)), list(v.chunk(2, 1)), impl="reference", softmax_scale=0.3), 1)}
+    counter = CompileCounter()
+    compiled = torch.compile(calls[entry], backend=counter, fullgraph=True, dynamic=True)
+    scale = None if entry == "module" else 0.3
+    for S in range(4, 24, 2):  # 10 lengths: past torch's recompile limit of 8
+        g = torch.Generator().manual_seed(S)
+        q, k, v = (torch.randn(1, S, 2, 8, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(3))
+        out = compiled(q, k, v)
+        xs = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+        want = fp64_attention(*xs, scale) if scale else fp64_attention(*xs)
+        assert (out.detach() - want.detach()).abs().max().item() < 1e-12, S
+        if grad:
+            w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+            for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), xs)):
+                assert (a - b).abs().max().item() < 1e-12, S
+    assert counter.frame_count == 1
+
+
+def test_mark_dynamic_on_the_rows_is_kept():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fa_a2a.ulysses_attention(q, k, v, impl="reference"), backend="eager",
+                             fullgraph=True)
+    q, k, v = _qkv(12, S=4)
+    for t in (q, k, v):
+        torch._dynamo.mark_dynamic(t, 1)
+    want = fp64_attention(*(t.double() for t in (q, k, v)))
+    assert (compiled(q, k, v).double() - want).abs().max().item() < 1e-5
