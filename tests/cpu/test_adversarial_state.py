@@ -52,11 +52,15 @@ def _swapped_backward_order(rank, P, impl):
     except (ValueError, TimeoutError, RuntimeError) as e:  # refused: fine, as long as it names the mismatch
         assert isinstance(e, ValueError), f"rank {rank}: an unclear error for backwards in another order: {e!r}"
         return
-    for name in cases:
-        want = _oracle_grads(fulls[name], S_loc, rank, 0.3)
-        for x, g in zip(shards[name], want):
+    _check_grads(fulls, shards, S_loc, rank, 0.3)
+
+
+def _check_grads(fulls, shards, S_loc, rank, scale=None):
+    """Each call's shard gradients against the fp64 oracle's."""
+    for name in fulls:
+        for x, g in zip(shards[name], _oracle_grads(fulls[name], S_loc, rank, scale)):
             err = (x.grad.double() - g).abs().max().item()
-            assert err < 1e-4, f"rank {rank}: call {name}'s gradients are wrong by {err} (backwards swapped)"
+            assert err < 1e-4, f"rank {rank}: call {name}'s gradients are wrong by {err}"
 
 
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
@@ -80,10 +84,7 @@ def _swapped_backward_same_signature(rank, P, impl):
             (outs[name] * w).sum().backward()
     for name in ("A", "B"):  # in the same order on every rank, after the refusal: right
         (outs[name] * w).sum().backward()
-        want = _oracle_grads(fulls[name], S_loc, rank)
-        for x, g in zip(shards[name], want):
-            err = (x.grad.double() - g).abs().max().item()
-            assert err < 1e-4, f"rank {rank}: call {name}'s gradients are wrong by {err}"
+    _check_grads(fulls, shards, S_loc, rank)
 
 
 @pytest.mark.parametrize("impl", ["reference", "nccl"])
