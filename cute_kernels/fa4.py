@@ -47,14 +47,25 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)} in B or D")
-    if q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"k: {k.shape[2]} KV heads do not divide {q.shape[2]} query heads")
+
+
+def _check_scalars(causal, softmax_scale, rotate=False) -> None:
+    """causal / rotate bools (a truthy string would turn the mask on), softmax_scale None or a positive
+    finite float within fp32's range (the kernels take it as fp32)."""
+    for name, flag in (("causal", causal), ("rotate", rotate)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not 0 < softmax_scale <= torch.finfo(torch.float32).max):
+        raise ValueError(f"softmax_scale: expected None or a positive float within fp32's range, got {softmax_scale!r}")
 
 
 def _check_seqused_k(seqused_k: Optional[torch.Tensor], q: torch.Tensor) -> None:
     if seqused_k is None:
         return
-    if seqused_k.dtype != torch.int32 or seqused_k.shape != (q.shape[0],):
+    if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (q.shape[0],):
         raise ValueError(f"seqused_k: expected int32 of shape ({q.shape[0]},)")
     if seqused_k.device != q.device:
         raise ValueError("seqused_k: must be on q's device")
@@ -312,12 +323,14 @@ def fa4_launcher(
     the op's window plan: no per-call checks). q [B, S_q, H, D], k/v [B, S_k, H_kv, D], out like q;
     lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
     _check_qkv(q, k, v)
+    _check_scalars(causal, softmax_scale)
     _check_seqused_k(seqused_k, q)
     B, S, H, D = q.shape
-    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
+    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                            or tuple(lse.shape) != (B, H, S)
                             or lse.stride(-1) != 1 or lse.device != q.device):
         raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim, "
-                         f"got {lse.dtype} {tuple(lse.shape)}")
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
     if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
             or out.stride(-1) != 1 or out.device != q.device):
         raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
@@ -407,6 +420,7 @@ def fa4_a2a_launcher(
     """fa4_a2a_forward on these tensors, checked and compiled once: the returned function launches
     it on the current stream (no per-call checks; the op's window plan keeps one per rank)."""
     _check_qkv(q, k, v)
+    _check_scalars(causal, softmax_scale, rotate)
     _check_seqused_k(seqused_k, q)
     check_windows(out_windows, q, rank)
     H_loc, D = q.shape[2], q.shape[3]
@@ -414,7 +428,8 @@ def fa4_a2a_launcher(
     lse_dst = None
     if lse_windows is not None:
         P, B, S_loc, H, _ = out_windows.shape
-        if (lse_windows.dtype != torch.float32 or tuple(lse_windows.shape) != (P, B, H, S_loc)
+        if (not isinstance(lse_windows, torch.Tensor) or lse_windows.dtype != torch.float32
+                or tuple(lse_windows.shape) != (P, B, H, S_loc)
                 or lse_windows.stride()[1:] != (H * S_loc, S_loc, 1) or lse_windows.device != q.device):
             raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
         lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)

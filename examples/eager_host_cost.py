@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fa_a2a.tools.cli import no_gpu
+from fa_a2a.tools.cli import check_out_file, no_gpu
 
 H, D = 24, 128
 C = H * D  # Flux's hidden size
@@ -282,6 +282,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's real-rank calls")
     ap.add_argument("--real-ranks-only", action="store_true", help="only the processes-sharing-the-GPU case")
     args = ap.parse_args()
+    try:
+        check_out_file(args.json, "--json")
+    except ValueError as e:
+        ap.error(str(e))
     under_torchrun = "WORLD_SIZE" in os.environ
     if under_torchrun and args.no_real_ranks:
         ap.error("--no-real-ranks: under torchrun only the real-rank case runs")

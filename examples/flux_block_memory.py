@@ -45,7 +45,7 @@ import os
 import resource
 import sys
 
-from fa_a2a.tools.cli import cannot_run, no_gpu
+from fa_a2a.tools.cli import cannot_run, check_out_file, no_gpu
 
 TOOL = "examples/flux_block_memory.py"
 
@@ -68,6 +68,10 @@ def _parse(argv):
         if not 0 <= value <= 4096 or (value == 0 and name in ("world_size", "heads")):
             p.error(f"--{name.replace('_', '-')}: expected an int in [1, 4096] ([0, 4096] for layer counts), "
                     f"got {value}")
+    try:
+        check_out_file(args.json, "--json")
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 
-from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, float_in, int_in
+from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, check_out_file, float_in, int_in
 
 IMPLS = ("auto", "fused", "fused:tma", "fused:st", "serial", "nccl", "reference")
 
@@ -56,6 +56,10 @@ def parse_args(argv=None):
                     help="under torchrun, also run the same steps without parallelism and compare")
     ap.add_argument("--json", default=None, help="also write the losses (rank 0) to this file")
     args = ap.parse_args(argv)
+    try:
+        check_out_file(args.json, "--json")
+    except ValueError as e:
+        ap.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.heads % world:
         ap.error(f"--heads: expected a multiple of the {world} ranks, got {args.heads}")

@@ -362,6 +362,8 @@ def post_a2a(o: torch.Tensor, out_windows: torch.Tensor, rank: int, *, broadcast
     out_windows[s // S_loc][b, s % S_loc, rank*H_loc + h] = o[b, s, h] (H >= P*H_loc).
     broadcast=True (joint rows): o [B, J, H_loc, D] -> out_windows[d][b, t, rank*H_loc + h] for all d.
     """
+    if not isinstance(broadcast, bool):
+        raise ValueError(f"broadcast: expected a bool, got {broadcast!r}")
     check_tensor(o, "o")
     check_tensor(out_windows, "out_windows", 5)
     P, B, rows, H, D = out_windows.shape

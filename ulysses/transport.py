@@ -130,6 +130,10 @@ def get_transport(group=None, *, backend: str | None = None, timeout_s: float | 
         raise ValueError("group: torch.distributed is not initialized")
     if group is None:
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if not torch.cuda.is_available():
+        raise ValueError("group: the transports' windows are GPU memory; no CUDA device is available here")
     key = (group.group_name, torch.cuda.current_device(), backend)
     cached = _transports.get(key)
     if cached is not None and not cached.closed and explicit_timeout and cached.timeout_s != timeout_s:

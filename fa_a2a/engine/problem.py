@@ -155,7 +155,8 @@ def check_tensor(t, name: str, ndim: int = 4) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_nested or t.layout != torch.strided:
-        raise ValueError(f"{name}: expected a dense (strided) tensor, got a {'nested' if t.is_nested else t.layout} one")
+        kind = "nested" if t.is_nested else t.layout
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got a {kind} one")
     if t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
 

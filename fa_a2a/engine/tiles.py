@@ -20,7 +20,8 @@ def _check_positive(name: str, value: float, *, allow_inf: bool = False, allow_z
     try:
         v = float(value)
     except OverflowError:  # an int past float's range
-        raise ValueError(f"{name}: expected a number in float's range, got an int of {len(str(value))} digits") from None
+        raise ValueError(f"{name}: expected a number in float's range, got an int of {len(str(value))} "
+                         "digits") from None
     if math.isnan(v) or v < 0 or (v == 0 and not allow_zero) or (math.isinf(v) and not allow_inf):
         what = "non-negative" if allow_zero else "positive"
         raise ValueError(f"{name}: must be a {what}{'' if allow_inf else ' finite'} number, got {value!r}")

@@ -591,10 +591,20 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("model: torch.distributed must be initialized before enable_ulysses")
     _require_accelerator("enable_ulysses")
+    split_impl(impl)  # (before the default name is made from it)
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not isinstance(mesh, DeviceMesh) or "ulysses" not in (mesh.mesh_dim_names or ()):
+            raise ValueError(f"mesh: expected a DeviceMesh with a 'ulysses' dim (diffusers' ('ring', 'ulysses')), "
+                             f"got {mesh!r}")
     if ulysses_degree is None:
         ulysses_degree = mesh["ulysses"].size() if mesh is not None else dist.get_world_size()
     if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
         raise ValueError(f"ulysses_degree: expected an int >= 1, got {ulysses_degree!r}")
+    if mesh is None and ulysses_degree != dist.get_world_size():
+        raise ValueError(f"ulysses_degree: expected the world size {dist.get_world_size()} without a mesh (pass "
+                         f"mesh= for Ulysses over part of the ranks), got {ulysses_degree}")
     if name is None:
         name = "fa_a2a" if impl == "auto" else f"fa_a2a_{impl}".replace(":", "_")
     register_diffusers_backend(name, impl, pace)

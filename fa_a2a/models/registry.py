@@ -27,6 +27,10 @@ def enable_fused_projection(model):
     they are), keeping the processor's attention backend and parallel config (so before or after
     set_attention_backend / enable_parallelism / enable_ulysses). Returns the model; ValueError
     when no module qualifies."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: expected a diffusers model (an nn.Module), got {type(model).__name__}")
     installs = _installs()
     n = 0
     for module in model.modules():

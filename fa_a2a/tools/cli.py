@@ -94,6 +94,28 @@ def check_out_dir(path, flag: str = "--out") -> None:
         raise ValueError(f"{flag}: {path!r} cannot be written: {here!r} is not writable here")
 
 
+def check_out_file(path, flag: str, *, make_folder: bool = False) -> None:
+    """An output file, checked before any work (a run's results would be lost when they are written at the
+    end): refused (ValueError naming the flag) where the path is empty or a folder, or its folder does not
+    exist (make_folder: cannot be made, as check_out_dir says) or is not writable."""
+    import os
+
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ValueError(f"{flag}: expected a file path, got {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: expected a file, got the folder {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if make_folder:
+        check_out_dir(folder, flag)
+        return
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag}: {path!r} cannot be written: its folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: {path!r} cannot be written: its folder {folder!r} is not writable here")
+
+
 def check_seqlens(values: Iterable, multiple: int = 1, of: str = "", *, flag: str = "--seqlens") -> tuple:
     """The tools' one check of a list of sequence lengths, after argparse: each an integer in
     [1, MAX_SEQLEN] (as SEQLEN says it; a parser that must raise ValueError instead of exiting

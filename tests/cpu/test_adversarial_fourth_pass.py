@@ -33,7 +33,8 @@ def test_a_nested_or_sparse_q_is_refused_by_name(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the nested tensor prototype's warning
         bad = torch.nested.nested_tensor([q[0]]) if kind == "nested" else q.to_sparse()
-    with pytest.raises(ValueError, match=f"^q: expected a dense \\(strided\\) tensor, got a {kind if kind == 'nested' else 'torch.sparse_coo'}"):
+    got = "nested" if kind == "nested" else "torch.sparse_coo"
+    with pytest.raises(ValueError, match=f"^q: expected a dense \\(strided\\) tensor, got a {got}"):
         fa_a2a.ulysses_attention(bad, k, v, impl="reference")
 
 
@@ -385,3 +386,75 @@ def test_mark_dynamic_on_the_rows_is_kept():
         torch._dynamo.mark_dynamic(t, 1)
     want = fp64_attention(*(t.double() for t in (q, k, v)))
     assert (compiled(q, k, v).double() - want).abs().max().item() < 1e-5
+
+
+# ---- the kernels' own entry points (fake CUDA tensors, the compile replaced by a stub) --------------------
+@pytest.mark.parametrize("kw", [dict(causal="no"), dict(softmax_scale=float("nan")), dict(softmax_scale=-1.0),
+                                dict(softmax_scale=0.0), dict(softmax_scale="x"), dict(rotate="no")])
+def test_fa4_entry_points_refuse_bad_scalars(kw, monkeypatch):
+    """fa4_forward / fa4_a2a_forward took causal='no' (a truthy string: FA4's causal mask on) and NaN, zero or
+    negative scales into the kernel's compile key and launch unchecked; the op refuses them by name."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cute_kernels import fa4
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fa4, "compile_fa4", lambda *key, **options: (lambda *args: None))
+    name = next(iter(kw))
+    with FakeTensorMode():
+        q = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        windows = torch.empty(2, 1, 128, 4, 128, dtype=torch.bfloat16, device="cuda")
+        if name != "rotate":
+            with pytest.raises(ValueError, match=f"^{name}: expected"):
+                fa4.fa4_forward(q, q, q, **kw)
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            fa4.fa4_a2a_forward(q, q, q, windows, 0, **kw)
+
+
+def test_low_level_entry_points_name_bad_arguments():
+    """enable_fused_projection(None) (AttributeError), get_transport('abc') (AttributeError), get_transport on
+    a machine without CUDA (torch's 'no NVIDIA driver'), post_a2a(broadcast='x') (torch's op schema error)."""
+    from ulysses.transport import get_transport
+
+    with pytest.raises(ValueError, match="^model: expected a diffusers model"):
+        fa_a2a.enable_fused_projection(None)
+    with pytest.raises(ValueError, match="^broadcast: expected a bool"):
+        fa_a2a.post_a2a(torch.zeros(1, 2, 1, 8), torch.zeros(2, 1, 1, 2, 8), 0, broadcast="x")
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_transport_arguments, 1, deadline_s=60)
+
+
+def _transport_arguments(rank, P):
+    from ulysses.transport import get_transport
+
+    with pytest.raises(ValueError, match="^group: expected a torch.distributed ProcessGroup"):
+        get_transport("abc")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^group: the transports' windows are GPU memory"):
+            get_transport()
+
+
+def _enable_ulysses_arguments(rank, P):
+    from fa_a2a.models.diffusers_backend import cpu_testbed
+
+    from tests.cpu.test_adversarial_models import _tiny_flux
+
+    cpu_testbed()
+    for kw, want in ((dict(ulysses_degree=1), "^ulysses_degree: expected the world size 2 without a mesh"),
+                     (dict(ulysses_degree=3), "^ulysses_degree: expected the world size 2 without a mesh"),
+                     (dict(impl=None), "^impl: "), (dict(impl="FUSED"), "^impl: "),
+                     (dict(mesh="abc"), "^mesh: expected a DeviceMesh")):
+        model = _tiny_flux()
+        with pytest.raises(ValueError, match=want):
+            fa_a2a.enable_ulysses(model, **kw)
+        assert getattr(model, "_parallel_config", None) is None, kw  # refused before anything was set
+
+
+def test_enable_ulysses_refuses_a_degree_other_than_the_world_size_without_a_mesh():
+    """ulysses_degree 2 on 3 ranks: ranks 0 and 1 ran a 2-rank model while rank 2 failed in DeviceMesh (the
+    ranks parted ways); impl None named the backend name; a mesh of another type failed with TypeError."""
+    pytest.importorskip("diffusers")
+    from tests.multiproc import run_gloo_case
+
+    run_gloo_case(_enable_ulysses_arguments, 2, deadline_s=120)

@@ -406,7 +406,8 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
     transport.host_barrier = lambda *a, **kw: meet.wait()
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
     agreed = []
-    monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group: agreed.append((spec, group.group_name)))
+    monkeypatch.setattr(fab, "_agree_backward",
+                        lambda spec, s, group, refusal=None: agreed.append((spec, group.group_name)))
     for name in ("all_to_all_single", "all_reduce", "barrier", "all_gather"):
         monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("a torch.distributed collective ran"))
     poison_windows(transport, p)

@@ -224,8 +224,12 @@ def test_train_example_two_ranks_match_one_process(tmp_path):
 def test_train_example_argument_errors(tmp_path):
     script = os.path.join(ROOT, "examples", "train.py")
     env = _env()
+    (tmp_path / "afile").write_text("")
     for args, message in ((["--steps", "0"], "argument --steps: expected an integer in"),
-                          (["--impl", "fused", "--device", "cpu"], "--impl: on CPU only reference runs")):
+                          (["--impl", "fused", "--device", "cpu"], "--impl: on CPU only reference runs"),
+                          (["--json", str(tmp_path / "missing" / "x.json")], "--json: "),  # (checked before training)
+                          (["--json", str(tmp_path)], "--json: expected a file, got the folder"),
+                          (["--json", ""], "--json: expected a file path")):
         p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and message in p.stderr.splitlines()[-1], p.stderr
     env["WORLD_SIZE"] = "2"
