@@ -88,8 +88,13 @@ def check_rank(rank, world_size: int) -> int:
 
 
 def check_shard_rows(rows, world_size: int) -> tuple:
-    """Every rank's row count (uneven shards) as a tuple of ints, at least one of them > 0."""
-    if isinstance(rows, (str, bytes, torch.Tensor)) or not hasattr(rows, "__len__") or len(rows) != world_size:
+    """Every rank's row count (uneven shards) as a tuple of ints, at least one of them > 0. rows in rank
+    order: a list, tuple or 1-D array (a set or a dict has no rank order)."""
+    from collections.abc import Mapping, Set
+
+    world_size = _as_int(world_size, "world_size", 1)
+    if (isinstance(rows, (str, bytes, torch.Tensor, Set, Mapping)) or not hasattr(rows, "__len__")
+            or len(rows) != world_size):
         raise ValueError(f"shard_rows: expected {world_size} row counts (one per rank), got {rows!r}")
     rows = tuple(_as_int(n, "shard_rows", 0) for n in rows)
     if max(rows) < 1:
@@ -373,9 +378,11 @@ class UlyssesLayout:
 # ---- emulated ranks: explicit lists of per-rank tensors ---------------------------------------
 def take_heads(x: torch.Tensor, heads: Sequence[int]) -> torch.Tensor:
     """x[..., heads, :] for x [..., H, D]; an entry >= H selects a zero (padding) head."""
-    heads = [int(h) for h in heads]
-    if any(h < 0 for h in heads):
-        raise ValueError(f"heads must be >= 0, got {heads}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x: expected a [..., H, D] tensor, got {type(x).__name__}")
+    if isinstance(heads, (str, bytes, torch.Tensor)) or not hasattr(heads, "__iter__"):
+        raise ValueError(f"heads: expected a sequence of head indices, got {heads!r}")
+    heads = [_as_int(h, "heads", 0) for h in heads]  # (2.5 is no head; int() would take head 2)
     H = x.shape[-2]
     extra = max(heads, default=-1) + 1 - H
     if extra > 0:

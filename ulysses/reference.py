@@ -44,13 +44,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None, dtype=None):
-    """softmax(q k^T * scale) v for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] with Hk dividing Hq.
+def _check_local(q, k, v, softmax_scale, seqused_k) -> tuple:
+    """local_attention's (and its backward's) argument checks -> (scale, seqused_k or None)."""
+    import operator
 
-    Query head j reads KV head j // (Hq // Hk). Keys >= seqused_k are masked; causal: query row i
-    reads keys <= i (top-left aligned). Computed in `dtype` (default fp32, fp64 for fp64 inputs)
-    and returned in that dtype.
-    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D [B, N, H, D] tensor")
@@ -58,14 +55,34 @@ def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None
     if k.shape[0] != B or k.shape[3] != D or k.shape != v.shape:
         raise ValueError(f"k and v must be [{B}, N, Hk, {D}] and equal, got {list(k.shape)}, {list(v.shape)}")
     Nk, Hk = k.shape[1], k.shape[2]
-    if Hq % Hk:
-        raise ValueError(f"k heads ({Hk}) must divide q heads ({Hq})")
+    if Hk < 1 or D < 1 or Nk < 1 or Hq % Hk:
+        raise ValueError(f"k: expected >= 1 rows, heads dividing q's {Hq} and head dim >= 1, got {list(k.shape)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not 0 < softmax_scale < float("inf")):  # NaN fails too
+        raise ValueError(f"softmax_scale: expected None or a positive finite number, got {softmax_scale!r}")
+    if seqused_k is not None:
+        try:
+            used = None if isinstance(seqused_k, bool) else operator.index(seqused_k)
+        except TypeError:
+            used = None
+        if used is None or not 1 <= used <= Nk:
+            raise ValueError(f"seqused_k must be an int in [1, {Nk}], got {seqused_k!r}")
+        seqused_k = used
+    return (D ** -0.5 if softmax_scale is None else float(softmax_scale)), seqused_k
+
+
+def local_attention(q, k, v, *, causal=False, softmax_scale=None, seqused_k=None, dtype=None):
+    """softmax(q k^T * scale) v for q [B, Nq, Hq, D], k/v [B, Nk, Hk, D] with Hk dividing Hq.
+
+    Query head j reads KV head j // (Hq // Hk). Keys >= seqused_k are masked; causal: query row i
+    reads keys <= i (top-left aligned). Computed in `dtype` (default fp32, fp64 for fp64 inputs)
+    and returned in that dtype.
+    """
+    scale, seqused_k = _check_local(q, k, v, softmax_scale, seqused_k)
+    Hq, Hk = q.shape[2], k.shape[2]
     dtype = dtype or _compute_dtype(q.dtype)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     q, k, v = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v))
     if seqused_k is not None:
-        if not 1 <= seqused_k <= Nk:
-            raise ValueError(f"seqused_k must be in [1, {Nk}], got {seqused_k}")
         # masked keys dropped, not masked: a NaN in a padding key or value row cannot leak
         k, v = k[:, :seqused_k], v[:, :seqused_k]
     if Hq != Hk:
@@ -87,10 +104,12 @@ def local_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, s
     inputs), then the softmax backward, dS = P * (dO V^T - rowsum(dO * O)). Keys >= seqused_k get
     zeros; a KV head read by several query heads gets the sum of their parts. Explicit rather than
     autograd: it also runs inside a custom op's body (fa_a2a.engine.backward), where autograd is off."""
+    scale, seqused_k = _check_local(q, k, v, softmax_scale, seqused_k)
+    if not isinstance(do, torch.Tensor) or do.shape != q.shape:
+        raise ValueError(f"do: expected q's shape {list(q.shape)}, got {list(getattr(do, 'shape', [])) or do!r}")
     B, Nq, Hq, D = q.shape
     Nk, Hk = k.shape[1], k.shape[2]
     dtype = dtype or _compute_dtype(q.dtype)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     used = Nk if seqused_k is None else seqused_k
     qf, kf, vf, dof = (x.to(dtype).transpose(1, 2) for x in (q, k[:, :used], v[:, :used], do))  # [B, H, N, D]
     group = Hq // Hk

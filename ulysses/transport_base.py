@@ -61,10 +61,22 @@ def pinned_on_device(numel: int, dtype: torch.dtype, device: torch.device) -> tu
     return tensor_from_address(host.data_ptr(), numel * host.element_size(), device).view(dtype), host
 
 
+def _sizes(shape) -> tuple:
+    """A window shape as ints (2.7 is no size: int() would take 2; a bool is no size either)."""
+    import operator
+
+    try:
+        if any(isinstance(n, bool) for n in shape):
+            raise TypeError
+        return tuple(operator.index(n) for n in shape)
+    except TypeError:
+        raise ValueError(f"shape: expected a sequence of ints, got {shape!r}") from None
+
+
 def _windows_view(flat: torch.Tensor, world_size: int, window_bytes: int, shape, dtype) -> torch.Tensor:
     """[P, *shape] dtype view of a byte range holding P windows at stride window_bytes."""
     es = torch.empty(0, dtype=dtype).element_size()
-    shape = tuple(int(s) for s in shape)
+    shape = _sizes(shape)
     numel = math.prod(shape)
     if numel * es > window_bytes or window_bytes % es:
         raise ValueError(f"shape: {shape} {dtype} does not fit a window of {window_bytes} bytes")
@@ -168,7 +180,7 @@ class Transport:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
-        shape = tuple(int(s) for s in shape)
+        shape = _sizes(shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"shape: sizes must be >= 0, got {shape}")
         key = (name, shape, dtype)

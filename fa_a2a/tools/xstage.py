@@ -437,8 +437,12 @@ def fit_drain_rate(volumes: ArrayLike, periods: ArrayLike, *, min_volume: float 
     if not np.any(keep & (v > 0)):
         raise ValueError(f"min_volume: no point with volume >= {min_volume} (and > 0)")
     x = v[keep] / t[keep]  # per-point rate estimate V/T
-    inv_r = x.sum() / (x * x).sum()  # minimises sum (1 - x/R)^2 over 1/R
-    return 1.0 / inv_r
+    m = x.max()
+    y = x / m  # (scaled: x * x underflows or overflows for rates near float's ends)
+    rate = float(m * (y * y).sum() / y.sum())  # 1/R minimises sum (1 - x/R)^2
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"volumes, periods: no finite positive drain rate fits them (got {rate})")
+    return rate
 
 
 def fit_issue_floor(gaps: ArrayLike, issue_times: ArrayLike, volume: float, drain_rate: float) -> float:
@@ -507,6 +511,8 @@ def fit_capacity(volumes: ArrayLike, issue_times: ArrayLike, drain_rate: float, 
     """
     v, t = _paired("volumes", volumes, "issue_times", issue_times, min_len=3)
     r = _check_positive("drain_rate", drain_rate)
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"n_iter: expected an int >= 1, got {n_iter!r}")
     if np.any(v <= 0):
         raise ValueError(f"volumes: must be > 0, got {v.tolist()}")
     if np.unique(v).size < 2:

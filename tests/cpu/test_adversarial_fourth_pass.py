@@ -458,3 +458,60 @@ def test_enable_ulysses_refuses_a_degree_other_than_the_world_size_without_a_mes
     from tests.multiproc import run_gloo_case
 
     run_gloo_case(_enable_ulysses_arguments, 2, deadline_s=120)
+
+
+# ---- the ulysses package's own functions and the X-Stage fits ---------------------------------------------
+def test_reference_attention_checks_its_scale_rows_and_gradient():
+    """local_attention took a NaN scale (all-zero output: SDPA's CPU kernel zeroes NaN rows) and
+    seqused_k=True as 1; its backward checked nothing (a q of 1 head with k of 2 gave dq of 2 heads; a do
+    of another shape was broadcast; seqused_k -2 masked two keys)."""
+    from ulysses.reference import local_attention, local_attention_backward
+
+    q, k, v = _qkv(13, H=2)
+    for kw, want in ((dict(softmax_scale=float("nan")), "^softmax_scale: "),
+                     (dict(softmax_scale=True), "^softmax_scale: "), (dict(seqused_k=True), "^seqused_k "),
+                     (dict(seqused_k=-2), "^seqused_k "), (dict(seqused_k=2.5), "^seqused_k ")):
+        for fn in (lambda **a: local_attention(q, k, v, **a), lambda **a: local_attention_backward(q, k, v, q, **a)):
+            with pytest.raises(ValueError, match=want):
+                fn(**kw)
+    with pytest.raises(ValueError, match="^k: expected"):
+        local_attention_backward(q[:, :, :1], k, v, q[:, :, :1])
+    with pytest.raises(ValueError, match="^do: expected q's shape"):
+        local_attention_backward(q, k, v, q[:, :, :1])
+
+
+def test_layout_helpers_refuse_what_int_would_truncate_or_reorder():
+    """take_heads(x, [0.9, 1.9]) was take_heads(x, [0, 1]); check_shard_rows({5, 3}, 2) gave (3, 5) (a set
+    has no rank order); EmulatedTransport.windows('b', (2.7,), ...) made a [P, 2] window."""
+    from ulysses.layout import check_shard_rows, take_heads
+    from ulysses.transport import EmulatedTransport
+
+    x = torch.randn(1, 3, 4, 8)
+    with pytest.raises(ValueError, match="^heads: "):
+        take_heads(x, [0.9, 1.9])
+    with pytest.raises(ValueError, match="^heads: "):
+        take_heads(x, [True])
+    with pytest.raises(ValueError, match="^shard_rows: "):
+        check_shard_rows({5, 3}, 2)
+    with pytest.raises(ValueError, match="^world_size: "):
+        check_shard_rows([5, 3], True)
+    with pytest.raises(ValueError, match="^shard_rows: "):
+        fa_a2a.ulysses_attention(*_qkv(14), impl="reference", shard_rows={6})
+    t = EmulatedTransport(2, device="cpu")
+    for shape in ((2.7,), (True,)):
+        with pytest.raises(ValueError, match="^shape: "):
+            t.windows("b", shape, torch.float32)
+    t.close()
+
+
+def test_xstage_fits_at_the_ends_of_float():
+    """fit_drain_rate of volumes 1e-200 over periods of 1 s returned 0.0 ((x * x) underflowed), 1e200 over
+    1e-200 NaN; fit_capacity(n_iter=0) raised UnboundLocalError."""
+    from fa_a2a.tools.xstage import fit_capacity, fit_drain_rate
+
+    assert fit_drain_rate([1e-200], [1.0]) == pytest.approx(1e-200)
+    assert fit_drain_rate([1e-170, 2e-170], [1.0, 2.0]) == pytest.approx(1e-170)
+    with pytest.raises(ValueError, match="^volumes, periods: no finite positive drain rate"):
+        fit_drain_rate([1e200], [1e-200])
+    with pytest.raises(ValueError, match="^n_iter: "):
+        fit_capacity([1e6, 2e6, 4e6], [1e-6, 2e-6, 4e-6], 1e12, n_iter=0)
