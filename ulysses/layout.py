@@ -255,6 +255,8 @@ class UlyssesLayout:
         """x [B, S_loc, ...] of `rank` with its padding rows (>= valid_rows(rank)) zeroed: a copy
         when the rank holds padding, x itself otherwise. Keys there are masked (probability 0), but
         0 * NaN = NaN: whatever the caller left in its padding rows must not reach P @ V."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            raise ValueError(f"x: expected a [B, S_loc, ...] tensor, got {type(x).__name__}")
         n = self.valid_rows(rank)
         if n >= x.shape[1]:
             return x
@@ -338,8 +340,9 @@ class UlyssesLayout:
 
     def split_out(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head-layout output [B, N, H_loc, D] -> (sequence rows [B, S_pad, ...], joint rows [B, J, ...])."""
-        if out.dim() != 4 or out.shape[1] != self.num_rows:
-            raise ValueError(f"out must be [B, {self.num_rows}, H_loc, D], got {tuple(out.shape)}")
+        if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[1] != self.num_rows:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be [B, {self.num_rows}, H_loc, D], got {got}")
         return out[:, : self.seq_pad], out[:, self.seq_pad:]
 
     # ---- checks -----------------------------------------------------------------------------
@@ -368,6 +371,8 @@ class UlyssesLayout:
                 return seq
             return seq.index_select(1, row_source(seq.device))  # uneven shards: compact the keys
         expect = (seq.shape[0], self.joint_len, heads, seq.shape[3])
+        if not isinstance(joint, torch.Tensor):
+            raise ValueError(f"joint must be None or a {list(expect)} tensor, got {type(joint).__name__}")
         if tuple(joint.shape) != expect or joint.dtype != seq.dtype or joint.device != seq.device:
             raise ValueError(f"joint must be {list(expect)} {seq.dtype} on {seq.device}, "
                              f"got {list(joint.shape)} {joint.dtype} on {joint.device}")

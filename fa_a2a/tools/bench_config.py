@@ -81,6 +81,6 @@ def load_platform(path: Optional[str]) -> tuple:
         raise ValueError(f"--platform: expected a platform model JSON file, got {path!r} (no such file)")
     try:
         model = PlatformModel.from_json(Path(path))
-    except (ValueError, OSError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: JSON nested deep
+    except (ValueError, OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--platform: {path} is not a platform model ({type(e).__name__}: {e})") from None
     return model, f"calibration {path}"

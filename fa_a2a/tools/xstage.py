@@ -335,8 +335,8 @@ class PlatformModel:
             raise ValueError(f"source: expected JSON text or a path, got {type(source).__name__}")
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"source: not valid JSON ({exc})") from exc
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise ValueError(f"source: not valid JSON ({type(exc).__name__}: {exc})") from None
         if not isinstance(d, dict):
             raise ValueError(f"source: expected a JSON object (a platform model), got a JSON {type(d).__name__}")
         return cls.from_dict(d)

@@ -515,3 +515,18 @@ def test_xstage_fits_at_the_ends_of_float():
         fit_drain_rate([1e200], [1e-200])
     with pytest.raises(ValueError, match="^n_iter: "):
         fit_capacity([1e6, 2e6, 4e6], [1e-6, 2e-6, 4e-6], 1e12, n_iter=0)
+
+
+def test_layout_methods_and_platform_json_name_bad_arguments():
+    """AttributeError from split_out([1]), zero_padding([1], 0) and assemble_q(joint=5); RecursionError from
+    PlatformModel.from_json of JSON nested deep (its docstring promises a ValueError)."""
+    from ulysses.layout import UlyssesLayout
+
+    lay = UlyssesLayout(8, 2, 2, 2, joint_len=1)
+    seq = torch.zeros(1, 8, 1, 4)
+    for call, want in ((lambda: lay.split_out([1]), "^out must be"), (lambda: lay.zero_padding([1], 0), "^x: "),
+                       (lambda: lay.assemble_q(seq, 5), "^joint must be None or")):
+        with pytest.raises(ValueError, match=want):
+            call()
+    with pytest.raises(ValueError, match="^source: not valid JSON"):
+        fa_a2a.PlatformModel.from_json("[" * 5000 + "]" * 5000)
