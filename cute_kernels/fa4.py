@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from cute_kernels.compile_cache import disk_cache, disk_value
-from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16
+from cute_kernels.limits import DTYPES, HEAD_DIMS, aligned16, check_softmax_scale
 from cute_kernels.limits import address as _address, is_fake as _is_fake
 from ulysses.layout import check_rank
 
@@ -52,14 +52,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_scalars(causal, softmax_scale, rotate=False) -> None:
-    """causal / rotate bools (a truthy string would turn the mask on), softmax_scale None or a positive
-    finite float within fp32's range (the kernels take it as fp32)."""
+    """causal / rotate bools (a truthy string would turn the mask on), softmax_scale as the op takes it."""
     for name, flag in (("causal", causal), ("rotate", rotate)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale <= torch.finfo(torch.float32).max):
-        raise ValueError(f"softmax_scale: expected None or a positive float within fp32's range, got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
 
 
 def _check_seqused_k(seqused_k: Optional[torch.Tensor], q: torch.Tensor) -> None:

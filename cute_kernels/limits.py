@@ -17,6 +17,16 @@ HEAD_DIMS = (64, 128)
 MAX_WORLD_SIZE = 32  # ranks the barrier kernel (cute_kernels.signal) and so every transport take
 EPS = 1e-6  # the QKV projection's RMSNorm eps (quack's HeadRstd in its qk epilogues): Flux's and Wan's
 ALIGN_BYTES = 16  # TMA and 16-byte vector loads / stores: base addresses and strides in multiples of this
+FP32_MAX = float.fromhex("0x1.fffffep+127")  # torch.finfo(torch.float32).max: the kernels take the scale as fp32
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    """softmax_scale None or a positive number within fp32's range (the kernels, and the reference's fp32
+    compute, take it as fp32: beyond its range it is inf); NaN, inf, 10**400 and bools are refused."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not 0 < softmax_scale <= FP32_MAX):
+        raise ValueError(f"softmax_scale: expected a positive float up to {FP32_MAX:.4g} (fp32's range) or None, "
+                         f"got {softmax_scale!r}")
 
 
 def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = None) -> bool:

@@ -353,6 +353,15 @@ def _world_size(group, world_size) -> int:
     return world_size
 
 
+def _check_biases(names, layers) -> list:
+    """A bias on all three q/k/v layers or on none (ValueError naming them) -> the names of those with one."""
+    with_bias = [n for n, m in zip(names, layers) if m.bias is not None]
+    if len(with_bias) not in (0, 3):
+        raise ValueError(f"{', '.join(names[:3])}: expected a bias on all three or on none, got one on "
+                         f"{', '.join(with_bias)} only")
+    return with_bias
+
+
 def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
     """from_linear's checks of one q/k/v group, named as the caller passed them (names: q, k, v,
     q norm, k norm) -> ((H, H_kv), (b_q, b_k, b_v) or None, (q, k norm weights) or Nones, eps)."""
@@ -384,10 +393,7 @@ def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
     if H % Hk:
         raise ValueError(f"{names[1]}: expected a head count (out_features / head_dim) dividing {names[0]}'s {H}, "
                          f"got {Hk}")
-    with_bias = [n for n, m in zip(names, layers) if m.bias is not None]
-    if len(with_bias) not in (0, 3):
-        raise ValueError(f"{', '.join(names[:3])}: expected a bias on all three or on none, got one on "
-                         f"{', '.join(with_bias)} only")
+    with_bias = _check_biases(names, layers)
     for name, m in zip(names, layers):
         if m.bias is not None and (m.bias.dtype != w.dtype or m.bias.device != w.device):
             raise ValueError(f"{name}: expected its bias in {w.dtype} on {w.device}, got {m.bias.dtype} on "
@@ -891,10 +897,7 @@ class _Layers(NamedTuple):
             if tuple(m.weight.shape) != (heads * self.head_dim, self.q.weight.shape[1]):
                 raise ValueError(f"{name}: expected its weight [{heads * self.head_dim}, {self.q.weight.shape[1]}] as "
                                  f"from_linear took it, got {tuple(m.weight.shape)} (build the module again)")
-        with_bias = [n for n, m in zip(self.names, layers) if m.bias is not None]
-        if len(with_bias) not in (0, 3):
-            raise ValueError(f"{', '.join(self.names[:3])}: expected a bias on all three or on none, got one on "
-                             f"{', '.join(with_bias)} only")
+        _check_biases(self.names, layers)
 
     def chain(self) -> TorchQKV:
         """The torch chain of the layers' parameters as they are now (torch.cat: differentiable)."""
@@ -1187,7 +1190,9 @@ class UlyssesQKVAttention(nn.Module):
                          joint_rotary=None, seq_len: Optional[int] = None,
                          shard_rows: Optional[Sequence[int]] = None):
         """All world_size ranks in one process (module built with world_size=P, group None)."""
-        if isinstance(xs, (list, tuple)) and len(xs) != self.world_size:
+        if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
+            raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
+        if len(xs) != self.world_size:
             raise ValueError(f"xs: expected {self.world_size} per-rank tensors (world_size), got {len(xs)}")
         chains = self._layers_now()
         if chains is None and self.fused:
@@ -1199,8 +1204,6 @@ class UlyssesQKVAttention(nn.Module):
 
         main, joint_chain = self._chain_pair(chains)
         weights = _out_weights(self.out_proj, joint)
-        if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)) or not xs:
-            raise ValueError(f"xs: expected a non-empty list of per-rank tensors, got {type(xs).__name__}")
         qkv = [_chain_qkv(x, rot, main) for x, rot in zip(xs, per_rank_rotary(rotary, len(xs)))]
         qs, ks, vs = ([t[i] for t in qkv] for i in range(3))
         kw = dict(seq_len=seq_len, shard_rows=shard_rows, **self._kw())

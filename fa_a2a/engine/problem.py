@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS
+from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS, check_softmax_scale
 from ulysses import channel as host_channel, env
 from ulysses.layout import UlyssesLayout
 
@@ -203,18 +203,13 @@ def check_joint(joint) -> Optional[tuple]:
     return tuple(joint)
 
 
-FP32_MAX = torch.finfo(torch.float32).max
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale <= FP32_MAX):  # NaN, inf, 10**400 fail
-        # the kernels (and the reference's fp32 compute) take the scale as fp32: beyond its range it is inf
-        raise ValueError(f"softmax_scale: expected a positive float up to {FP32_MAX:.4g} (fp32's range) or None, "
-                         f"got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
         raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
 
