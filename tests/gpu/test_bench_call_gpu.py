@@ -17,10 +17,12 @@ def _point(P, group, rank):
     ctx = {"rank": rank, "group": group, "device": torch.device("cuda", 0), "shared_gpu": True}
     p = bc.run_call_point(cfg, M, ctx, bench._Log(rank))
     assert p["status"] == {"nccl": bc.NCCL_SHARED}, p["status"]
-    ran = {"fa4_local", "fa4_aligned", "pre_a2a", "serial", "fused", "fused_unpaced", "qkv_gemm", "block"}
+    ran = {"fa4_local", "fa4_aligned", "pre_a2a", "serial", "fused", "fused_unpaced", "fused_st", "auto", "qkv_gemm",
+           "block"}
     assert set(p["median_us"]) == ran and all(t > 0 for t in p["median_us"].values()), p["median_us"]
     assert set(p["eager_us"]) == ran and p["n_calls"] == 3
-    assert p["finite"] == {"serial": True, "fused": True, "fused_unpaced": True, "block": True}
+    assert p["finite"] == {k: True for k in ("serial", "fused", "fused_unpaced", "fused_st", "auto", "block")}
+    assert p["auto"], "impl 'auto' decided at its first call and said how"
     assert p["timing_mode"] in ("cuda-graph", "eager") and (p["timing_mode"] == "eager") == bool(p["capture_error"])
     assert p["ratios"]["call_over_local"] > 0 and p["ratios"]["block_over_local_paired"] > 0
     assert p["ratios"]["call_over_aligned_paired"] > 0 and p["ratios"]["block_over_aligned_paired"] > 0

@@ -222,8 +222,10 @@ def test_module_fused_and_across_heads_fallback():
         out = wan.forward_emulated(xs, rotary=rot)
         x = torch.cat(xs, 1)
         cs = torch.cat([K.interleaved_cos_sin(*c) for c in rot])
-        oracle = full_attention(*wan.chain(x, cs, torch.float32))
-        base = full_attention(*wan.chain(x, cs), dtype=DTYPE)
+        chain = block.TorchQKV(torch.cat([m.weight for m in lin]), torch.cat([m.bias for m in lin]), wq.weight,
+                               wk.weight, H, H, D, across_heads=True, eps=1e-6)  # the layers' chain, built here
+        oracle = full_attention(*chain(x, cs, torch.float32))
+        base = full_attention(*chain(x, cs), dtype=DTYPE)
         helpers.check_attention(torch.cat(out, 1), oracle, base, 1e-3, "across-heads fallback")
         single = block.UlyssesQKVAttention.from_linear(*lin, head_dim=D, norm_q=nq, norm_k=nk)  # P = 1
         one = single(x, rotary=(torch.cat([c[0] for c in rot]), torch.cat([c[1] for c in rot])))
