@@ -46,7 +46,7 @@ import socket
 import statistics
 import time
 
-from fa_a2a.tools.cli import MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, check_out_file, int_in
+from fa_a2a.tools.cli import MAX_REPEATS, MAX_SEQLEN, MAX_WORLD_SIZE, int_in, out_file
 
 # Per model: the diffusers class, presets (tiny: 4 heads x 128; small: 24 heads x 128, a few blocks),
 # and the default token grid (image/video latents after patching; text tokens).
@@ -97,12 +97,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="default: cuda when a CUDA GPU is present, else cpu")
     ap.add_argument("--seed", type=int_in(0, 2 ** 63 - 1), default=0)
-    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--json", type=out_file(), default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-    try:
-        check_out_file(args.json, "--json")
-    except ValueError as e:
-        ap.error(str(e))
     spec = MODELS[args.model]
     for name in ("frames", "height", "width", "text_len"):
         if getattr(args, name) is None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fa_a2a.tools.cli import check_out_file, no_gpu
+from fa_a2a.tools.cli import no_gpu, out_file
 
 H, D = 24, 128
 C = H * D  # Flux's hidden size
@@ -277,15 +277,11 @@ def torchrun_case(n: int, profile: bool) -> list[dict] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=50, help="calls per timed run (default 50)")
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", type=out_file(), help="write the rows here")
     ap.add_argument("--no-real-ranks", action="store_true", help="skip the processes-sharing-the-GPU case")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's real-rank calls")
     ap.add_argument("--real-ranks-only", action="store_true", help="only the processes-sharing-the-GPU case")
     args = ap.parse_args()
-    try:
-        check_out_file(args.json, "--json")
-    except ValueError as e:
-        ap.error(str(e))
     under_torchrun = "WORLD_SIZE" in os.environ
     if under_torchrun and args.no_real_ranks:
         ap.error("--no-real-ranks: under torchrun only the real-rank case runs")

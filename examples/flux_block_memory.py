@@ -45,7 +45,7 @@ import os
 import resource
 import sys
 
-from fa_a2a.tools.cli import cannot_run, check_out_file, no_gpu
+from fa_a2a.tools.cli import cannot_run, no_gpu, out_file
 
 TOOL = "examples/flux_block_memory.py"
 
@@ -61,17 +61,13 @@ def _parse(argv):
     p.add_argument("--single-layers", type=int, default=38, help="single-stream blocks (Flux.1: 38)")
     p.add_argument("--heads", type=int, default=24, help="attention heads (Flux.1: 24)")
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="head dim (Flux.1: 128)")
-    p.add_argument("--json", default=None, help="also write the numbers to this file")
+    p.add_argument("--json", type=out_file(), default=None, help="also write the numbers to this file")
     args = p.parse_args(argv)
     for name in ("world_size", "layers", "single_layers", "heads"):
         value = getattr(args, name)
         if not 0 <= value <= 4096 or (value == 0 and name in ("world_size", "heads")):
             p.error(f"--{name.replace('_', '-')}: expected an int in [1, 4096] ([0, 4096] for layer counts), "
                     f"got {value}")
-    try:
-        check_out_file(args.json, "--json")
-    except ValueError as e:
-        p.error(str(e))
     return args
 
 

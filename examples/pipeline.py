@@ -38,7 +38,7 @@ import os
 import statistics
 import time
 
-from fa_a2a.tools.cli import MAX_REPEATS, check_out_file, float_in, int_in
+from fa_a2a.tools.cli import MAX_REPEATS, float_in, int_in, out_file
 
 IMPLS = ("auto", "fused", "serial", "nccl", "reference", "native")
 GPU_DEFAULT, CPU_DEFAULT = ("fused", "serial", "native"), ("reference", "native")
@@ -66,14 +66,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="default: cuda when a CUDA GPU is present, else cpu")
     ap.add_argument("--ulysses-anything", action="store_true", help="allow token counts that P does not divide")
-    ap.add_argument("--out", default="pipeline.png", help="image path; the impl goes before the extension")
-    ap.add_argument("--json", default=None, help="also write the table (rank 0) to this file")
+    ap.add_argument("--out", default="pipeline.png", type=out_file(make_folder=True),
+                    help="image path; the impl goes before the extension")
+    ap.add_argument("--json", type=out_file(), default=None, help="also write the table (rank 0) to this file")
     args = ap.parse_args(argv)
-    try:
-        check_out_file(args.out, "--out", make_folder=True)
-        check_out_file(args.json, "--json")
-    except ValueError as e:
-        ap.error(str(e))
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         ap.error("expected torchrun with P >= 2 ranks: torchrun --nproc-per-node=P examples/pipeline.py ...")
     if args.device == "cpu" and args.impl and set(args.impl) - set(CPU_IMPLS):

@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 
-from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, check_out_file, float_in, int_in
+from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, float_in, int_in, out_file
 
 IMPLS = ("auto", "fused", "fused:tma", "fused:st", "serial", "nccl", "reference")
 
@@ -54,12 +54,8 @@ def parse_args(argv=None):
                          "float32 on CPU (CPU runs float32 only)")
     ap.add_argument("--world-size-1-reference", action="store_true",
                     help="under torchrun, also run the same steps without parallelism and compare")
-    ap.add_argument("--json", default=None, help="also write the losses (rank 0) to this file")
+    ap.add_argument("--json", type=out_file(), default=None, help="also write the losses (rank 0) to this file")
     args = ap.parse_args(argv)
-    try:
-        check_out_file(args.json, "--json")
-    except ValueError as e:
-        ap.error(str(e))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.heads % world:
         ap.error(f"--heads: expected a multiple of the {world} ranks, got {args.heads}")

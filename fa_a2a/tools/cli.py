@@ -7,6 +7,8 @@ Bounded numeric argument types:
     ap.add_argument("--fa-tflops", type=float_in(0, 1e5), default=...)   # positive, finite, <= 1e5
 
 A value out of range reads "argument --world-size: expected an integer in [1, 1024], got '0'".
+Output files the same way: `ap.add_argument("--json", type=out_file())`, refused while parsing where the
+file could not be written at the end ("argument --json: expected a file, got the folder 'runs'").
 
 Sequence lengths, the same way in every tool: `--seqlens` parsed by SEQLEN (the range), then
 check_seqlens (multiples of what the tool needs, no repeats), whose ValueError the tool hands to
@@ -73,6 +75,11 @@ def float_in(lo: float, hi: float, *, lo_inclusive: bool = False):
 SEQLEN = int_in(1, MAX_SEQLEN)  # argparse type of every --seqlens entry
 
 
+def _named(flag: str) -> str:
+    """The start of a path check's message: "--flag: ", or nothing for an argparse type (argparse names it)."""
+    return f"{flag}: " if flag else ""
+
+
 def check_out_dir(path, flag: str = "--out") -> None:
     """An output folder, checked before any measurement (the results would be lost when they are written
     at the end): refused (ValueError naming the flag) where the path is empty or an existing file, or its
@@ -82,16 +89,16 @@ def check_out_dir(path, flag: str = "--out") -> None:
     if path is None:
         return
     if not str(path).strip():
-        raise ValueError(f"{flag}: expected a folder (new or existing), got {path!r}")
+        raise ValueError(f"{_named(flag)}expected a folder (new or existing), got {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag}: expected a folder (new or existing), got the file {path!r}")
+        raise ValueError(f"{_named(flag)}expected a folder (new or existing), got the file {path!r}")
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
     if not os.path.isdir(here):
-        raise ValueError(f"{flag}: {path!r} cannot be made: {here!r} is a file")
+        raise ValueError(f"{_named(flag)}{path!r} cannot be made: {here!r} is a file")
     if not os.access(here, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}: {path!r} cannot be written: {here!r} is not writable here")
+        raise ValueError(f"{_named(flag)}{path!r} cannot be written: {here!r} is not writable here")
 
 
 def check_out_file(path, flag: str, *, make_folder: bool = False) -> None:
@@ -103,17 +110,31 @@ def check_out_file(path, flag: str, *, make_folder: bool = False) -> None:
     if path is None:
         return
     if not str(path).strip():
-        raise ValueError(f"{flag}: expected a file path, got {path!r}")
+        raise ValueError(f"{_named(flag)}expected a file path, got {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"{flag}: expected a file, got the folder {path!r}")
+        raise ValueError(f"{_named(flag)}expected a file, got the folder {path!r}")
     folder = os.path.dirname(os.path.abspath(path))
     if make_folder:
         check_out_dir(folder, flag)
         return
     if not os.path.isdir(folder):
-        raise ValueError(f"{flag}: {path!r} cannot be written: its folder {folder!r} does not exist")
+        raise ValueError(f"{_named(flag)}{path!r} cannot be written: its folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}: {path!r} cannot be written: its folder {folder!r} is not writable here")
+        raise ValueError(f"{_named(flag)}{path!r} cannot be written: its folder {folder!r} is not writable here")
+
+
+def out_file(*, make_folder: bool = False):
+    """argparse type: a file path that can be written, checked as check_out_file says while the command
+    line is parsed ("argument --json: expected a file, got the folder 'runs'")."""
+    def parse(text: str) -> str:
+        try:
+            check_out_file(text, "", make_folder=make_folder)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    parse.__name__ = "path"
+    return parse
 
 
 def check_seqlens(values: Iterable, multiple: int = 1, of: str = "", *, flag: str = "--seqlens") -> tuple:

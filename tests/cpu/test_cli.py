@@ -65,6 +65,11 @@ BAD = [
     ("pipeline", ["--model", "x", "--impl", "magic"], "--impl"),
     ("pipeline", ["--steps", "2"], "--model"),
     ("flux_block_memory", ["--device", "tpu"], "--device"),
+    ("flux_block_memory", ["--json", "examples"], "--json: expected a file, got the folder"),
+    ("dit_inference", ["--json", ""], "--json: expected a file path"),
+    ("dit_inference", ["--json", "no-such-folder/x.json"], "--json: 'no-such-folder/x.json' cannot be written"),
+    ("pipeline", ["--model", "x", "--json", "examples"], "--json: expected a file, got the folder"),
+    ("pipeline", ["--model", "x", "--out", "README.md/x.png"], "--out: expected a folder (new or existing), got the file"),
 ]
 
 
