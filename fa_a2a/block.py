@@ -362,19 +362,25 @@ def _check_biases(names, layers) -> list:
     return with_bias
 
 
+def _check_fused_dtype(name: str, dtype: torch.dtype) -> None:
+    """The fused projection's weights: the kernels' dtypes (from_linear, and again when the layers change)."""
+    from cute_kernels.limits import DTYPES as KERNEL_DTYPES
+
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name}: expected bfloat16/float16 weights (the fused projection's; from_linear with "
+                         f"across_heads=True runs the torch chain on others), got {dtype}")
+
+
 def _check_linears(names, layers, norms, D: int, across_heads: bool) -> tuple:
     """from_linear's checks of one q/k/v group, named as the caller passed them (names: q, k, v,
     q norm, k norm) -> ((H, H_kv), (b_q, b_k, b_v) or None, (q, k norm weights) or Nones, eps)."""
-    from cute_kernels.limits import DTYPES as KERNEL_DTYPES
-
     for name, m in zip(names, layers):
         if not isinstance(m, nn.Linear):
             raise ValueError(f"{name}: expected an nn.Linear, got {type(m).__name__}")
     q, k, v = layers
     w = q.weight
-    if not across_heads and w.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"{names[0]}: expected bfloat16/float16 weights (the fused projection's; across_heads=True "
-                         f"runs the torch chain), got {w.dtype}")
+    if not across_heads:
+        _check_fused_dtype(names[0], w.dtype)
     for name, m in zip(names[1:3], (k, v)):
         if m.weight.dtype != w.dtype or m.weight.device != w.device:
             raise ValueError(f"{name}: expected {names[0]}'s {w.dtype} on {w.device}, got {m.weight.dtype} on "
@@ -1101,12 +1107,8 @@ class UlyssesQKVAttention(nn.Module):
         if (self._layers is None or not self.fused or torch.compiler.is_compiling()
                 or self._facts == tuple(g.facts() for g in self._layers)):
             return
-        from cute_kernels.limits import DTYPES as KERNEL_DTYPES
-
         for g in self._layers:
-            if g.q.weight.dtype not in KERNEL_DTYPES:
-                raise ValueError(f"{g.names[0]}: expected bfloat16/float16 weights (the fused projection's, as "
-                                 f"from_linear took them), got {g.q.weight.dtype}")
+            _check_fused_dtype(g.names[0], g.q.weight.dtype)
         with torch.no_grad():
             projs = [block_weights(g.chain(), self.world_size) for g in self._layers]
             if self._shared:

@@ -188,3 +188,15 @@ def test_check_pacer_refuses_states_not_from_make_pacer():
         paced.check_pacer(good, torch.device("cpu"))
     with pytest.raises(ValueError, match="pacer: expected an int64 tensor"):
         paced.check_pacer(paced.make_pacer("meta", 40.0, 32768), torch.device("cpu"))
+
+
+def test_layers_made_float32_after_from_linear_are_refused_by_the_same_rule():
+    """The fused projection's dtype rule holds when from_linear takes the layers and when they change later
+    (layer.float() after the build): one rule (block._check_fused_dtype), one message."""
+    layers = _qkv()
+    mod = _from(layers, **_norms())
+    for m in layers:
+        m.float()
+    xs = [torch.randn(1, 8, 64, dtype=BF16) for _ in range(2)]
+    with torch.no_grad(), pytest.raises(ValueError, match="to_q: expected bfloat16/float16 weights .* got torch.float32"):
+        mod.forward_emulated(xs)
