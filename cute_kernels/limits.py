@@ -20,13 +20,14 @@ ALIGN_BYTES = 16  # TMA and 16-byte vector loads / stores: base addresses and st
 FP32_MAX = float.fromhex("0x1.fffffep+127")  # torch.finfo(torch.float32).max: the kernels take the scale as fp32
 
 
-def check_softmax_scale(softmax_scale) -> None:
-    """softmax_scale None or a positive number within fp32's range (the kernels, and the reference's fp32
-    compute, take it as fp32: beyond its range it is inf); NaN, inf, 10**400 and bools are refused."""
+def check_softmax_scale(softmax_scale, limit: float = FP32_MAX) -> None:
+    """softmax_scale None or a positive number up to limit: fp32's range for the kernels, which take it as
+    fp32 (beyond it, inf); math.inf for the reference, which computes in the inputs' dtype up to fp64
+    (finite only). NaN, inf, 10**400 and bools are refused."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale <= FP32_MAX):
-        raise ValueError(f"softmax_scale: expected a positive float up to {FP32_MAX:.4g} (fp32's range) or None, "
-                         f"got {softmax_scale!r}")
+                                      or not 0 < softmax_scale <= limit or not math.isfinite(softmax_scale)):
+        bound = f"a positive float up to {limit:.4g} (fp32's range)" if limit < math.inf else "a positive finite float"
+        raise ValueError(f"softmax_scale: expected {bound} or None, got {softmax_scale!r}")
 
 
 def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = None) -> bool:

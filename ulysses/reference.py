@@ -17,11 +17,14 @@ here use all_to_all_single (also on NCCL), the joint outputs all_gather.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from cute_kernels.limits import check_softmax_scale
 
 from .layout import (UlyssesLayout, _check_rank_list, gather_heads, head_to_seq, seq_to_head,
                      take_heads)
@@ -57,9 +60,7 @@ def _check_local(q, k, v, softmax_scale, seqused_k) -> tuple:
     Nk, Hk = k.shape[1], k.shape[2]
     if Hk < 1 or D < 1 or Nk < 1 or Hq % Hk:
         raise ValueError(f"k: expected >= 1 rows, heads dividing q's {Hq} and head dim >= 1, got {list(k.shape)}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale < float("inf")):  # NaN fails too
-        raise ValueError(f"softmax_scale: expected None or a positive finite number, got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale, limit=math.inf)  # the fp64 reference: any finite scale
     if seqused_k is not None:
         try:
             used = None if isinstance(seqused_k, bool) else operator.index(seqused_k)
