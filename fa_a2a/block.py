@@ -224,12 +224,15 @@ def _check_no_grad(projs, joint, joint_proj) -> None:
     if not torch.is_grad_enabled():
         return
     projs = list(projs) + ([("joint_proj", joint_proj)] if joint is not None and joint_proj is not None else [])
-    for name, t in ((f"{n}.{f}", getattr(p, f, None)) for n, p in projs for f in ("weight", "bias", "norm_weight")):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise ValueError(f"{name}: requires grad, but the block's weights are fixed copies in destination order "
-                             "(block_weights): pass detached weights, and train the model's own layers (diffusers' "
-                             "processor with fa_a2a.ulysses_attention, differentiable: the fused processors route "
-                             "there when weights require grad)")
+    for n, p in projs:
+        for field in ("weight", "bias", "norm_weight"):
+            t = getattr(p, field, None)
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                continue
+            raise ValueError(f"{n}.{field}: requires grad, but the block's weights are fixed copies in destination "
+                             "order (block_weights): pass detached weights, and train the model's own layers "
+                             "(diffusers' processor with fa_a2a.ulysses_attention, differentiable: the fused "
+                             "processors route there when weights require grad)")
 
 
 def _proj_names(names) -> list:

@@ -34,12 +34,15 @@ from cute_kernels.limits import tma_table
 def _on(t: torch.Tensor, device: torch.device) -> bool:
     """Whether t is on `device`; "cuda" without an index means the current CUDA device (any index
     where CUDA is not available: compiling with fake tensors)."""
-    if t.device.type != device.type:
+    here = t.device
+    if here == device:
+        return True
+    if here.type != device.type:
         return False
     index = device.index
     if index is None and device.type == "cuda" and torch.cuda.is_available():
         index = torch.cuda.current_device()
-    return index is None or t.device.index is None or t.device.index == index
+    return index is None or here.index is None or here.index == index
 
 
 def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
@@ -48,7 +51,8 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
     there)."""
     if rotary is None:
         return None
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if isinstance(rotary, (tuple, list)):
         if len(rotary) != 2 or not all(isinstance(t, torch.Tensor) for t in rotary):
             raise ValueError(f"{name}: expected a (cos, sin) pair of tensors or a table, got {len(rotary)} items")
