@@ -27,12 +27,10 @@ import sys
 import tempfile
 import time
 
+from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, MAX_SEQLEN, int_in
 
-def _positive(text):
-    value = int(text)
-    if not 1 <= value <= 1 << 16:
-        raise argparse.ArgumentTypeError(f"expected an int in [1, 65536], got {text}")
-    return value
+
+MAX_RANKS = 64  # rank processes on this one machine (each a Python process with torch)
 
 
 def _worker(rank, P, impl, S_loc, heads, head_dim, calls, init_file, results):
@@ -90,12 +88,12 @@ def _exchange_report(spans, what="word exchange alone"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python examples/agreement_cost.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=_positive, default=2)
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=2, help=f"rank processes (at most {MAX_RANKS})")
     ap.add_argument("--impl", choices=("nccl", "reference"), default="nccl")
-    ap.add_argument("--seq", type=_positive, default=256, help="rows per rank (S_loc)")
-    ap.add_argument("--heads", type=_positive, default=24)
-    ap.add_argument("--head-dim", type=_positive, default=64)
-    ap.add_argument("--calls", type=_positive, default=2000)
+    ap.add_argument("--seq", type=int_in(1, MAX_SEQLEN), default=256, help="rows per rank (S_loc)")
+    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=24)
+    ap.add_argument("--head-dim", type=int_in(1, 1024), default=64)
+    ap.add_argument("--calls", type=int_in(1, MAX_REPEATS), default=2000)
     ns = ap.parse_args(argv)
     if ns.heads % ns.ranks:
         ap.error(f"--heads: expected a multiple of --ranks {ns.ranks}, got {ns.heads}")

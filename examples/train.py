@@ -15,7 +15,8 @@ without parallelism. --world-size-1-reference: under torchrun, also the same ste
 without parallelism on every rank, for comparison (the loss of each step, and the largest
 relative difference).
 
-Rank 0 prints the loss of every step ("step N loss X"). One GPU per rank: NCCL and impl "auto";
+Rank 0 prints the loss of every step ("step N loss X"); a loss that is not finite (a learning rate too
+high) ends the run with exit status 1. One GPU per rank: NCCL and impl "auto";
 ranks sharing a GPU (under `python -m fa_a2a.mps`): gloo (diffusers' output gather through host
 memory); the model's weights stay fp32 and --dtype bfloat16 (the default on GPUs) runs the forward
 under autocast, so the attention gets bf16 q, k, v (the fused kernels' dtypes). Without a GPU:
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import sys
 
 from fa_a2a.tools.cli import MAX_HEADS, MAX_REPEATS, float_in, int_in, out_file
 
@@ -192,6 +195,8 @@ def main(ap, args):
 
             close_transports()
         dist.destroy_process_group()
+    if not all(math.isfinite(v) for v in losses + (ref_losses or [])):  # (every rank computes the same losses)
+        sys.exit(f"train.py: a loss is not finite (NaN or inf) at SGD lr {args.lr}: lower --lr")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODULES = {"calibrate": "fa_a2a.calibrate", "bench_block": "fa_a2a.bench_block"}  # run as `python -m MODULE`
 EXAMPLES = {name: os.path.join("examples", f"{name}.py") for name in
             ("fused_speed", "qkv_speed", "host_window_hiding", "dit_inference", "pipeline", "eager_host_cost",
-             "first_call_time", "flux_block_memory")}
+             "first_call_time", "flux_block_memory", "agreement_cost")}
 HEAVY = ("torch", "cutlass", "quack", "diffusers")
 # Runs a tool as `python -m MODULE` / `python FILE` would, then prints which heavy packages it loaded.
 WRAPPER = """
@@ -65,6 +65,8 @@ BAD = [
     ("pipeline", ["--model", "x", "--impl", "magic"], "--impl"),
     ("pipeline", ["--steps", "2"], "--model"),
     ("flux_block_memory", ["--device", "tpu"], "--device"),
+    ("agreement_cost", ["--ranks", "65536"], "--ranks"),  # a process per rank: 64 at most
+    ("agreement_cost", ["--calls", "0"], "--calls"),
     ("flux_block_memory", ["--json", "examples"], "--json: expected a file, got the folder"),
     ("dit_inference", ["--json", ""], "--json: expected a file path"),
     ("dit_inference", ["--json", "no-such-folder/x.json"], "--json: 'no-such-folder/x.json' cannot be written"),

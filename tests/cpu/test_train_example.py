@@ -236,3 +236,14 @@ def test_train_example_argument_errors(tmp_path):
     p = subprocess.run([sys.executable, script, "--heads", "3"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--heads: expected a multiple of the 2 ranks, got 3" in p.stderr.splitlines()[-1], \
         p.stderr
+
+
+def test_train_example_fails_when_a_loss_is_not_finite(tmp_path):
+    """A learning rate that blows the loss up ends the run with exit status 1 and says so (it printed NaN losses
+    and exited 0)."""
+    script = os.path.join(ROOT, "examples", "train.py")
+    p = subprocess.run([sys.executable, script, "--steps", "3", "--lr", "1000"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "step 2 loss nan" in p.stdout
+    assert "train.py: a loss is not finite (NaN or inf) at SGD lr 1000.0: lower --lr" in p.stderr.splitlines()[-1]
