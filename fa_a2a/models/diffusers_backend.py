@@ -245,7 +245,8 @@ def _agree_model_call(model, args, kwargs) -> None:
     """enable_ulysses' forward pre-hook on the model, which runs before diffusers' split of its inputs:
     the ranks of the Ulysses group call the model alike (the same ulysses_anything, the same shape of
     every tensor input) or every rank raises the same ValueError, naming the first difference and
-    every rank's value. Without it, ranks that differ in ulysses_anything part ways in diffusers'
+    every rank's value; without ulysses_anything, an input of the model's own that diffusers splits
+    evenly and the ranks do not divide is named too (_check_even_split). Without it, ranks that differ in ulysses_anything part ways in diffusers'
     split (an AssertionError on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output
     gather, and ranks fed different token counts can return wrong rows (rows_per_rank sees some).
     One word per rank per model call through the group's host channel; the inputs' data is not
@@ -266,6 +267,8 @@ def _agree_model_call(model, args, kwargs) -> None:
     group = cp._ulysses_mesh.get_group()
     channel = get_channel(group)
     if len(set(channel.exchange(signature_word(fields)))) == 1:
+        if not (cp.ulysses_anything or getattr(cp, "ring_anything", False)):  # (shapes agreed: alike everywhere)
+            _check_even_split(model, args, kwargs, cp.ulysses_degree * cp.ring_degree)
         return
     everyone = channel.gather_messages(fields)
     ranks = dist.get_process_group_ranks(group)
@@ -278,6 +281,32 @@ def _agree_model_call(model, args, kwargs) -> None:
             shown = ", ".join(f"rank {g}: {v}" for g, v in zip(ranks, values))
             raise ValueError(f"{name}: expected the same shape on every rank (diffusers' context parallelism splits "
                              f"one input over the ranks), got {shown}")
+
+
+def _check_even_split(model, args, kwargs, ranks: int) -> None:
+    """The model's inputs that diffusers splits evenly over the context-parallel ranks (its _cp_plan's
+    entries for the model itself) have sizes the ranks divide along the split dim: a ValueError naming the
+    input instead of the AssertionError of diffusers' split (EquipartitionSharder). Inputs that a submodule
+    splits (Wan's tokens after its patch embedding) are diffusers' to check."""
+    import inspect
+
+    plan = getattr(model, "_cp_plan", None)
+    root = plan.get("") if isinstance(plan, dict) else None
+    if not isinstance(root, dict):
+        return
+    try:
+        inputs = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        inputs = kwargs
+    for name, spec in root.items():
+        t, dim = inputs.get(name), getattr(spec, "split_dim", None)
+        if (not isinstance(t, torch.Tensor) or not isinstance(dim, int) or getattr(spec, "split_output", False)
+                or getattr(spec, "expected_dims", None) not in (None, t.dim()) or not -t.dim() <= dim < t.dim()):
+            continue
+        if t.shape[dim] % ranks:
+            raise ValueError(f"{name}: expected a size along dim {dim} that the {ranks} context-parallel ranks divide "
+                             f"(diffusers splits it evenly), got {t.shape[dim]} (shape {tuple(t.shape)}): pad it, or "
+                             "enable_ulysses(..., ulysses_anything=True)")
 
 
 def _not_fusable(impl, q, k, attn_mask, return_lse, cp) -> Optional[str]:
@@ -577,7 +606,8 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
     name: backend name (default "fa_a2a" for impl "auto", else "fa_a2a_<impl>", ":" as "_"). pace: as
     register_diffusers_backend's. Returns the model.
     Refused (ValueError) when the model already runs under context parallelism. Every model call
-    then first checks that the ranks agree on ulysses_anything and on every tensor input's shape
+    then first checks that the ranks agree on ulysses_anything and on every tensor input's shape, and
+    (without ulysses_anything) that the ranks divide the token counts diffusers splits evenly
     (_agree_model_call: the same ValueError on every rank otherwise, before diffusers' split).
     """
     import torch.distributed as dist

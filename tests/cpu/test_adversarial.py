@@ -181,6 +181,34 @@ def test_ulysses_anything_on_one_rank_is_named_on_both_ranks():
     run_gloo_case(_anything_on_one_rank)
 
 
+def _uneven_tokens(rank, P):
+    from fa_a2a.models import diffusers_backend as backend
+    from tests.cpu.test_dit_cpu import EVEN, UNEVEN, _flux, _flux_inputs
+
+    backend.cpu_testbed()
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    model = _flux().eval()
+    backend.enable_ulysses(model, impl="reference")
+    with pytest.raises(ValueError) as info:  # 63 image tokens, 7 text tokens over 2 ranks
+        model(**_flux_inputs(*UNEVEN, torch.Generator().manual_seed(1)))
+    assert str(info.value) == ("hidden_states: expected a size along dim 1 that the 2 context-parallel ranks divide "
+                               "(diffusers splits it evenly), got 63 (shape (2, 63, 8)): pad it, or "
+                               "enable_ulysses(..., ulysses_anything=True)"), f"rank {rank}: {info.value!r}"
+    image, text = EVEN
+    with pytest.raises(ValueError, match="^encoder_hidden_states: expected a size along dim 1 that the 2 "):
+        model(**_flux_inputs(image, text + 1, torch.Generator().manual_seed(1)))  # the text rows split too
+    assert model(**_flux_inputs(*EVEN, torch.Generator().manual_seed(1)))[0].isfinite().all()  # even: runs
+    dist.barrier()
+
+
+def test_tokens_the_ranks_do_not_divide_are_named_before_diffusers_split():
+    """enable_ulysses without ulysses_anything: an input the ranks do not divide gets a ValueError naming it on
+    every rank (diffusers' split raised an AssertionError "not divisible by mesh size")."""
+    pytest.importorskip("diffusers")
+    run_gloo_case(_uneven_tokens)
+
+
 # ---- FA_A2A_* variables ---------------------------------------------------------------------------------------
 BAD_SETTINGS = [("FA_A2A_TIMEOUT_S", v) for v in ("0", "-1", "abc", "nan", "inf", "1e400", "")] + [
     ("FA_A2A_SETUP_TIMEOUT_S", "0"), ("FA_A2A_SETUP_TIMEOUT_S", "-5"), ("FA_A2A_TRANSPORT", "nvlink"),
