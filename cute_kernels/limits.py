@@ -25,7 +25,7 @@ def check_softmax_scale(softmax_scale, limit: float = FP32_MAX) -> None:
     fp32 (beyond it, inf); math.inf for the reference, which computes in the inputs' dtype up to fp64
     (finite only). NaN, inf, 10**400 and bools are refused."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not 0 < softmax_scale <= limit or not math.isfinite(softmax_scale)):
+                                      or not 0 < softmax_scale <= limit or softmax_scale == math.inf):
         bound = f"a positive float up to {limit:.4g} (fp32's range)" if limit < math.inf else "a positive finite float"
         raise ValueError(f"softmax_scale: expected {bound} or None, got {softmax_scale!r}")
 

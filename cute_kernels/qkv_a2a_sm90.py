@@ -235,18 +235,31 @@ class QKVWeights:
         lo = sum(self.world_size * w for w in self.widths[:t])
         return lo, lo + self.world_size * self.widths[t]
 
-    @functools.cached_property
+    def versions(self) -> tuple:
+        """The version counters of weight, bias and norm_weight (None where absent): an in-place change
+        of their data (an optimizer step, copy_) changes them, so a copy made from them is current
+        while they are equal (a `.data` write is not versioned)."""
+        return tuple(None if t is None else t._version for t in (self.weight, self.bias, self.norm_weight))
+
+    @property
     def one_launch_vectors(self) -> tuple:
         """fp32 row vectors (w, rot, sel) over all columns for qkv_bias_norm_rope_epi: the norm
-        weight (0 on v), 1 on q|k (0 on v), 1 on v (0 on q|k). Built on first use."""
+        weight (0 on v), 1 on q|k (0 on v), 1 on v (0 on q|k). Built on first use, again after the
+        norm weight changed in place."""
         if self.norm_weight is None:
             raise ValueError("proj: norm weights expected for the one-launch epilogue")
+        version = self.norm_weight._version
+        kept = self.__dict__.get("_one_launch_vectors")
+        if kept is not None and kept[0] == version:
+            return kept[1]
         n_qk, n = self.column_range(1)[1], self.weight.shape[0]
         w = torch.zeros(n, dtype=torch.float32, device=self.weight.device)
         w[:n_qk] = self.norm_weight
         rot = torch.zeros_like(w)
         rot[:n_qk] = 1.0
-        return w, rot, 1.0 - rot
+        vectors = (w, rot, 1.0 - rot)
+        self.__dict__["_one_launch_vectors"] = (version, vectors)  # (frozen dataclass: its __dict__ holds it)
+        return vectors
 
     def rank_slice(self, rank: int) -> "QKVWeights":
         """The weights of destination `rank`'s heads alone (world_size 1): joint rows, which every

@@ -244,8 +244,19 @@ def _out_sends(lay, o) -> list:
 
 def _shard_out(lay, recv) -> tuple:
     H = lay.num_heads
-    out = torch.cat([x[0] for x in recv], dim=2)[:, :, :H]
-    return out, (torch.cat([x[1] for x in recv], dim=2)[:, :, :H] if lay.joint_len else None)
+
+    def heads(t):  # (the padding heads dropped; no view of the cat where there are none)
+        return t if t.shape[2] == H else t[:, :, :H]
+
+    out = heads(torch.cat([x[0] for x in recv], dim=2))
+    return out, (heads(torch.cat([x[1] for x in recv], dim=2)) if lay.joint_len else None)
+
+
+def _own(t):
+    """An output of an autograd Function as a tensor of its own: a view (of a buffer made in the forward)
+    copied, since autograd refuses an in-place change of a Function's view output (out.add_(x)), which
+    the same call without grad allows."""
+    return t if t is None or t._base is None else t.clone()
 
 
 def _dout_sends(lay, r: int, dout, djout) -> list:
@@ -765,7 +776,7 @@ class _UlyssesFunction(torch.autograd.Function):
         ctx.spec, ctx.group, ctx.rank, ctx.rows = spec, call.group, call.rank, q.shape[1]
         ctx.has_joint = joint is not None
         ctx.save_for_backward(*saved)
-        return out, jout
+        return _own(out), _own(jout)
 
     @staticmethod
     @_first_order
@@ -791,7 +802,7 @@ class _EmulatedFunction(torch.autograd.Function):
         outs, jouts, saved, spec = forward_emulated_saving(p, qs, ks, vs, joint)
         ctx.spec, ctx.rows, ctx.n_saved = spec, [q.shape[1] for q in qs], len(saved[0])
         ctx.save_for_backward(*(t for s in saved for t in s))
-        return (*outs, *(jouts or ()))
+        return tuple(_own(t) for t in (*outs, *(jouts or ())))
 
     @staticmethod
     @_first_order

@@ -210,8 +210,9 @@ def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
     check_softmax_scale(softmax_scale)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
-        raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))
+                                or (isinstance(seq_len, torch.SymInt) and not torch.compiler.is_compiling())):
+        raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")  # (symbolic while compiling)
 
 
 def _check_qkv(q, k, v, empty_shard_ok: bool = False) -> None:

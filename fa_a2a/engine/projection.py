@@ -271,11 +271,6 @@ def auto_tiles(rows: int, proj, rope) -> tuple:
     return cfg, one
 
 
-@functools.lru_cache(maxsize=64)
-def _rank_slice(proj, rank: int):
-    return proj.rank_slice(rank)
-
-
 # ---- the prepared call -------------------------------------------------------------------------
 class _RankBlock:
     """One rank's block calls of one checked signature, prepared once: the op's prepared call
@@ -356,8 +351,11 @@ class _RankBlock:
         return self.transport is not None and self.transport.closed
 
     def _joint_proj(self, src):
-        if src is not self.joint_src:  # the rank's slice of the joint weights, kept for the next call
-            self.joint_src, self.joint_slice = src, _rank_slice(src, self.rank)
+        """The rank's slice of the joint weights (a copy), kept for the next call while src and its data
+        are the same (QKVWeights.versions: an in-place update of the weights makes a new slice)."""
+        key = (src, src.versions())
+        if self.joint_src is None or self.joint_src[0] is not src or self.joint_src[1] != key[1]:
+            self.joint_src, self.joint_slice = key, src.rank_slice(self.rank)
         return self.joint_slice
 
     def launch_projection(self, segs, joint, joint_rotary, joint_proj) -> None:

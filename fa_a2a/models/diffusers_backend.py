@@ -245,8 +245,8 @@ def _agree_model_call(model, args, kwargs) -> None:
     """enable_ulysses' forward pre-hook on the model, which runs before diffusers' split of its inputs:
     the ranks of the Ulysses group call the model alike (the same ulysses_anything, the same shape of
     every tensor input) or every rank raises the same ValueError, naming the first difference and
-    every rank's value; without ulysses_anything, an input of the model's own that diffusers splits
-    evenly and the ranks do not divide is named too (_check_even_split). Without it, ranks that differ in ulysses_anything part ways in diffusers'
+    every rank's value; an input of the model's own that diffusers cannot split over the ranks (not a
+    multiple of them, or with ulysses_anything fewer rows than ranks) is named too (_check_split_sizes). Without it, ranks that differ in ulysses_anything part ways in diffusers'
     split (an AssertionError on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output
     gather, and ranks fed different token counts can return wrong rows (rows_per_rank sees some).
     One word per rank per model call through the group's host channel; the inputs' data is not
@@ -267,8 +267,8 @@ def _agree_model_call(model, args, kwargs) -> None:
     group = cp._ulysses_mesh.get_group()
     channel = get_channel(group)
     if len(set(channel.exchange(signature_word(fields)))) == 1:
-        if not (cp.ulysses_anything or getattr(cp, "ring_anything", False)):  # (shapes agreed: alike everywhere)
-            _check_even_split(model, args, kwargs, cp.ulysses_degree * cp.ring_degree)
+        _check_split_sizes(model, args, kwargs, cp.ulysses_degree * cp.ring_degree,  # (shapes agreed: alike
+                           cp.ulysses_anything or getattr(cp, "ring_anything", False))  # on every rank)
         return
     everyone = channel.gather_messages(fields)
     ranks = dist.get_process_group_ranks(group)
@@ -283,11 +283,12 @@ def _agree_model_call(model, args, kwargs) -> None:
                              f"one input over the ranks), got {shown}")
 
 
-def _check_even_split(model, args, kwargs, ranks: int) -> None:
-    """The model's inputs that diffusers splits evenly over the context-parallel ranks (its _cp_plan's
-    entries for the model itself) have sizes the ranks divide along the split dim: a ValueError naming the
-    input instead of the AssertionError of diffusers' split (EquipartitionSharder). Inputs that a submodule
-    splits (Wan's tokens after its patch embedding) are diffusers' to check."""
+def _check_split_sizes(model, args, kwargs, ranks: int, anything: bool) -> None:
+    """The model's inputs that diffusers splits over the context-parallel ranks (its _cp_plan's entries for
+    the model itself) have sizes it can split along the split dim: a multiple of the ranks (evenly), with
+    `anything` (ulysses_anything) at least one row per rank. A ValueError naming the input instead of the
+    AssertionError of diffusers' split (EquipartitionSharder, PartitionAnythingSharder). Inputs that a
+    submodule splits (Wan's tokens after its patch embedding) are diffusers' to check."""
     import inspect
 
     plan = getattr(model, "_cp_plan", None)
@@ -303,9 +304,13 @@ def _check_even_split(model, args, kwargs, ranks: int) -> None:
         if (not isinstance(t, torch.Tensor) or not isinstance(dim, int) or getattr(spec, "split_output", False)
                 or getattr(spec, "expected_dims", None) not in (None, t.dim()) or not -t.dim() <= dim < t.dim()):
             continue
-        if t.shape[dim] % ranks:
+        n = t.shape[dim]
+        if anything and n < ranks:
+            raise ValueError(f"{name}: expected at least one row per context-parallel rank along dim {dim} ({ranks}; "
+                             f"diffusers splits it under ulysses_anything too), got {n} (shape {tuple(t.shape)})")
+        if not anything and n % ranks:
             raise ValueError(f"{name}: expected a size along dim {dim} that the {ranks} context-parallel ranks divide "
-                             f"(diffusers splits it evenly), got {t.shape[dim]} (shape {tuple(t.shape)}): pad it, or "
+                             f"(diffusers splits it evenly), got {n} (shape {tuple(t.shape)}): pad it, or "
                              "enable_ulysses(..., ulysses_anything=True)")
 
 
@@ -607,7 +612,7 @@ def enable_ulysses(model, ulysses_degree: Optional[int] = None, *, impl: str = "
     register_diffusers_backend's. Returns the model.
     Refused (ValueError) when the model already runs under context parallelism. Every model call
     then first checks that the ranks agree on ulysses_anything and on every tensor input's shape, and
-    (without ulysses_anything) that the ranks divide the token counts diffusers splits evenly
+    that diffusers can split the token counts it splits over the ranks
     (_agree_model_call: the same ValueError on every rank otherwise, before diffusers' split).
     """
     import torch.distributed as dist

@@ -200,11 +200,21 @@ def _uneven_tokens(rank, P):
         model(**_flux_inputs(image, text + 1, torch.Generator().manual_seed(1)))  # the text rows split too
     assert model(**_flux_inputs(*EVEN, torch.Generator().manual_seed(1)))[0].isfinite().all()  # even: runs
     dist.barrier()
+    anything = _flux().eval()  # with ulysses_anything: any count, but at least one row per rank
+    backend.enable_ulysses(anything, impl="reference", ulysses_anything=True)
+    with pytest.raises(ValueError) as info:
+        anything(**_flux_inputs(image, 1, torch.Generator().manual_seed(1)))
+    assert str(info.value) == ("encoder_hidden_states: expected at least one row per context-parallel rank along "
+                               "dim 1 (2; diffusers splits it under ulysses_anything too), got 1 (shape (2, 1, 24))"), \
+        f"rank {rank}: {info.value!r}"
+    assert anything(**_flux_inputs(*UNEVEN, torch.Generator().manual_seed(1)))[0].isfinite().all()
+    dist.barrier()
 
 
 def test_tokens_the_ranks_do_not_divide_are_named_before_diffusers_split():
     """enable_ulysses without ulysses_anything: an input the ranks do not divide gets a ValueError naming it on
-    every rank (diffusers' split raised an AssertionError "not divisible by mesh size")."""
+    every rank (diffusers' split raised an AssertionError "not divisible by mesh size"); with it, an input of
+    fewer rows than ranks ("Cannot shard tensor of size ...")."""
     pytest.importorskip("diffusers")
     run_gloo_case(_uneven_tokens)
 

@@ -461,7 +461,16 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
     transport = _FakeTransport()
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: _FakePlan(t, lay, B, D, dtype, "cpu"))
     sliced = []
-    monkeypatch.setattr(projection, "_rank_slice", lambda w, r: sliced.append((w, r)) or f"{w}@{r}")
+
+    class JointWeights:  # stands for QKVWeights: its slice for a rank, and its data's versions (unchanged)
+        def versions(self):
+            return (0, 0, 0)
+
+        def rank_slice(self, r):
+            sliced.append(("joint", r))
+            return f"joint@{r}"
+
+    joint_weights = JointWeights()
 
     def call_args(seed):
         g = torch.Generator().manual_seed(seed)
@@ -475,13 +484,13 @@ def test_rank_block_launches_what_project_launches(monkeypatch):
                                                                                               b.stride())
 
     segs, jx, jpair = call_args(0)
-    rb = projection._RankBlock(transport, p, rank, segs, jx, "joint", jpair, None, False)
+    rb = projection._RankBlock(transport, p, rank, segs, jx, joint_weights, jpair, None, False)
     windows = (rb.plan.dq, rb.plan.dk, rb.plan.dv)
     prepared = []
     for seed in (1, 2):
         segs, jx, jpair = call_args(seed)
         seen.clear()
-        assert rb(segs, jx, jpair, "joint") == (("out", rank, 36), ("joint out", rank))
+        assert rb(segs, jx, jpair, joint_weights) == (("out", rank, 36), ("joint out", rank))
         got = list(seen)
         prepared.append(got)
         seen.clear()
@@ -642,7 +651,7 @@ def test_emulated_block_checks_and_prepares_once_per_signature(monkeypatch):
         assert checked == ["xs[0]", "xs[1]"] * 2 and len(made) == 6
 
         sliced = []  # joint rows: each rank's own slice of the joint weights, sliced once per rank
-        monkeypatch.setattr(projection, "_rank_slice", lambda w, r: sliced.append((w, r)) or w)
+        monkeypatch.setattr(type(proj), "rank_slice", lambda w, r: sliced.append((w, r)) or w)
         J = 5
         for _ in range(2):
             xs, rots = call_args()
