@@ -454,12 +454,18 @@ def _attention(name, impl, query, key, value, attn_mask, dropout_p, is_causal, s
 def _templated_refusal(cp, query, key, attn_mask) -> Optional[ValueError]:
     """What diffusers' templated route would get wrong or fail on unclearly, as a ValueError naming it
     (the same facts on every rank, so every rank raises it): its ring attention hands the rank's own
-    key mask to every rank's K/V chunk (wrong numbers), and its Ulysses attention reshapes the heads
-    into ulysses_degree parts (a RuntimeError from a reshape when they do not divide)."""
+    key mask to every rank's K/V chunk (wrong numbers), its Ulysses attention takes no mask of the
+    rank's query rows (a RuntimeError from a size mismatch) and reshapes the heads into ulysses_degree
+    parts (a RuntimeError from a reshape when they do not divide)."""
     if cp.ring_degree > 1 and attn_mask is not None:
         return ValueError("attn_mask: diffusers' ring attention (ring_degree > 1) applies a rank's key mask to "
                           "every rank's K/V chunk, so a masked call would be wrong; not supported (ring_degree 1 "
                           "takes the mask)")
+    if (cp.ulysses_degree > 1 and attn_mask is not None and attn_mask.ndim == 4
+            and attn_mask.shape[-2] == query.shape[1] != 1):
+        return ValueError(f"attn_mask: expected a key mask ([B, S_k] or [B, 1, 1, S_k]) under Ulysses, got a "
+                          f"query-by-key mask {tuple(attn_mask.shape)} whose rows are this rank's queries (after "
+                          "the sequence -> heads exchange a rank attends every query row); not supported")
     if not cp.ulysses_anything and cp.ulysses_degree > 1:
         for name, t in (("query", query), ("key", key)):
             if t.shape[2] % cp.ulysses_degree:

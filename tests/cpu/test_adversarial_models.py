@@ -207,6 +207,33 @@ def test_heads_not_divisible_on_templated_route_named_error():
     _spawn(_odd_heads_worker, 2, "3 heads, 2 ranks, mask")
 
 
+# ---- a query-by-key mask of the rank's rows, on the templated route ------------------------------------------
+def _query_mask_worker(rank, world, init_file):
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    try:
+        _ranks(rank, world, init_file)
+        for anything in (False, True):
+            cfg = _parallel_config(ulysses_degree=world, ulysses_anything=anything)
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(2, 12, 6, 8, generator=g) for _ in range(3))
+            keep = torch.rand(2, 1, 12, 12, generator=g) > 0.3
+            keep[..., 0] = True
+            shard = lambda t, d=1: t.chunk(world, d)[rank]  # noqa: E731
+            with pytest.raises(ValueError, match=r"^attn_mask: expected a key mask .* got a query-by-key mask "
+                                                 r"\(2, 1, 6, 12\) whose rows are this rank's queries"):
+                dispatch_attention_fn(shard(q), shard(k), shard(v), attn_mask=shard(keep, 2),
+                                      backend="fa_a2a_reference", parallel_config=cfg)
+    finally:
+        _leave()
+
+
+def test_a_query_by_key_mask_of_the_ranks_rows_is_refused_by_name():
+    """A mask [B, 1, S_q_loc, S_k] (this rank's query rows, every key) ended in a RuntimeError from a size
+    mismatch inside diffusers' templated Ulysses attention."""
+    _spawn(_query_mask_worker, 2, "query-by-key mask")
+
+
 # ---- fused processors: projection layers with forward hooks ------------------------------------------------
 def _hooked_reason(monkeypatch, hook):
     """_why_not_qwen on a QwenImage attention (bf16, per-head RMSNorm, no grad, past the device checks as
