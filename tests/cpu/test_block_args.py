@@ -198,5 +198,6 @@ def test_layers_made_float32_after_from_linear_are_refused_by_the_same_rule():
     for m in layers:
         m.float()
     xs = [torch.randn(1, 8, 64, dtype=BF16) for _ in range(2)]
-    with torch.no_grad(), pytest.raises(ValueError, match="to_q: expected bfloat16/float16 weights .* got torch.float32"):
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match="to_q: expected bfloat16/float16 weights .* got torch.float32"):
         mod.forward_emulated(xs)

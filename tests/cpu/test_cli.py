@@ -71,7 +71,8 @@ BAD = [
     ("dit_inference", ["--json", ""], "--json: expected a file path"),
     ("dit_inference", ["--json", "no-such-folder/x.json"], "--json: 'no-such-folder/x.json' cannot be written"),
     ("pipeline", ["--model", "x", "--json", "examples"], "--json: expected a file, got the folder"),
-    ("pipeline", ["--model", "x", "--out", "README.md/x.png"], "--out: expected a folder (new or existing), got the file"),
+    ("pipeline", ["--model", "x", "--out", "README.md/x.png"],
+     "--out: expected a folder (new or existing), got the file"),
 ]
 
 
