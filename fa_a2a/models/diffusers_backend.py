@@ -248,8 +248,8 @@ def _agree_model_call(model, args, kwargs) -> None:
     every rank's value; an input of the model's own that diffusers cannot split over the ranks (not a
     multiple of them, or with ulysses_anything fewer rows than ranks) is named too (_check_split_sizes).
     Without it, ranks that differ in ulysses_anything part ways in diffusers' split (an AssertionError
-    on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output gather, and ranks fed different token counts can return wrong rows (rows_per_rank sees some).
-    One word per rank per model call through the group's host channel; the inputs' data is not
+    on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output gather, and ranks fed
+    different token counts can return wrong rows (rows_per_rank sees some). One word per rank per model call through the group's host channel; the inputs' data is not
     compared."""
     import torch.distributed as dist
 
