@@ -242,15 +242,14 @@ def _anything_mismatch(ranks: list, flags: list) -> ValueError:
 
 
 def _agree_model_call(model, args, kwargs) -> None:
-    """enable_ulysses' forward pre-hook on the model, which runs before diffusers' split of its inputs:
-    the ranks of the Ulysses group call the model alike (the same ulysses_anything, the same shape of
-    every tensor input) or every rank raises the same ValueError, naming the first difference and
-    every rank's value; an input of the model's own that diffusers cannot split over the ranks (not a
-    multiple of them, or with ulysses_anything fewer rows than ranks) is named too (_check_split_sizes).
-    Without it, ranks that differ in ulysses_anything part ways in diffusers' split (an AssertionError
-    on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output gather, and ranks fed
-    different token counts can return wrong rows (rows_per_rank sees some). One word per rank per model call through the group's host channel; the inputs' data is not
-    compared."""
+    """enable_ulysses' forward pre-hook on the model, which runs before diffusers' split of its inputs: the ranks of the
+    Ulysses group call the model alike (the same ulysses_anything, the same shape of every tensor input) or every
+    rank raises the same ValueError, naming the first difference and every rank's value; an input of the model's own
+    that diffusers cannot split over the ranks (not a multiple of them, or with ulysses_anything fewer rows than
+    ranks) is named too (_check_split_sizes). Without it, ranks that differ in ulysses_anything part ways in
+    diffusers' split (an AssertionError on the ranks without it, the others waiting FA_A2A_TIMEOUT_S) or output
+    gather, and ranks fed different token counts can return wrong rows (rows_per_rank sees some). One word per rank
+    per model call through the group's host channel; the inputs' data is not compared."""
     import torch.distributed as dist
 
     from fa_a2a.engine.problem import signature_word
