@@ -108,6 +108,16 @@ def parse_args(argv=None):
     if args.frames * args.height * args.width > MAX_SEQLEN:
         ap.error(f"--frames x --height x --width: at most {MAX_SEQLEN} latent tokens expected, "
                  f"got {args.frames * args.height * args.width}")
+    P = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else args.nproc
+    split = {"--frames x --height x --width (image tokens)": args.frames * args.height * args.width}
+    if args.model != "wan":  # (Wan's text rows stay whole: its cross-attention keys)
+        split["--text-len"] = args.text_len
+    for flag, n in split.items():  # the tokens diffusers' context parallelism splits over the P ranks
+        if args.ulysses_anything and n < P:
+            ap.error(f"{flag}: expected at least one token per rank ({P}), got {n}")
+        if not args.ulysses_anything and n % P:
+            ap.error(f"{flag}: expected a multiple of the {P} ranks (diffusers splits them evenly; "
+                     f"--ulysses-anything takes any count), got {n}")
     if args.impls is not None:
         args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
         bad = [s for s in args.impls if s not in FA_IMPLS + ("diffusers",)]

@@ -58,6 +58,10 @@ BAD = [
     ("dit_inference", ["--nproc", "1"], "--nproc"),
     ("dit_inference", ["--steps", "0"], "--steps"),
     ("dit_inference", ["--height", "100000"], "--height"),
+    ("dit_inference", ["--height", "7", "--width", "9"], "--frames x --height x --width (image tokens): expected a "
+                                                         "multiple of the 2 ranks"),
+    ("dit_inference", ["--text-len", "7", "--nproc", "4"], "--text-len: expected a multiple of the 4 ranks"),
+    ("dit_inference", ["--text-len", "1", "--ulysses-anything"], "--text-len: expected at least one token per rank"),
     ("dit_inference", ["--impls", "fused,magic"], "--impls"),
     ("dit_inference", ["--device", "cpu", "--impls", "fused"], "--impls"),
     ("dit_inference", ["--model", "flux", "--frames", "2"], "--frames"),
