@@ -66,9 +66,15 @@ __all__ = [
 _ROWS = ("seq_len", "seq_loc", "joint_len", "shard_rows")
 
 
+def traced_count(value, name: str) -> bool:
+    """Whether value is a row count (_ROWS) while torch.compile traces (an int or SymInt, not a bool): taken
+    as it is, checked by comparisons, never by operator.index (which would fix a symbolic one)."""
+    return (name in _ROWS and isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+            and torch.compiler.is_compiling())
+
+
 def _as_int(value, name: str, minimum: int) -> int:
-    if (name in _ROWS and isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
-            and torch.compiler.is_compiling()):
+    if traced_count(value, name):
         if value >= minimum:
             return value
     elif not isinstance(value, bool):

@@ -38,7 +38,7 @@ import torch
 
 from cute_kernels.limits import DTYPES as KERNEL_DTYPES, HEAD_DIMS as KERNEL_HEAD_DIMS, check_softmax_scale
 from ulysses import channel as host_channel, env
-from ulysses.layout import UlyssesLayout
+from ulysses.layout import UlyssesLayout, traced_count
 
 __all__ = ["IMPLS", "EMULATED_IMPLS", "Problem", "resolve", "resolve_emulated", "check_call", "check_tensor",
            "check_joint", "check_no_overlap", "check_settings", "agree_call", "checked_and_agreed", "joint_check",
@@ -210,9 +210,9 @@ def _check_scalar_args(causal, softmax_scale, seq_len) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
     check_softmax_scale(softmax_scale)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))
-                                or (isinstance(seq_len, torch.SymInt) and not torch.compiler.is_compiling())):
-        raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")  # (symbolic while compiling)
+    if (seq_len is not None and not traced_count(seq_len, "seq_len")
+            and (isinstance(seq_len, bool) or not isinstance(seq_len, int))):
+        raise ValueError(f"seq_len: expected an int or None, got {seq_len!r}")
 
 
 def _check_qkv(q, k, v, empty_shard_ok: bool = False) -> None:

@@ -310,7 +310,7 @@ class _RankBlock:
         self.windows = windows
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint.shape[1] if joint is not None else 0
-        self.joint_src = self.joint_slice = None
+        self.joint_src = self.joint_versions = self.joint_slice = None
         self.tables = [_rope_table_for(r, p.head_dim) for _, _, r in segs]
         self.joint_table = None
         if self.joint_rows:
@@ -353,9 +353,9 @@ class _RankBlock:
     def _joint_proj(self, src):
         """The rank's slice of the joint weights (a copy), kept for the next call while src and its data
         are the same (QKVWeights.versions: an in-place update of the weights makes a new slice)."""
-        key = (src, src.versions())
-        if self.joint_src is None or self.joint_src[0] is not src or self.joint_src[1] != key[1]:
-            self.joint_src, self.joint_slice = key, src.rank_slice(self.rank)
+        versions = src.versions()
+        if src is not self.joint_src or versions != self.joint_versions:
+            self.joint_src, self.joint_versions, self.joint_slice = src, versions, src.rank_slice(self.rank)
         return self.joint_slice
 
     def launch_projection(self, segs, joint, joint_rotary, joint_proj) -> None:

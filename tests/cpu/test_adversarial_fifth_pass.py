@@ -27,7 +27,7 @@ def test_the_joint_slice_follows_an_in_place_update_of_the_weights():
     from fa_a2a.engine.projection import _RankBlock
 
     jp = _proj()
-    rank_block = types.SimpleNamespace(joint_src=None, joint_slice=None, rank=1)
+    rank_block = types.SimpleNamespace(joint_src=None, joint_versions=None, joint_slice=None, rank=1)
     first = _RankBlock._joint_proj(rank_block, jp)
     assert _RankBlock._joint_proj(rank_block, jp) is first  # kept while the weights are the same
     with torch.no_grad():
