@@ -53,10 +53,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _check_scalars(causal, softmax_scale, rotate=False) -> None:
     """causal / rotate bools (a truthy string would turn the mask on), softmax_scale as the op takes it."""
-    for name, flag in (("causal", causal), ("rotate", rotate)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: expected a bool, got {flag!r}")
-    check_softmax_scale(softmax_scale)
+    if type(causal) is not bool or type(rotate) is not bool:  # (bool has no subclasses)
+        name, flag = ("causal", causal) if type(causal) is not bool else ("rotate", rotate)
+        raise ValueError(f"{name}: expected a bool, got {flag!r}")
+    if softmax_scale is not None:
+        check_softmax_scale(softmax_scale)
 
 
 def _check_seqused_k(seqused_k: Optional[torch.Tensor], q: torch.Tensor) -> None:
@@ -304,21 +305,8 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
-def fa4_launcher(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    seqused_k: Optional[torch.Tensor] = None,
-    lse: Optional[torch.Tensor] = None,
-) -> Callable[[], None]:
-    """Plain FA4 forward (SM90 or SM100) on these tensors, checked and compiled once: the returned
-    function launches it on the current stream (for a caller that reruns the same buffers, e.g.
-    the op's window plan: no per-call checks). q [B, S_q, H, D], k/v [B, S_k, H_kv, D], out like q;
-    lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
+def _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
+    """fa4_launcher's checks and compile -> (compiled, its arguments; out at ARG_OUT)."""
     _check_qkv(q, k, v)
     _check_scalars(causal, softmax_scale)
     _check_seqused_k(seqused_k, q)
@@ -336,11 +324,49 @@ def fa4_launcher(
     if device_arch(q) == 100:
         cfg = _config_sm100(D, causal, S, H // k.shape[2], seqused_k is not None)
         compiled = compile_fa4(*key, sm100=cfg)
-        args = (q, k, v, out, lse, scale, *_fa4_sm100_middle(seqused_k))
-    else:
-        compiled = compile_fa4(*key)
-        args = (q, k, v, out, lse, scale, *_fa4_sm90_middle(seqused_k))
+        return compiled, (q, k, v, out, lse, scale, *_fa4_sm100_middle(seqused_k))
+    return compile_fa4(*key), (q, k, v, out, lse, scale, *_fa4_sm90_middle(seqused_k))
+
+
+ARG_OUT = 3  # where the compiled forward takes out
+
+
+def fa4_launcher(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> Callable[[], None]:
+    """Plain FA4 forward (SM90 or SM100) on these tensors, checked and compiled once: the returned
+    function launches it on the current stream (for a caller that reruns the same buffers, e.g.
+    the op's window plan: no per-call checks). q [B, S_q, H, D], k/v [B, S_k, H_kv, D], out like q;
+    lse: optional fp32 [B, H, S_q] output of the rows' log-sum-exp (natural log)."""
+    compiled, args = _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse)
     return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
+
+
+def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                       softmax_scale: Optional[float] = None,
+                       seqused_k: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+    """fa4_forward on these fixed q, k, v (e.g. a window plan's), checked and compiled once: each call of
+    the returned function launches FA4 into a fresh output (torch.empty_like(q)) and returns it (the
+    P = 1 block's attention: no per-call checks or binding)."""
+    compiled, args = _fa4_bound(q, k, v, torch.empty_like(q), causal, softmax_scale, seqused_k, None)
+    if _is_fake(q):
+        return lambda: torch.empty_like(q)
+    head, tail = args[:ARG_OUT], args[ARG_OUT + 1:]
+
+    def launch() -> torch.Tensor:
+        out = torch.empty_like(q)
+        compiled(*head, out, *tail)
+        return out
+
+    return launch
 
 
 def fa4_forward(

@@ -35,11 +35,11 @@ def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = 
     (`address`, default t.data_ptr(); a fake tensor's is its storage offset in bytes; 0: the strides
     alone) and the byte strides of `dims` (default: every dim but the last) multiples of ALIGN_BYTES."""
     st = t.stride()
-    strides = st[:-1] if dims is None else [st[d] for d in dims]
+    if st[-1] != 1 or (t.data_ptr() if address is None else address) % ALIGN_BYTES:
+        return False
     # element sizes are powers of two: every byte stride is a multiple of 16 iff their gcd's is (one
     # call into Python's C code on the op's eager path, which checks every input tensor)
-    return (st[-1] == 1 and (t.data_ptr() if address is None else address) % ALIGN_BYTES == 0
-            and math.gcd(*strides) * t.element_size() % ALIGN_BYTES == 0)
+    return math.gcd(*(st[:-1] if dims is None else [st[d] for d in dims])) * t.element_size() % ALIGN_BYTES == 0
 
 
 def is_fake(t) -> bool:

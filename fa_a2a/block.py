@@ -216,23 +216,24 @@ def _check_proj(proj, name: str, layout, world_size: int) -> None:
                          f"{want[1]} (block_weights(chain, {world_size})), got world_size={proj.world_size}, {got}")
 
 
-def _check_no_grad(projs, joint, joint_proj) -> None:
-    """Under grad mode, refuse weights that require grad (projs: (name, QKVWeights) of the rank's
-    segments; joint_proj with joint rows): the block's weights are copies gathered in destination
-    order (block_weights), a gradient there would never reach the model's layers; never cut autograd
-    silently. (Hidden states and joint rows that require grad take _attention_with_grad.)"""
+def _check_no_grad(projs, names, joint, joint_proj) -> None:
+    """Under grad mode, refuse weights that require grad (projs: the QKVWeights of the rank's segments,
+    names(): their names, built only for the refusal; joint_proj with joint rows): the block's weights
+    are copies gathered in destination order (block_weights), a gradient there would never reach the
+    model's layers; never cut autograd silently. (Hidden states and joint rows that require grad take
+    _attention_with_grad.)"""
     if not torch.is_grad_enabled():
         return
-    projs = list(projs) + ([("joint_proj", joint_proj)] if joint is not None and joint_proj is not None else [])
-    for n, p in projs:
+    projs = list(projs) + ([joint_proj] if joint is not None and joint_proj is not None else [])
+    for i, p in enumerate(projs):
         for field in ("weight", "bias", "norm_weight"):
             t = getattr(p, field, None)
-            if not (isinstance(t, torch.Tensor) and t.requires_grad):
-                continue
-            raise ValueError(f"{n}.{field}: requires grad, but the block's weights are fixed copies in destination "
-                             "order (block_weights): pass detached weights, and train the model's own layers "
-                             "(diffusers' processor with fa_a2a.ulysses_attention, differentiable: the fused "
-                             "processors route there when weights require grad)")
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                n = (list(names()) + ["joint_proj"])[i]
+                raise ValueError(f"{n}.{field}: requires grad, but the block's weights are fixed copies in "
+                                 "destination order (block_weights): pass detached weights, and train the model's "
+                                 "own layers (diffusers' processor with fa_a2a.ulysses_attention, differentiable: "
+                                 "the fused processors route there when weights require grad)")
 
 
 def _proj_names(names) -> list:
@@ -244,9 +245,13 @@ def _inputs_want_grad(xs, joint) -> bool:
     """Grad mode on and a hidden-state tensor (xs: tensors or Segment lists) or the joint rows requiring grad."""
     if not torch.is_grad_enabled():
         return False
-    flat = [t for x in xs for t in ([x] if isinstance(x, torch.Tensor) else
-                                    [getattr(s, "x", None) for s in x] if isinstance(x, (list, tuple)) else [])]
-    return any(getattr(t, "requires_grad", False) for t in flat + [joint])
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                return True
+        elif isinstance(x, (list, tuple)) and any(getattr(getattr(s, "x", None), "requires_grad", False) for s in x):
+            return True
+    return bool(getattr(joint, "requires_grad", False))
 
 
 def _out_weights(out_proj, joint):
@@ -330,7 +335,7 @@ def _attention_with_grad(x, proj, rotary, joint, joint_proj, joint_rotary, name:
     refused if they require grad -> (q, k, v over the rank's rows in segment order, joint (q, k, v) or
     None) for the differentiable op (fa_a2a.ulysses_attention / _emulated): correct, not fused."""
     segs, names = _as_segments(x, proj, rotary, name)
-    _check_no_grad(zip(_proj_names([n for n, _, _ in names]), (s.proj for s in segs)), joint, joint_proj)
+    _check_no_grad([s.proj for s in segs], lambda: _proj_names([n for n, _, _ in names]), joint, joint_proj)
     parts = [_chain_rows(s.x, s.proj, s.rotary, n, rn) for s, (n, _, rn) in zip(segs, names)]
     q, k, v = (torch.cat([part[i] for part in parts], dim=1) for i in range(3))
     jt = None
@@ -727,8 +732,8 @@ def ulysses_qkv_attention(x, proj=None, *, group=None, rotary=None, joint: Optio
             fields = signature_fields(problem, "ulysses_qkv_attention", group_name, (joint,))
             word = signature_word(fields)
         segs = _rank_segments(x, proj, rotary)
-        _check_no_grad(zip(_proj_names([f"x[{i}].x" if len(segs) > 1 else "x" for i in range(len(segs))]),
-                           (s[1] for s in segs)), joint, joint_proj)
+        _check_no_grad([s[1] for s in segs], lambda: _proj_names([f"x[{i}].x" if len(segs) > 1 else "x"
+                                                                  for i in range(len(segs))]), joint, joint_proj)
         return (problem, segs, calls), fields, word
 
     problem, segs, calls = checked_and_agreed(checks, group if collective else None)
@@ -799,8 +804,9 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     p, prepared = entry
     segs = [_rank_segments(x, proj, rotary[r], f"xs[{r}]") for r, x in enumerate(xs)]
     for r, x in enumerate(xs):
-        _check_no_grad(zip(_proj_names([f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x"
-                                        for i in range(len(segs[r]))]), (s[1] for s in segs[r])), joint, joint_proj)
+        _check_no_grad([s[1] for s in segs[r]], lambda: _proj_names([
+            f"xs[{r}]" if isinstance(x, torch.Tensor) else f"xs[{r}][{i}].x" for i in range(len(segs[r]))]),
+            joint, joint_proj)
     blocks = _emulated_blocks(prepared, p, segs, joint, joint_proj, joint_rotary, config, one_launch)
     res = blocks(segs, joint, joint_rotary, joint_proj)
     return res if weights is None else [_projected(o, weights) for o in res]

@@ -595,6 +595,7 @@ class _FusedRank:
         self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
         self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
+        self._kv_in_order = [h for row in lay.kv_head_index for h in row] == list(range(lay.num_kv_heads))
         self._built: set = set()
         self._dout_key = None  # the projected dO stage (project_dout), built at its first call
 
@@ -651,9 +652,13 @@ class _FusedRank:
         written by the kernels)."""
         lay, r = self.plan.layout, self.rank
         dq = self.dq_w[r][:, :rows, :lay.num_heads].clone(memory_format=torch.contiguous_format)
-        hk = lay.kv_heads_loc
-        dk, dv = (_sum_heads(list(w[r][:, :rows].split(hk, dim=2)), lay.kv_head_index, lay.num_kv_heads)
-                  for w in (self.dk_w, self.dv_w))
+        if self._kv_in_order:  # each KV head once, in order (no GQA head sent twice): a plain copy, not a
+            # head-sum (torch.cat of the P parts ran ~3x slower than the copy: H100, 2026-12-05)
+            dk, dv = (w[r][:, :rows].clone(memory_format=torch.contiguous_format) for w in (self.dk_w, self.dv_w))
+        else:
+            hk = lay.kv_heads_loc
+            dk, dv = (_sum_heads(list(w[r][:, :rows].split(hk, dim=2)), lay.kv_head_index, lay.num_kv_heads)
+                      for w in (self.dk_w, self.dv_w))
         n = lay.valid_rows(r)
         for g in (dq, dk, dv):
             if n < rows:

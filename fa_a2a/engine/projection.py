@@ -308,6 +308,8 @@ class _RankBlock:
             self.plan = plan = self.call.plan
             windows = (plan.dq, plan.dk, plan.dv)
         self.windows = windows
+        # P = 1: the attention launch, checked and bound once (_local_attention)
+        self._attend = self._bind_attention() if transport is None else None
         self.rows = sum(s[0].shape[1] for s in segs)
         self.joint_rows = joint.shape[1] if joint is not None else 0
         self.joint_src = self.joint_versions = self.joint_slice = None
@@ -378,13 +380,22 @@ class _RankBlock:
 
     def _local_attention(self):
         """P = 1: FA4 on the projected rows into a fresh output, as the op's P = 1 path runs it
-        (forward._single_rank: the same kernel and values; no barrier, post-A2A or copy)."""
-        from fa_a2a.engine.forward import _deliver, local_attention
+        (forward._single_rank: the same kernel and values; no barrier, post-A2A or copy), its launch
+        checked and bound once (the windows are this object's)."""
+        from fa_a2a.engine.forward import _deliver
+
+        lay = self.problem.layout
+        o = self._attend()
+        return _deliver(lay, 0, lay.split_out(o) if lay.joint_len else (o, None), self.rows)
+
+    def _bind_attention(self):
+        from cute_kernels.fa4 import fa4_fresh_launcher
 
         p, lay = self.problem, self.problem.layout
-        q, k, v = (w.select(0, 0) for w in self.windows)  # [B, N, h, D]: the sequence rows, then the joint rows
-        o = local_attention(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=lay.seqused_k(p.causal))
-        return _deliver(lay, 0, lay.split_out(o) if lay.joint_len else (o, None), self.rows)
+        q, k, v = (w.select(0, 0) for w in self.windows)  # [B, N, h, D] (contiguous): sequence rows, then joint
+        n = lay.seqused_k(p.causal)
+        used = None if n is None else torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+        return fa4_fresh_launcher(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=used)
 
 
 def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joint_proj, joint_rotary, config,

@@ -407,6 +407,8 @@ def test_fa4_entry_points_refuse_bad_scalars(kw, monkeypatch):
         if name != "rotate":
             with pytest.raises(ValueError, match=f"^{name}: expected"):
                 fa4.fa4_forward(q, q, q, **kw)
+            with pytest.raises(ValueError, match=f"^{name}: expected"):
+                fa4.fa4_fresh_launcher(q, q, q, **kw)
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             fa4.fa4_a2a_forward(q, q, q, windows, 0, **kw)
 

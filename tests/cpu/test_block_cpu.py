@@ -562,9 +562,10 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     writes buffers of the in-windows' layout, FA4 runs on them as the op's P = 1 path); the
     projection's routing is built once per signature (not per call); a bad rotary of the same
     signature is still refused by name. With a group (P = 2), a closed transport's call is rebuilt."""
+    import cute_kernels.fa4 as fa4_mod
     import ulysses.transport as transport_mod
 
-    seen, attended, made = [], [], []
+    seen, bound, attended, made = [], [], [], []
     monkeypatch.setattr(engine_problem, "_resolved", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(K, "qkv_a2a_launcher", _bind_recorder(
@@ -573,8 +574,12 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: made.append(_FakeTransport()) or made[-1])
     monkeypatch.setattr(forward, "window_plan", lambda t, lay, B, D, dtype: made.append("plan") or
                         _FakePlan(t, lay, B, D, dtype, "cuda"))
-    monkeypatch.setattr(forward, "local_attention", lambda q, k, v, **kw: attended.append((q, k, v, kw)) or
-                        torch.empty(q.shape, dtype=q.dtype, device=q.device))
+
+    def fresh_launcher(q, k, v, **kw):  # FA4 on the windows, bound once per prepared block
+        bound.append((q, k, v, kw))
+        return lambda: attended.append(q) or torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    monkeypatch.setattr(fa4_mod, "fa4_fresh_launcher", fresh_launcher)
     routed = []
     inner = projection.segment_writes
     monkeypatch.setattr(projection, "segment_writes", lambda *a: routed.append(a) or inner(*a))
@@ -588,8 +593,8 @@ def test_rank_block_steady_state_and_refusals(monkeypatch):
             assert out.shape == (1, S, 4, D)
         assert made == [] and len(routed) == 1 and [s[0] for s in seen] == xs and all(s[2] is table for s in seen)
         windows = seen[0][5]
-        assert len(attended) == 3 and all(a[0].data_ptr() == windows[0].data_ptr() for a in attended)
-        assert attended[0][3] == dict(causal=False, softmax_scale=D ** -0.5, seqused_k=None)
+        assert len(bound) == 1 and bound[0][0].data_ptr() == windows[0].data_ptr() and len(attended) == 3
+        assert bound[0][3] == dict(causal=False, softmax_scale=D ** -0.5, seqused_k=None)
         with pytest.raises(ValueError, match="rotary: expected a contiguous float32 \\[32, 64\\] table"):
             # the same signature (strides are not in it): refused by the call's own check
             block.ulysses_qkv_attention(xs[0], proj, rotary=torch.empty_strided((S, D), (1, S), device="cuda"))

@@ -224,3 +224,24 @@ def test_rotation_is_refused_for_causal():
             fused.fa4_a2a_forward(q, q, q, w, 0, causal=True, rotate=True)
     with pytest.raises(ValueError, match="rotate: only the fused kernels"):
         fused.compile_fa4("fa4", torch.bfloat16, 128, 1, False, False, False, rotate=True)
+
+
+def test_fresh_launcher_binds_once_and_launches_into_fresh_outputs(monkeypatch):
+    """fa4_fresh_launcher (the P = 1 block's attention): checked and bound once on fixed q, k, v; each call
+    launches the compiled forward on them with a new output tensor, which it returns."""
+    launches = []
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fused, "compile_fa4", lambda *key, **options: (lambda *args: launches.append(args)))
+    monkeypatch.setattr(fused, "_is_fake", lambda t: False)  # the launch path itself, on fake tensors
+    monkeypatch.setattr(fused, "device_arch", lambda q: 90)
+    with FakeTensorMode():
+        q = torch.empty(1, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+        k, v = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device="cuda"), torch.empty_like(q[:, :, :2])
+        launch = fused.fa4_fresh_launcher(q, k, v, softmax_scale=0.5)
+        outs = [launch(), launch()]
+        with pytest.raises(ValueError, match="^k: 3 KV heads do not divide 4"):
+            fused.fa4_fresh_launcher(q, q[:, :, :3], q[:, :, :3])
+    assert len(launches) == 2 and outs[0] is not outs[1]
+    for args, out in zip(launches, outs):
+        assert args[:3] == (q, k, v) and args[fused.ARG_OUT] is out and args[5] == 0.5
+        assert out.shape == q.shape and out.dtype == q.dtype
