@@ -591,7 +591,7 @@ def _facts(t, rows: bool = True):
         s = tuple(t.shape)  # (plain tuples slice faster than torch.Size)
         return (s[:-2] + s[-1:], t.dtype, t.device)
     if isinstance(t, (tuple, list)):
-        return tuple(_facts(u, rows) for u in t)
+        return tuple([_facts(u, rows) for u in t])
     raise TypeError
 
 
@@ -795,7 +795,7 @@ def ulysses_qkv_attention_emulated(xs: Sequence, proj=None, *, rotary=None,
     args = (impl, causal, softmax_scale, seq_len, shard_rows, config, one_launch, P, type(pace), pace)
     check_no_overlap([n for r, x in enumerate(xs) for n in _named_inputs(x, None, f"xs[{r}]")[:-1]]
                      + [("joint", joint)])
-    keys = tuple(_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs))
+    keys = tuple([_signature(x, proj, rotary[r], joint, joint_proj, joint_rotary, args) for r, x in enumerate(xs)])
     keys, entry = lookup(None if None in keys else ("ulysses_qkv_attention_emulated", keys))
     if entry is None:  # (Problem, {(device, rows per rank): the P ranks' _RankBlocks}: engine.projection)
         _check_block_args(impl, joint, joint_proj, joint_rotary, config, one_launch)
@@ -867,7 +867,7 @@ def weight_facts(tensors) -> tuple:
     """What copies of these tensors depend on: each one's pointer, version, dtype and device (an
     optimizer step in place bumps the version; `.data = ...`, `.to()` and a new Parameter change the
     others). The module's refresh and the model processors' cached blocks compare them."""
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+    return tuple([(t.data_ptr(), t._version, t.dtype, t.device) for t in tensors])
 
 
 class _Layers(NamedTuple):
@@ -1114,7 +1114,7 @@ class UlyssesQKVAttention(nn.Module):
         Not while torch.compile traces (a tensor's version is no value it can guard on): the compiled
         module runs the layers' own chains instead (_chains)."""
         if (self._layers is None or not self.fused or torch.compiler.is_compiling()
-                or self._facts == tuple(g.facts() for g in self._layers)):
+                or self._facts == tuple([g.facts() for g in self._layers])):
             return
         for g in self._layers:
             _check_fused_dtype(g.names[0], g.q.weight.dtype)

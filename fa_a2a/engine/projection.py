@@ -61,14 +61,14 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
             raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         for t in (cos, sin):
-            if not _on(t, device):
+            if t.device != device and not _on(t, device):
                 raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, "
                                  f"got {torch.float32} {(rows, head_dim)} on {t.device}")
         return cos, sin
     if not isinstance(rotary, torch.Tensor):
         raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
     if (rotary.dtype != torch.float32 or tuple(rotary.shape) != (rows, head_dim)
-            or not _on(rotary, device) or not rotary.is_contiguous()):
+            or (rotary.device != device and not _on(rotary, device)) or not rotary.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
                          f"{rotary.dtype} {tuple(rotary.shape)} on {rotary.device}")
     return rotary
@@ -416,7 +416,7 @@ def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joi
             p = _auto_block_problem(p, transport, segs[0][0], build, lambda b: b(segs, joint, joint_rotary, joint_proj))
         return _RankBlock(transport, p, rank, segs, joint, joint_proj, joint_rotary, config, one_launch)
 
-    return prepared_call(calls, (torch.cuda.current_device(), tuple(s[0].shape[1] for s in segs)), build_block)
+    return prepared_call(calls, (torch.cuda.current_device(), tuple([s[0].shape[1] for s in segs])), build_block)
 
 
 def _auto_block_problem(problem, transport, x, build, run):
@@ -488,5 +488,6 @@ def _emulated_blocks(calls: dict, problem, segs, joint, joint_proj, joint_rotary
                                     lambda b: b(segs, joint, joint_rotary, joint_proj))
         return build(p)
 
-    return prepared_call(calls, (device, tuple(tuple(seg[0].shape[1] for seg in rank_segs) for rank_segs in segs)),
-                         build_blocks)
+    # (list comprehensions, not generators: inlined by Python 3.12, no frame per rank on the eager path)
+    key = (device, tuple([tuple([seg[0].shape[1] for seg in rank_segs]) for rank_segs in segs]))
+    return prepared_call(calls, key, build_blocks)

@@ -236,11 +236,12 @@ def test_fresh_launcher_binds_once_and_launches_into_fresh_outputs(monkeypatch):
     monkeypatch.setattr(fused, "device_arch", lambda q: 90)
     with FakeTensorMode():
         q = torch.empty(1, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
-        k, v = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device="cuda"), torch.empty_like(q[:, :, :2])
+        # (no indexing: torch's CPU build refuses views of fake CUDA tensors)
+        k, v, k3 = (torch.empty(1, 256, h, 128, dtype=torch.bfloat16, device="cuda") for h in (2, 2, 3))
         launch = fused.fa4_fresh_launcher(q, k, v, softmax_scale=0.5)
         outs = [launch(), launch()]
         with pytest.raises(ValueError, match="^k: 3 KV heads do not divide 4"):
-            fused.fa4_fresh_launcher(q, q[:, :, :3], q[:, :, :3])
+            fused.fa4_fresh_launcher(q, k3, k3)
     assert len(launches) == 2 and outs[0] is not outs[1]
     for args, out in zip(launches, outs):
         assert args[:3] == (q, k, v) and args[fused.ARG_OUT] is out and args[5] == 0.5
