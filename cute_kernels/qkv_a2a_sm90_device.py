@@ -28,11 +28,17 @@ import cutlass
 import cutlass.cute as cute
 from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import get_max_active_clusters, mlir_namedtuple, torch2cute_dtype_map
-from quack.epilogue.frontend import EpiMod, gemm_epilogue, pack, unpack
-from quack.epilogue.head_rmsnorm import HeadRstd
-from quack.epilogue.library import qk_rope_epi, qknorm_epi
-from quack.epilogue.ops import EpiOp, RowVecLoad
-from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
+try:
+    from quack.epilogue.frontend import EpiMod, gemm_epilogue, pack, unpack
+    from quack.epilogue.head_rmsnorm import HeadRstd
+    from quack.epilogue.library import qk_rope_epi, qknorm_epi
+    from quack.epilogue.ops import EpiOp, RowVecLoad
+    from quack.epilogue.rotary import rope_table_epi, rotary_cos_sin_load
+except TypeError as e:  # quack's fingerprint of its epilogues (see the module docstring)
+    raise ImportError("quack's GEMM epilogues did not import, so the QKV projection kernel cannot compile: install "
+                      "nvidia-cutlass-dsl and quack-kernels as packages (pip into a venv, conda or the system's "
+                      "site-packages), not from a PYTHONPATH entry or a `pip install --target` folder, which quack "
+                      f"does not take as installed code ({type(e).__name__}: {e})") from e
 from quack.gemm_default_epi import GemmDefaultSm90
 from quack.gemm_runtime.host import FakeArgCtx
 from quack.gemm_tvm_ffi_utils import (

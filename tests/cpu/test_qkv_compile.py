@@ -487,3 +487,23 @@ def test_tma_rows_is_what_the_checks_and_the_bound_launch_require():
     assert not K._tma_rows(x, C, x.data_ptr() + 2)  # a base off 16 bytes
     odd = torch.empty(2 * (5 * C + 1), dtype=torch.bfloat16).as_strided((2, 5, C), (5 * C + 1, C, 1))
     assert not K._tma_rows(odd, C, 0)  # a batch stride of 5 * C + 1 elements
+
+
+def test_quack_epilogues_that_fail_their_fingerprint_name_the_install(monkeypatch):
+    """Kernel packages imported from a folder that is not site-packages (PYTHONPATH, pip --target): quack's
+    epilogue library raises a TypeError about a ContextVar of the DSL while fingerprinting its epilogues (seen on
+    an H100, 2026-12-05); the projection's device module says what to do instead."""
+    import importlib
+    import sys
+
+    class Refuse:  # a finder that fails quack's epilogue library as that install does
+        def find_spec(self, name, path=None, target=None):
+            if name == "quack.epilogue.library":
+                raise TypeError("epilogue fn depends on <ContextVar name='_LOC_TRANSFORMS'>")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Refuse()] + sys.meta_path)
+    monkeypatch.delitem(sys.modules, "quack.epilogue.library", raising=False)
+    monkeypatch.delitem(sys.modules, "cute_kernels.qkv_a2a_sm90_device")
+    with pytest.raises(ImportError, match="not from a PYTHONPATH entry .*TypeError: epilogue fn depends on"):
+        importlib.import_module("cute_kernels.qkv_a2a_sm90_device")
