@@ -356,7 +356,8 @@ def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
     """fa4_forward on these fixed q, k, v (e.g. a window plan's), checked and compiled once: each call of
     the returned function launches FA4 into a fresh output (torch.empty_like(q)) and returns it (the
     P = 1 block's attention: no per-call checks or binding)."""
-    compiled, args = _fa4_bound(q, k, v, torch.empty_like(q), causal, softmax_scale, seqused_k, None)
+    out = torch.empty_like(q) if isinstance(q, torch.Tensor) else None  # (a non-tensor q: _fa4_bound names it)
+    compiled, args = _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, None)
     if _is_fake(q):
         return lambda: torch.empty_like(q)
     head, tail = args[:ARG_OUT], args[ARG_OUT + 1:]

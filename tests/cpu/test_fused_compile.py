@@ -242,6 +242,9 @@ def test_fresh_launcher_binds_once_and_launches_into_fresh_outputs(monkeypatch):
         outs = [launch(), launch()]
         with pytest.raises(ValueError, match="^k: 3 KV heads do not divide 4"):
             fused.fa4_fresh_launcher(q, k3, k3)
+        for junk in ([q], None, 3):  # named as fa4_forward names it (not torch.empty_like's TypeError)
+            with pytest.raises(ValueError, match="^q: expected a torch.Tensor"):
+                fused.fa4_fresh_launcher(junk, k, v)
     assert len(launches) == 2 and outs[0] is not outs[1]
     for args, out in zip(launches, outs):
         assert args[:3] == (q, k, v) and args[fused.ARG_OUT] is out and args[5] == 0.5
