@@ -284,11 +284,17 @@ def _grad_sends(lay, dq, dk, dv) -> tuple:
     return sends, (dq_joint, dk[:, lay.seq_pad:], dv[:, lay.seq_pad:])
 
 
+def _each_head_once(rows, num_heads: int) -> bool:
+    """Whether the parts holding global heads rows[i] are heads 0 .. num_heads - 1, each once, in order
+    (their head-sum is a plain concatenation)."""
+    return [h for row in rows for h in row] == list(range(num_heads))
+
+
 def _sum_heads(parts, rows, num_heads: int) -> torch.Tensor:
     """Head-sum: parts[i] [B, n, h, D] holds global heads rows[i] -> [B, n, num_heads, D] (sums in fp32)."""
-    flat = [h for row in rows for h in row]
-    if flat == list(range(num_heads)):  # each head once, in order: a plain split
+    if _each_head_once(rows, num_heads):  # a plain split
         return torch.cat(parts, dim=2)
+    flat = [h for row in rows for h in row]
     B, n, _, D = parts[0].shape
     acc = parts[0].new_zeros(B, n, num_heads, D, dtype=torch.promote_types(parts[0].dtype, torch.float32))
     acc.index_add_(2, index_tensor(tuple(flat), acc.device), torch.cat(parts, dim=2).to(acc.dtype))
@@ -330,11 +336,13 @@ def _attention(spec: Spec, q, k, v) -> tuple:
     if spec.fa4:
         from cute_kernels.fa4 import fa4_forward
 
+        from .forward import seqused_tensor
+
         B, N, H, _ = q.shape
         lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
-        seqused = None if used is None else torch.full((B,), used, dtype=torch.int32, device=q.device)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        o = fa4_forward(q, k, v, causal=spec.causal, softmax_scale=spec.scale, seqused_k=seqused, lse=lse)
+        o = fa4_forward(q, k, v, causal=spec.causal, softmax_scale=spec.scale,
+                        seqused_k=seqused_tensor(used, B, q.device), lse=lse)
         return o, Saved(q, k, v, o, lse)
     o = reference_attention(q, k, v, causal=spec.causal, softmax_scale=spec.scale, seqused_k=used).to(q.dtype)
     return o, Saved(q, k, v, None, None)
@@ -346,10 +354,10 @@ def _attention_backward(spec: Spec, s: Saved, do) -> tuple:
     if spec.fa4:
         from flash_attn.cute.interface import _flash_attn_bwd
 
-        B = s.q.shape[0]
-        seqused = None if used is None else torch.full((B,), used, dtype=torch.int32, device=s.q.device)
+        from .forward import seqused_tensor
+
         dq, dk, dv = _flash_attn_bwd(s.q, s.k, s.v, s.o, do.contiguous(), s.lse, spec.scale, spec.causal,
-                                     seqused_k=seqused, deterministic=torch.are_deterministic_algorithms_enabled())
+                                     seqused_k=seqused_tensor(used, s.q.shape[0], s.q.device), deterministic=torch.are_deterministic_algorithms_enabled())
         if used is not None:  # rows FA4's varlen backward does not write (narrow: also on fake tensors of
             # torch's CPU build, where indexing a CUDA tensor fails)
             for t in (dk, dv):
@@ -595,7 +603,7 @@ class _FusedRank:
         self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
         self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
-        self._kv_in_order = [h for row in lay.kv_head_index for h in row] == list(range(lay.num_kv_heads))
+        self._kv_in_order = _each_head_once(lay.kv_head_index, lay.num_kv_heads)
         self._built: set = set()
         self._dout_key = None  # the projected dO stage (project_dout), built at its first call
 

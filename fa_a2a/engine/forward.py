@@ -86,6 +86,11 @@ def head_maps(layout, device):
             torch.tensor(kv_map, dtype=torch.int32, device=device))
 
 
+def seqused_tensor(n: Optional[int], B: int, device) -> Optional[torch.Tensor]:
+    """FA4's seqused_k for a key count n (None: every key): int32 [B], n in every batch row."""
+    return None if n is None else torch.full((B,), n, dtype=torch.int32, device=device)
+
+
 def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: Optional[int],
                     reference: bool = False):
     """The one local-attention chooser: FA4 on CUDA tensors unless `reference`; the fp32 reference
@@ -93,9 +98,8 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
     if q.is_cuda and not reference:
         from cute_kernels.fa4 import fa4_forward
 
-        used = None if seqused_k is None else torch.full((q.shape[0],), seqused_k, dtype=torch.int32, device=q.device)
         return fa4_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
-                           softmax_scale=softmax_scale, seqused_k=used)
+                           softmax_scale=softmax_scale, seqused_k=seqused_tensor(seqused_k, q.shape[0], q.device))
     o = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k)
     return o if o.dtype == q.dtype else o.to(q.dtype)
 
@@ -159,8 +163,7 @@ class WindowPlan:
                        if layout.joint_len else None)
         self.q_map, self.kv_map = head_maps(layout, transport.device)
         self.key_rows = [(layout.valid_rows(r), *layout.key_rows(r)) for r in range(layout.world_size)]
-        n = layout.seqused_k(False)
-        self.seqused = None if n is None else torch.full((B,), n, dtype=torch.int32, device=transport.device)
+        self.seqused = seqused_tensor(layout.seqused_k(False), B, transport.device)
         self._scratch: dict = {}
         self._launches: dict = {}
         self._results: dict = {}

@@ -61,14 +61,14 @@ def _rope_source(rotary, rows: int, head_dim: int, device, name: str):
             raise ValueError(f"{name}: expected cos, sin of shape [{rows}, {head_dim}], got "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         for t in (cos, sin):
-            if t.device != device and not _on(t, device):
+            if not _on(t, device):
                 raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, "
                                  f"got {torch.float32} {(rows, head_dim)} on {t.device}")
         return cos, sin
     if not isinstance(rotary, torch.Tensor):
         raise ValueError(f"{name}: expected None, a (cos, sin) pair or a float32 table, got {type(rotary).__name__}")
     if (rotary.dtype != torch.float32 or tuple(rotary.shape) != (rows, head_dim)
-            or (rotary.device != device and not _on(rotary, device)) or not rotary.is_contiguous()):
+            or not _on(rotary, device) or not rotary.is_contiguous()):
         raise ValueError(f"{name}: expected a contiguous float32 [{rows}, {head_dim}] table on {device}, got "
                          f"{rotary.dtype} {tuple(rotary.shape)} on {rotary.device}")
     return rotary
@@ -390,12 +390,12 @@ class _RankBlock:
 
     def _bind_attention(self):
         from cute_kernels.fa4 import fa4_fresh_launcher
+        from fa_a2a.engine.forward import seqused_tensor
 
-        p, lay = self.problem, self.problem.layout
+        p = self.problem
         q, k, v = (w.select(0, 0) for w in self.windows)  # [B, N, h, D] (contiguous): sequence rows, then joint
-        n = lay.seqused_k(p.causal)
-        used = None if n is None else torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
-        return fa4_fresh_launcher(q, k, v, causal=p.causal, softmax_scale=p.scale, seqused_k=used)
+        return fa4_fresh_launcher(q, k, v, causal=p.causal, softmax_scale=p.scale,
+                                  seqused_k=seqused_tensor(p.layout.seqused_k(p.causal), q.shape[0], q.device))
 
 
 def _rank_block(calls: dict, group, P: int, rank: int, problem, segs, joint, joint_proj, joint_rotary, config,
