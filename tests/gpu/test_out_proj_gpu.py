@@ -3,7 +3,7 @@ with impl "fused" the backward's dO comes from the output projection's input-gra
 pre-A2A in its epilogue (the QKV projection's kernel, q part alone: fa_a2a.engine.backward.
 _FusedRank.project_dout), no pre-A2A kernel.
 
-Checked on emulated ranks (P 2, 4, 8; seq_len padding, GQA, causal, D 64 / 128): every gradient (q, k,
+Checked on emulated ranks (P 2, 3, 4, 8; seq_len padding, GQA, a padding head, causal, D 64 / 128): every gradient (q, k,
 v shards, the weight and the bias) within 2x the error of the serial path (dO = dY @ W in torch, the
 exchange backward) against the fp64 oracle (the full attention and linear on the unsplit sequence) +
 1e-3 of its scale; the projected path ran; under deterministic mode a second call over NaN-poisoned
@@ -32,6 +32,7 @@ CASES = [
     (2, 999, 4, 4, 128, False),  # seq_len padding
     (4, 1024, 8, 2, 64, True),  # GQA, causal
     (8, 2048, 24, 24, 128, False),  # Flux's 24 heads
+    (3, 600, 4, 4, 64, False),  # a padding head: the weight copied into destination rows (others read it in place)
 ]
 
 
