@@ -7,8 +7,6 @@ a process whose kernels are all in the disk cache launches them without it (comp
 
 from __future__ import annotations
 
-import functools
-
 from cute_kernels.compile_cache import disk_cache
 from cute_kernels.limits import aligned16
 
@@ -100,11 +98,17 @@ def launch_pre_a2a(q, k, v, dq, dk, dv, q_map, kv_map, rank: int, seq_len: int, 
 
 
 def post_a2a_launcher(o, out_windows, rank: int, broadcast: bool = False):
-    """PostA2A from o into these windows, checked and compiled once -> launch() on the current stream."""
+    """PostA2A from o into these windows, checked and compiled once -> launch(src=o) on the current
+    stream; src: o or a tensor of o's shape, dtype and strides with a 16-byte aligned base (a fresh
+    torch.empty_like of a contiguous o; the caller keeps to that: not checked per launch)."""
     _aligned(o, "o")
     _aligned(out_windows, "out_windows")
-    return functools.partial(compile_post_a2a(o.dtype, o.shape[-1], out_windows.shape[0], broadcast),
-                             o, out_windows, rank)
+    kernel = compile_post_a2a(o.dtype, o.shape[-1], out_windows.shape[0], broadcast)
+
+    def launch(src=o) -> None:
+        kernel(src, out_windows, rank)
+
+    return launch
 
 
 def launch_post_a2a(o, out_windows, rank: int, broadcast: bool = False) -> None:

@@ -306,7 +306,7 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
 
 
 def _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
-    """fa4_launcher's checks and compile -> (compiled, its arguments; out at ARG_OUT)."""
+    """fa4_launcher's checks and compile -> (compiled, its arguments; out at ARG_OUT, lse at ARG_LSE)."""
     _check_qkv(q, k, v)
     _check_scalars(causal, softmax_scale)
     _check_seqused_k(seqused_k, q)
@@ -328,7 +328,7 @@ def _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
     return compile_fa4(*key), (q, k, v, out, lse, scale, *_fa4_sm90_middle(seqused_k))
 
 
-ARG_OUT = 3  # where the compiled forward takes out
+ARG_OUT, ARG_LSE = 3, 4  # where the compiled forward takes out and lse
 
 
 def fa4_launcher(
@@ -351,23 +351,35 @@ def fa4_launcher(
 
 
 def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                       softmax_scale: Optional[float] = None,
-                       seqused_k: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+                       softmax_scale: Optional[float] = None, seqused_k: Optional[torch.Tensor] = None,
+                       lse: bool = False) -> Callable[[], torch.Tensor]:
     """fa4_forward on these fixed q, k, v (e.g. a window plan's), checked and compiled once: each call of
     the returned function launches FA4 into a fresh output (torch.empty_like(q)) and returns it (the
-    P = 1 block's attention: no per-call checks or binding)."""
-    out = torch.empty_like(q) if isinstance(q, torch.Tensor) else None  # (a non-tensor q: _fa4_bound names it)
-    compiled, args = _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, None)
+    P = 1 block's attention: no per-call checks or binding); lse=True: a fresh fp32 [B, H, S_q] LSE too,
+    the call returns (out, lse) (the forward that keeps them for its backward: no copies)."""
+    fresh_lse = None
+    if isinstance(q, torch.Tensor):  # (a non-tensor q: _fa4_bound names it)
+        out = torch.empty_like(q)
+        if lse:
+            fresh_lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+    else:
+        out = None
+    compiled, args = _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, fresh_lse)
     if _is_fake(q):
-        return lambda: torch.empty_like(q)
-    head, tail = args[:ARG_OUT], args[ARG_OUT + 1:]
+        return (lambda: (torch.empty_like(q), torch.empty_like(fresh_lse))) if lse else (lambda: torch.empty_like(q))
+    head, tail = args[:ARG_OUT], args[ARG_LSE + 1:]
 
     def launch() -> torch.Tensor:
         out = torch.empty_like(q)
-        compiled(*head, out, *tail)
+        compiled(*head, out, None, *tail)
         return out
 
-    return launch
+    def launch_with_lse() -> tuple:
+        out, lse_out = torch.empty_like(q), torch.empty_like(fresh_lse)
+        compiled(*head, out, lse_out, *tail)
+        return out, lse_out
+
+    return launch_with_lse if lse else launch
 
 
 def fa4_forward(

@@ -210,9 +210,9 @@ class QKVWeights:
     """Projection weights with rows in destination order (see the module docstring).
 
     weight [P*(H_loc + 2*H_kv_loc)*D, C], its rows contiguous (as from_linear builds it) or its
-    columns (the transpose view of a contiguous [C, n]: weight_major); bias of the same length (or None); norm_weight fp32
-    [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's weight repeated), or
-    None for no norm. head_map: (H, H_kv, q_head_index, kv_head_index) as from_linear gathered
+    columns (the transpose view of a contiguous [C, n]: weight_major); bias of the same length (or
+    None); norm_weight fp32 [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's
+    weight repeated), or None for no norm. head_map: (H, H_kv, q_head_index, kv_head_index) as from_linear gathered
     them (fa_a2a.block checks it against its layout), None when built directly. Build with
     from_linear, once per layer.
     """

@@ -378,40 +378,53 @@ def _collective_forward(spec: Spec, ranks, qs, ks, vs, joint, exchange) -> list:
 
 
 class _GradAttend:
-    """A rank's serial attention from its in-window for the backward: FA4 with its LSE into scratch,
-    copies of q, k, v (the in-window), O and the LSE, then the post-A2A kernel(s) - launched by
-    WindowPlan.complete between its two barriers. The copies of the in-window are queued before
-    the second barrier: peers' next pre-A2A stores into it once they have passed that barrier."""
+    """A rank's serial attention from its in-window for the backward: FA4 into a fresh O and LSE (kept
+    for the backward as they are), one copy of the rank's q | k | v (the in-window: one allocation,
+    forward.in_windows), then the post-A2A kernel(s) from that O - launched by WindowPlan.complete
+    between its two barriers. The copy of the in-window is queued before the second barrier: peers'
+    next pre-A2A stores into it once they have passed that barrier."""
 
     def __init__(self, plan, rank: int, causal: bool, scale: float):
-        from cute_kernels.fa4 import fa4_launcher
+        from cute_kernels.fa4 import fa4_fresh_launcher
 
         lay = plan.layout
         self.plan, self.rank = plan, rank
-        self.q, self.k, self.v = plan.dq[rank], plan.dk[rank], plan.dv[rank]
-        self.o = plan.scratch("out", rank, lay.num_rows)
-        self.lse = torch.empty(plan.B, lay.heads_loc, lay.num_rows, dtype=torch.float32, device=self.o.device)
-        self.fa4 = fa4_launcher(self.q, self.k, self.v, self.o, causal=causal, softmax_scale=scale,
-                                seqused_k=None if causal else plan.seqused, lse=self.lse)
+        q, k, v = plan.dq[rank], plan.dk[rank], plan.dv[rank]
+        if not (k.storage_offset() == q.storage_offset() + q.numel() and v.storage_offset() == k.storage_offset()
+                + k.numel() and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            raise RuntimeError("in-windows: each rank's q | k | v expected in one allocation (forward.in_windows)")
+        self.qkv = q.as_strided((q.numel() + k.numel() + v.numel(),), (1,))  # the rank's q | k | v
+        self.shapes = [t.shape for t in (q, k, v)]
+        self.o_like = plan.scratch("out", rank, lay.num_rows)  # the layout of FA4's fresh O
+        self.fa4 = fa4_fresh_launcher(q, k, v, causal=causal, softmax_scale=scale,
+                                      seqused_k=None if causal else plan.seqused, lse=True)
         self.per_slot: dict = {}
         self.saved: Optional[Saved] = None
 
     def _post(self, slot: int) -> list:
+        """[(post-A2A launch, FA4's O rows it sends)] into out-slot `slot`."""
         from cute_kernels.a2a import post_a2a_launcher
 
         if slot not in self.per_slot:
-            lay, plan = self.plan.layout, self.plan
-            steps = [post_a2a_launcher(self.o[:, :lay.seq_pad], plan.slot_window(slot), self.rank)]
+            lay, plan, o = self.plan.layout, self.plan, self.o_like
+            seq, joint = slice(0, lay.seq_pad), slice(lay.seq_pad, None)
+            steps = [(post_a2a_launcher(o[:, seq], plan.slot_window(slot), self.rank), seq)]
             if lay.joint_len:
-                steps.append(post_a2a_launcher(self.o[:, lay.seq_pad:], plan.jout_w, self.rank, broadcast=True))
+                steps.append((post_a2a_launcher(o[:, joint], plan.jout_w, self.rank, broadcast=True), joint))
             self.per_slot[slot] = steps
         return self.per_slot[slot]
 
     def __call__(self, slot: int = 0) -> None:
-        self.fa4()
-        self.saved = Saved(*(t.clone() for t in (self.q, self.k, self.v, self.o, self.lse)))
-        for step in self._post(slot):
-            step()
+        o, lse = self.fa4()
+        qkv, at = self.qkv.clone(), 0
+        views = []
+        for shape in self.shapes:
+            n = math.prod(shape)
+            views.append(qkv[at:at + n].view(shape))
+            at += n
+        self.saved = Saved(*views, o, lse)
+        for launch, rows in self._post(slot):
+            launch(o[:, rows])
 
     def take(self) -> Saved:
         saved, self.saved = self.saved, None

@@ -240,12 +240,19 @@ def test_fresh_launcher_binds_once_and_launches_into_fresh_outputs(monkeypatch):
         k, v, k3 = (torch.empty(1, 256, h, 128, dtype=torch.bfloat16, device="cuda") for h in (2, 2, 3))
         launch = fused.fa4_fresh_launcher(q, k, v, softmax_scale=0.5)
         outs = [launch(), launch()]
+        with_lse = fused.fa4_fresh_launcher(q, k, v, softmax_scale=0.5, lse=True)
+        pairs = [with_lse(), with_lse()]
         with pytest.raises(ValueError, match="^k: 3 KV heads do not divide 4"):
             fused.fa4_fresh_launcher(q, k3, k3)
         for junk in ([q], None, 3):  # named as fa4_forward names it (not torch.empty_like's TypeError)
             with pytest.raises(ValueError, match="^q: expected a torch.Tensor"):
                 fused.fa4_fresh_launcher(junk, k, v)
-    assert len(launches) == 2 and outs[0] is not outs[1]
+    assert len(launches) == 4 and outs[0] is not outs[1]
     for args, out in zip(launches, outs):
-        assert args[:3] == (q, k, v) and args[fused.ARG_OUT] is out and args[5] == 0.5
+        assert args[:3] == (q, k, v) and args[fused.ARG_OUT] is out and args[fused.ARG_LSE] is None and args[5] == 0.5
         assert out.shape == q.shape and out.dtype == q.dtype
+    # lse=True: a fresh fp32 [B, H, S] LSE per call beside the output (the forward that keeps both for its backward)
+    assert pairs[0][0] is not pairs[1][0] and pairs[0][1] is not pairs[1][1]
+    for args, (out, lse) in zip(launches[2:], pairs):
+        assert args[fused.ARG_OUT] is out and args[fused.ARG_LSE] is lse
+        assert lse.shape == (1, 4, 256) and lse.dtype == torch.float32
