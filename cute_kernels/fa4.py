@@ -319,6 +319,12 @@ def _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
     if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
             or out.stride(-1) != 1 or out.device != q.device):
         raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
+    return _fa4_compiled(q, k, v, out, causal, softmax_scale, seqused_k, lse)
+
+
+def _fa4_compiled(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
+    """_fa4_bound without its checks."""
+    B, S, H, D = q.shape
     scale = _scale(softmax_scale, D)
     key = ("fa4", q.dtype, D, H // k.shape[2], causal, seqused_k is not None, lse is not None)
     if device_arch(q) == 100:
@@ -399,6 +405,19 @@ def fa4_forward(
     if out is None and isinstance(q, torch.Tensor):
         out = torch.empty_like(q)
     fa4_launcher(q, k, v, out, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k, lse=lse)()
+    return out
+
+
+def fa4_forward_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                          softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor]) -> torch.Tensor:
+    """fa4_forward without its per-call checks, for a caller whose arguments passed them already: the op's
+    local attention (fa_a2a.engine.forward.local_attention: every argument checked once per call signature
+    by fa_a2a.engine.problem.check_call, contiguous q, k, v, seqused_k built there). Saves the checks'
+    host time on every eager call."""
+    out = torch.empty_like(q)
+    if not _is_fake(q):
+        compiled, args = _fa4_compiled(q, k, v, out, causal, softmax_scale, seqused_k, None)
+        compiled(*args)
     return out
 
 

@@ -42,11 +42,17 @@ def aligned16(t, address: Optional[int] = None, dims: Optional[Sequence[int]] = 
     return math.gcd(*(st[:-1] if dims is None else [st[d] for d in dims])) * t.element_size() % ALIGN_BYTES == 0
 
 
+_fake_tensor_class = None  # torch's FakeTensor, imported at the first is_fake (this module loads no torch)
+
+
 def is_fake(t) -> bool:
     """Whether t is a fake tensor (compiling without a GPU: shapes and strides only)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    global _fake_tensor_class
+    if _fake_tensor_class is None:
+        from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+        _fake_tensor_class = FakeTensor
+    return isinstance(t, _fake_tensor_class)
 
 
 def address(t) -> int:

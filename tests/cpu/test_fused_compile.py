@@ -256,3 +256,25 @@ def test_fresh_launcher_binds_once_and_launches_into_fresh_outputs(monkeypatch):
     for args, (out, lse) in zip(launches[2:], pairs):
         assert args[fused.ARG_OUT] is out and args[fused.ARG_LSE] is lse
         assert lse.shape == (1, 4, 256) and lse.dtype == torch.float32
+
+
+def test_unchecked_forward_launches_what_the_checked_one_does(monkeypatch):
+    """fa4_forward_unchecked (the op's local attention, whose arguments the op checked once per signature)
+    launches the same compiled forward with the same arguments as fa4_forward, into a fresh output."""
+    launches = []
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fused, "compile_fa4", lambda *key, **options: (lambda *args: launches.append((key, args))))
+    monkeypatch.setattr(fused, "_is_fake", lambda t: False)
+    monkeypatch.setattr(fused, "device_arch", lambda q: 90)
+    with FakeTensorMode():
+        q = torch.empty(1, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.empty(1, 256, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        used = torch.full((1,), 200, dtype=torch.int32, device="cuda")
+        for causal, scale, seqused in ((False, None, used), (True, 0.25, None)):
+            launches.clear()
+            out = fused.fa4_forward_unchecked(q, k, v, causal=causal, softmax_scale=scale, seqused_k=seqused)
+            checked = fused.fa4_forward(q, k, v, causal=causal, softmax_scale=scale, seqused_k=seqused)
+            (key_u, args_u), (key_c, args_c) = launches
+            assert key_u == key_c and args_u[fused.ARG_OUT] is out and args_c[fused.ARG_OUT] is checked
+            same = [i for i in range(len(args_c)) if i != fused.ARG_OUT]
+            assert all(args_u[i] is args_c[i] or args_u[i] == args_c[i] for i in same)
