@@ -95,12 +95,14 @@ def local_attention(q, k, v, *, causal: bool, softmax_scale: float, seqused_k: O
                     reference: bool = False):
     """The one local-attention chooser: FA4 on CUDA tensors unless `reference`; the fp32 reference
     (returned in q's dtype) on CPU tensors or with `reference`. Its callers' arguments passed
-    problem.check_call (the op's checks, once per call signature): FA4 launches without checking them again."""
+    problem.check_call (the op's checks, once per call signature): FA4 launches without checking them again,
+    on contiguous q, k, v at 16-byte aligned bases (contiguous16: a copy of one whose base is off; FA4's
+    TMA loads need it)."""
     if q.is_cuda and not reference:
         from cute_kernels.fa4 import fa4_forward_unchecked
 
-        return fa4_forward_unchecked(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal,
-                                     softmax_scale=softmax_scale,
+        return fa4_forward_unchecked(contiguous16(q.contiguous()), contiguous16(k.contiguous()),
+                                     contiguous16(v.contiguous()), causal=causal, softmax_scale=softmax_scale,
                                      seqused_k=seqused_tensor(seqused_k, q.shape[0], q.device))
     o = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k)
     return o if o.dtype == q.dtype else o.to(q.dtype)
