@@ -489,3 +489,59 @@ def test_traced_backward_op_keys_the_forward_ops_decision(monkeypatch):
     assert len(keys) == 2 and keys[0] == keys[1], keys
     assert fab._traced_paths == {keys[0]: False}
     assert all(torch.isfinite(x.grad).all() for x in xs)
+
+
+# ---- the forward kept for the backward (_GradAttend) -------------------------------------------------
+@pytest.mark.parametrize("J", [0, 3], ids=["no joint", "joint"])
+def test_grad_attend_keeps_fresh_o_lse_and_one_copy_of_the_in_window(monkeypatch, J):
+    """_GradAttend: FA4 writes a fresh O and LSE per call, which the backward keeps as they are; q, k, v are
+    kept by one copy of the rank's in-window (a later pre-A2A into the window does not reach them); the
+    post-A2A kernels send that call's O (sequence rows to the out-slot, joint rows to the joint out-window)."""
+    import cute_kernels.fa4 as fa4
+
+    P, B, S, H, H_kv, rank = 2, 1, 10, 4, 2, 1
+    lay = layout(P, S, H, H_kv, J)
+    transport = EmulatedTransport(P, device="cpu")
+    monkeypatch.setattr(forward.WindowPlan, "_warm", lambda self: None)
+    plan = forward.WindowPlan(transport, lay, B, D, DTYPE)
+    launches, posts = [], []
+
+    def fresh_launcher(q, k, v, *, causal, softmax_scale, seqused_k, lse):
+        assert lse and all(t.data_ptr() == w[rank].data_ptr() and t.shape == w[rank].shape
+                           for t, w in zip((q, k, v), (plan.dq, plan.dk, plan.dv)))
+
+        def launch():
+            out = torch.randn(q.shape).to(q.dtype)
+            lse_out = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+            launches.append((out, lse_out))
+            return out, lse_out
+
+        return launch
+
+    def post_launcher(o, windows, r, broadcast=False):
+        assert r == rank and o.shape[1] == (J if broadcast else lay.seq_pad)
+        return lambda src=o: posts.append((src, windows, broadcast))
+
+    monkeypatch.setattr(fa4, "fa4_fresh_launcher", fresh_launcher)
+    monkeypatch.setattr(a2a, "post_a2a_launcher", post_launcher)
+    attend = fab._GradAttend(plan, rank, False, 0.125)
+    for call in range(2):
+        for w in (plan.dq, plan.dk, plan.dv):
+            w.copy_(torch.randn(w.shape))
+        window = [w[rank].clone() for w in (plan.dq, plan.dk, plan.dv)]
+        posts.clear()
+        attend()
+        saved = attend.take()
+        for w in (plan.dq, plan.dk, plan.dv):  # the next call's pre-A2A into the in-windows
+            w.fill_(float("nan"))
+        assert all(torch.equal(s, e) for s, e in zip(saved[:3], window)), call
+        assert saved.o is launches[-1][0] and saved.lse is launches[-1][1]
+        seq, joint = posts[0], posts[1:]
+        assert seq[0].data_ptr() == saved.o.data_ptr() and seq[0].shape[1] == lay.seq_pad and seq[1] is plan.out_w
+        if J:
+            [(src, windows, broadcast)] = joint
+            assert broadcast and windows is plan.jout_w and torch.equal(src, saved.o[:, lay.seq_pad:])
+        else:
+            assert not joint
+    assert launches[0][0] is not launches[1][0]
+    transport.close()
