@@ -562,7 +562,15 @@ def _auto_problem_emulated(p: Problem, qs, ks, vs, joint) -> Problem:
 
 # ---- P emulated ranks in one process --------------------------------------------------------------
 _emulated: dict = {}
-_emulated_calls: dict = {}  # (Problem, rank, device) -> the emulated op's RankCall of that rank
+_emulated_calls: dict = {}  # (Problem, device) -> the emulated op's RankCalls (_EmulatedRanks)
+
+
+class _EmulatedRanks(list):
+    """The P emulated ranks' RankCalls of one signature: one cache entry, one lookup per call."""
+
+    @property
+    def closed(self) -> bool:
+        return self[0].closed
 
 
 def emulated_transport(world_size: int, device):
@@ -598,8 +606,8 @@ def forward_emulated(p: Problem, qs, ks, vs, joint, outs=None, joint_outs=None):
                 for r in range(P)]
     else:
         device = qs[0].device
-        calls = [prepared_call(_emulated_calls, (p, r, device),
-                               lambda r=r: RankCall(emulated_transport(P, device), p, r)) for r in range(P)]
+        calls = prepared_call(_emulated_calls, (p, device), lambda: _EmulatedRanks(
+            RankCall(emulated_transport(P, device), p, r) for r in range(P)))
         if p.shard_rows is not None:
             qs, ks, vs = ([p.layout.pad_shard(x, r) for r, x in enumerate(xs)] for xs in (qs, ks, vs))
         stages = [lambda c=c, r=r: c.pre(qs[r], ks[r], vs[r], joint) for r, c in enumerate(calls)]

@@ -545,3 +545,38 @@ def test_grad_attend_keeps_fresh_o_lse_and_one_copy_of_the_in_window(monkeypatch
             assert not joint
     assert launches[0][0] is not launches[1][0]
     transport.close()
+
+
+def test_emulated_op_builds_its_rank_calls_once_and_again_after_a_close(kernels, monkeypatch):
+    """forward_emulated keeps the P ranks' RankCalls of a signature as one cache entry (one lookup per call),
+    built at the first call and again once their transport was closed."""
+    built = []
+
+    class Call:
+        def __init__(self, transport, p, rank):
+            self.transport, self.rank = transport, rank
+            built.append(rank)
+
+        closed = property(lambda self: self.transport.closed)
+
+        def pre(self, q, k, v, joint):
+            pass
+
+    def calls(calls, stages, rows, outs=None, joint_outs=None):
+        assert [c.rank for c in calls] == list(range(len(calls)))
+        for stage in stages:
+            stage()
+        return [(torch.zeros(1), None) for _ in calls]
+
+    monkeypatch.setattr(forward, "RankCall", Call)
+    monkeypatch.setattr(forward, "emulated_calls", calls)
+    monkeypatch.setattr(forward, "_emulated_calls", {})
+    p = problem("fused", 4, 1, 32, 4, 4)
+    xs = [torch.zeros(1, 8, 4, D, dtype=DTYPE) for _ in range(4)]
+    for _ in range(3):
+        forward.forward_emulated(p, xs, xs, xs, None)
+    assert built == [0, 1, 2, 3]
+    kernels.transport(4).close()
+    monkeypatch.setattr(kernels, "transports", {})  # a new transport after the close
+    forward.forward_emulated(p, xs, xs, xs, None)
+    assert built == [0, 1, 2, 3] * 2 and len(forward._emulated_calls) == 1
