@@ -358,7 +358,7 @@ def fa4_launcher(
 
 def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                        softmax_scale: Optional[float] = None, seqused_k: Optional[torch.Tensor] = None,
-                       lse: bool = False) -> Callable[[], torch.Tensor]:
+                       lse: bool = False) -> Callable[[], object]:
     """fa4_forward on these fixed q, k, v (e.g. a window plan's), checked and compiled once: each call of
     the returned function launches FA4 into a fresh output (torch.empty_like(q)) and returns it (the
     P = 1 block's attention: no per-call checks or binding); lse=True: a fresh fp32 [B, H, S_q] LSE too,

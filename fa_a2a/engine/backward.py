@@ -394,7 +394,8 @@ class _GradAttend:
                 + k.numel() and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
             raise RuntimeError("in-windows: each rank's q | k | v expected in one allocation (forward.in_windows)")
         self.qkv = q.as_strided((q.numel() + k.numel() + v.numel(),), (1,))  # the rank's q | k | v
-        self.shapes = [t.shape for t in (q, k, v)]
+        self.parts = [(0, q.numel(), q.shape), (q.numel(), k.numel(), k.shape),
+                      (q.numel() + k.numel(), v.numel(), v.shape)]  # (offset, size, shape) in it
         self.o_like = plan.scratch("out", rank, lay.num_rows)  # the layout of FA4's fresh O
         self.fa4 = fa4_fresh_launcher(q, k, v, causal=causal, softmax_scale=scale,
                                       seqused_k=None if causal else plan.seqused, lse=True)
@@ -416,13 +417,8 @@ class _GradAttend:
 
     def __call__(self, slot: int = 0) -> None:
         o, lse = self.fa4()
-        qkv, at = self.qkv.clone(), 0
-        views = []
-        for shape in self.shapes:
-            n = math.prod(shape)
-            views.append(qkv[at:at + n].view(shape))
-            at += n
-        self.saved = Saved(*views, o, lse)
+        qkv = self.qkv.clone()
+        self.saved = Saved(*[qkv[at:at + n].view(shape) for at, n, shape in self.parts], o, lse)
         for launch, rows in self._post(slot):
             launch(o[:, rows])
 
