@@ -390,8 +390,9 @@ class _GradAttend:
         lay = plan.layout
         self.plan, self.rank = plan, rank
         q, k, v = plan.dq[rank], plan.dk[rank], plan.dv[rank]
-        if not (k.storage_offset() == q.storage_offset() + q.numel() and v.storage_offset() == k.storage_offset()
-                + k.numel() and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        es = q.element_size()
+        if not (k.data_ptr() == q.data_ptr() + q.numel() * es and v.data_ptr() == k.data_ptr() + k.numel() * es
+                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
             raise RuntimeError("in-windows: each rank's q | k | v expected in one allocation (forward.in_windows)")
         self.qkv = q.as_strided((q.numel() + k.numel() + v.numel(),), (1,))  # the rank's q | k | v
         self.parts = [(0, q.numel(), q.shape), (q.numel(), k.numel(), k.shape),

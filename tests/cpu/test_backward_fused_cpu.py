@@ -12,6 +12,7 @@ exchanges around the same stand-in of FA4's backward) is the reference: equal bi
 """
 
 import dataclasses
+import math
 import threading
 
 import pytest
@@ -580,3 +581,19 @@ def test_emulated_op_builds_its_rank_calls_once_and_again_after_a_close(kernels,
     monkeypatch.setattr(kernels, "transports", {})  # a new transport after the close
     forward.forward_emulated(p, xs, xs, xs, None)
     assert built == [0, 1, 2, 3] * 2 and len(forward._emulated_calls) == 1
+
+
+def test_grad_attend_refuses_in_windows_that_are_not_one_allocation():
+    """_GradAttend saves q | k | v by one copy of the rank's in-window: k, v elsewhere (even at the storage
+    offsets they would have in one allocation) are refused, not read from q's storage."""
+    import types
+
+    P, shape = 2, (1, 8, 2, D)
+    n = math.prod(shape)
+    ours, other = torch.randn(P, 3 * n).to(DTYPE), torch.randn(P, 3 * n).to(DTYPE)
+    dq = ours[:, :n].unflatten(1, shape)
+    for dk, dv in (((other[:, n:2 * n].unflatten(1, shape), other[:, 2 * n:].unflatten(1, shape))),  # same offsets
+                   (torch.randn(P, *shape).to(DTYPE), torch.randn(P, *shape).to(DTYPE))):
+        plan = types.SimpleNamespace(layout=layout(P, 16, 2, 2), dq=dq, dk=dk, dv=dv)
+        with pytest.raises(RuntimeError, match="one allocation"):
+            fab._GradAttend(plan, 1, False, 0.125)
