@@ -357,7 +357,8 @@ def _attention_backward(spec: Spec, s: Saved, do) -> tuple:
         from .forward import seqused_tensor
 
         dq, dk, dv = _flash_attn_bwd(s.q, s.k, s.v, s.o, do.contiguous(), s.lse, spec.scale, spec.causal,
-                                     seqused_k=seqused_tensor(used, s.q.shape[0], s.q.device), deterministic=torch.are_deterministic_algorithms_enabled())
+                                     seqused_k=seqused_tensor(used, s.q.shape[0], s.q.device),
+                                     deterministic=torch.are_deterministic_algorithms_enabled())
         if used is not None:  # rows FA4's varlen backward does not write (narrow: also on fake tensors of
             # torch's CPU build, where indexing a CUDA tensor fails)
             for t in (dk, dv):

@@ -5,8 +5,8 @@ _FusedRank.project_dout), no pre-A2A kernel.
 
 Checked on emulated ranks (P 2, 3, 4, 8; seq_len padding, GQA, a padding head, causal, D 64 / 128):
 every gradient (q, k, v shards, the weight and the bias) within 2x the error of the serial path (dO =
-dY @ W in torch, the exchange backward) against the fp64 oracle (the full attention and linear on the unsplit sequence) +
-1e-3 of its scale; the projected path ran; under deterministic mode a second call over NaN-poisoned
+dY @ W in torch, the exchange backward) against the fp64 oracle (the full attention and linear on the
+unsplit sequence) + 1e-3 of its scale; the projected path ran; under deterministic mode a second call over NaN-poisoned
 windows gives the same bits (no unwritten tile).
 
     python -m pytest -q tests/gpu/test_out_proj_gpu.py
