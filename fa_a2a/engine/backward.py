@@ -925,6 +925,20 @@ def _traced_key(group_name: str, words: str, q_shape, num_kv_heads: int, joint_l
 _traced_paths: dict = {}
 
 
+def _apart(saved: Saved) -> list:
+    """The saved tensors as a custom op may return them, none on another's storage: the kernel paths save
+    q, k, v as views of one copy (_GradAttend), so k, v get copies of their own here (on this traced path
+    only). Storages compared, not _base: below autograd, where a custom op runs, a view has no _base."""
+    seen, apart = set(), []
+    for t in saved:
+        if t is not None and t.numel():
+            at = t.untyped_storage().data_ptr()
+            t = t.clone() if at in seen else t
+            seen.add(at)
+        apart.append(t)
+    return apart
+
+
 @torch.library.custom_op("fa_a2a::ulysses_attention_grad", mutates_args=())
 def _grad_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint_q: Optional[torch.Tensor],
@@ -946,7 +960,7 @@ def _grad_op(
     _traced_paths[key] = spec.fused
     if jout is None:
         jout = out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
-    return [out, jout, *(t if t is not None else _empty(q) for t in saved)]
+    return [out, jout, *(_empty(q) if t is None else t for t in _apart(saved))]
 
 
 @_grad_op.register_fake

@@ -597,3 +597,21 @@ def test_grad_attend_refuses_in_windows_that_are_not_one_allocation():
         plan = types.SimpleNamespace(layout=layout(P, 16, 2, 2), dq=dq, dk=dk, dv=dv)
         with pytest.raises(RuntimeError, match="one allocation"):
             fab._GradAttend(plan, 1, False, 0.125)
+
+
+def test_traced_forward_returns_saved_tensors_on_storages_of_their_own():
+    """The grad custom op returns the saved q, k, v, which the kernel paths keep as views of one copy;
+    torch refuses a custom op whose returns share a storage, and below autograd (where the op runs) such
+    views have no _base: _apart must tell them by storage and copy all but the first."""
+    from fa_a2a.engine.backward import Saved, _apart
+
+    flat = torch.randn(3 * 24)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        q, k, v = (flat[i * 24:(i + 1) * 24].view(2, 3, 4) for i in range(3))
+    assert q._base is None  # what the _base rule missed
+    o, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    apart = _apart(Saved(q, k, v, o, lse))
+    assert apart[0] is q and apart[3] is o and apart[4] is lse
+    assert not torch._C._any_output_is_alias_to_input_or_output((), {}, (apart,))
+    assert all(torch.equal(a, b) for a, b in zip(apart, (q, k, v, o, lse)))
+    assert _apart(Saved(q, k, v, None, None))[3:] == [None, None]
