@@ -147,17 +147,18 @@ class _Kernel(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def compile_projection(dtype: torch.dtype, width: int, head_dim: int,
                        bias_dtype: Optional[torch.dtype], norm: bool, rope: Optional[str],
-                       config: GemmConfig, one_launch: bool = False, paced: bool = False) -> _Kernel:
+                       config: GemmConfig, one_launch: bool = False, paced: bool = False,
+                       weight_major: str = "k") -> _Kernel:
     """Compile (once per key: every argument) the rank-window GEMM for one launch group
     (rope: None, "table" or "pair", rope_kind; one_launch: q|k|v with qkv_bias_norm_rope_epi, which
-    needs bias, norm and rope; paced: its stores paced, qkv_a2a_launcher's pacer), or load it and
-    its launch form from the disk cache.
+    needs bias, norm and rope; paced: its stores paced, qkv_a2a_launcher's pacer; weight_major: the
+    weight's layout, weight_major()), or load it and its launch form from the disk cache.
 
     width = h_t * D (static: a dynamic nested N mode fails TMA-atom construction); the number of
     ranks P, of tensors n_t, the rows and all strides are dynamic. Works without a GPU
     (CUTE_DSL_ARCH=sm_90a): everything is built from fake tensors.
     """
-    key = (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch, paced)
+    key = (dtype, width, head_dim, bias_dtype, norm, rope, config, one_launch, paced, weight_major)
     fields, scheduler, clusters_at = launch_form(dtype, width, head_dim, bias_dtype, norm, rope, one_launch, paced)
 
     def compile():
@@ -208,9 +209,10 @@ def _scheduler_args(kern: _Kernel, device_index: int) -> tuple:
 class QKVWeights:
     """Projection weights with rows in destination order (see the module docstring).
 
-    weight [P*(H_loc + 2*H_kv_loc)*D, C]; bias of the same length (or None); norm_weight fp32
-    [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's weight repeated), or
-    None for no norm. head_map: (H, H_kv, q_head_index, kv_head_index) as from_linear gathered
+    weight [P*(H_loc + 2*H_kv_loc)*D, C], its rows contiguous (as from_linear builds it) or its
+    columns (the transpose view of a contiguous [C, n]: weight_major); bias of the same length (or
+    None); norm_weight fp32 [P*(H_loc + H_kv_loc)*D]: the q|k columns' RMSNorm weight (each head's
+    weight repeated), or None for no norm. head_map: (H, H_kv, q_head_index, kv_head_index) as from_linear gathered
     them (fa_a2a.block checks it against its layout), None when built directly. Build with
     from_linear, once per layer.
     """
@@ -356,6 +358,18 @@ class QKVWeights:
         return cls(weight.contiguous(), bias, norm_weight, P, len(q_idx) // P, len(kv_idx) // P, D, head_map)
 
 
+def weight_major(w: torch.Tensor) -> Optional[str]:
+    """The GEMM's B operand layout of a weight [n, C]: "k" for contiguous rows, "n" for contiguous
+    columns (w = W.t() of a contiguous W [C, n], e.g. nn.Linear's weight read in place as the B of
+    an input-gradient GEMM dX = dY @ W), each with a 16-byte aligned base and strides; None otherwise.
+    The SM90 GEMM reads either (WGMMA takes 16-bit B K- or N-major; the accumulation order is the same)."""
+    if w.stride(1) == 1 and aligned16(w, _address(w)):
+        return "k"
+    if w.stride(0) == 1 and aligned16(w.t(), _address(w)):
+        return "n"
+    return None
+
+
 def _check_int(value, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: an int >= {minimum} expected, got {value!r}")
@@ -407,6 +421,9 @@ def _check_inputs(x, proj, rope_cs, config, one_launch):
     if x.dtype != proj.weight.dtype or x.device != proj.weight.device:
         raise ValueError(f"x: {proj.weight.dtype} on {proj.weight.device} (the weight's) expected, "
                          f"got {x.dtype} on {x.device}")
+    if proj.weight.dim() != 2 or weight_major(proj.weight) is None:
+        raise ValueError(f"proj: a weight [n, C] with contiguous rows or columns, a 16-byte aligned base and "
+                         f"strides expected, got shape {tuple(proj.weight.shape)} strides {proj.weight.stride()}")
     C = proj.weight.shape[1]
     if x.shape[2] != C or not _tma_rows(x, C, _address(x)):
         raise ValueError(f"x: contiguous rows of C = {C}, 16-byte aligned base and batch stride "
@@ -487,7 +504,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
     arguments -> launch(x, proj, rope_cs=None) on the current stream.
 
     A launch takes an x of this x's shape, dtype and device, a proj of this proj's kind (shapes,
-    bias and norm present, world size, heads: e.g. another layer's weights) and rope_cs exactly when
+    weight_major, bias and norm present, world size, heads: e.g. another layer's weights) and rope_cs exactly when
     one is given here, of the same kind (a table or a pair) and checked as here (tma_table); the
     caller keeps to that (fa_a2a.block: its call signature). The pacer is bound here. Per
     launch: proj's weight rows and epilogue vectors of each group, sliced at proj's first launch
@@ -551,7 +568,7 @@ def qkv_a2a_launcher(x: torch.Tensor, proj: QKVWeights, windows: Sequence[Option
                 x.dtype, run["width"], D, proj.bias.dtype if proj.bias is not None else None,
                 run["epi"] is not None and proj.norm_weight is not None,
                 rope_kind(rope_cs) if run["epi"] is not None else None, cfg, run["epi"] == "qkv",
-                pacer is not None)))
+                pacer is not None, weight_major(proj.weight))))
     if _is_fake(x):  # (views of fake CUDA tensors need a CUDA build of torch)
         return _no_launch
     device_index = x.device.index or 0

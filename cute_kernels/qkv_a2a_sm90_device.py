@@ -355,11 +355,12 @@ def _kernel_class(dtype, width: int, head_dim: int, bias_dtype, norm: bool, rope
 
 
 def compile_kernel(dtype: torch.dtype, width: int, head_dim: int, bias_dtype: Optional[torch.dtype], norm: bool,
-                   rope: Optional[str], config, one_launch: bool, paced: bool = False):
+                   rope: Optional[str], config, one_launch: bool, paced: bool = False, weight_major: str = "k"):
     """The TVM-FFI compiled rank-window GEMM of one launch group (cute_kernels.qkv_a2a_sm90.
-    compile_projection's arguments; fake tensors: no GPU needed)."""
+    compile_projection's arguments; weight_major "k" or "n": B's contiguous mode; fake tensors: no GPU
+    needed)."""
     cdt = torch2cute_dtype_map[dtype]
-    mA, mB, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", "k", "n", None)
+    mA, mB, _, _, m, n, k, l = make_fake_gemm_tensors(cdt, cdt, cdt, None, "k", weight_major, "n", None)
     div = 128 // cdt.width
     mD = cute.runtime.make_fake_tensor(
         cdt, (l, m, cute.sym_int(), cute.sym_int(), width),

@@ -633,22 +633,38 @@ class _FusedRank:
         """Launch dO = dy @ weight (the attention's output projection y = o @ weight^T + b: its input
         gradient) for this rank's rows dy [B, rows, C_out] with the pre-A2A in the GEMM's epilogue, into
         every rank's dO window: the QKV projection's kernel (cute_kernels.qkv_a2a_sm90) with the q part
-        alone, its weight weight^T [H * D, C_out] copied each call into rows in destination order (the
-        padding heads' rows zero). The layout's padding rows get zero stand-in rows, as pre() does."""
-        from cute_kernels.qkv_a2a_sm90 import QKVWeights
+        alone. Its weight rows in destination order are weight^T [H * D, C_out] read in place (an N-major
+        B operand, qkv_a2a_sm90.weight_major) where every head is real; with padding heads, weight^T is
+        copied each call into [H_pad * D, C_out] rows whose padding heads' rows are zero. The layout's
+        padding rows get zero stand-in rows, as pre() does."""
+        from cute_kernels.qkv_a2a_sm90 import weight_major
 
         from .projection import _Projection
 
         dy = dy.contiguous()
-        key = (tuple(dy.shape), dy.dtype, tuple(weight.shape))
+        lay, D = self.plan.layout, self.plan.D
+        rows = weight.t()
+        in_place = lay.heads_pad == lay.num_heads and weight_major(rows) == "n"
+        key = (tuple(dy.shape), dy.dtype, tuple(weight.shape), in_place)
         if self._dout_key != key:
-            lay, D = self.plan.layout, self.plan.D
-            self._weight_t = weight.new_zeros(lay.heads_pad * D, weight.shape[0])
-            proj = QKVWeights(self._weight_t, None, None, lay.world_size, lay.heads_loc, 0, D)
+            if not in_place:
+                self._weight_t = weight.new_zeros(lay.heads_pad * D, weight.shape[0])
+            proj = self._dout_weights = self._dout_rows(rows if in_place else self._weight_t)
             self._dout_proj = _Projection((self.plan.dq, None, None), lay, self.rank, [(dy, proj, None)], config=None)
-            self._dout_weights, self._dout_key = proj, key
-        self._weight_t[:weight.shape[1]].copy_(weight.t())
+            self._dout_key = key
+        if in_place:
+            kept = self._dout_weights.weight
+            if kept.data_ptr() != rows.data_ptr() or kept.stride() != rows.stride():  # another weight, same shape
+                self._dout_weights = self._dout_rows(rows)
+        else:
+            self._weight_t[:weight.shape[1]].copy_(rows)
         self._dout_proj([(dy, self._dout_weights, None)])
+
+    def _dout_rows(self, rows):
+        from cute_kernels.qkv_a2a_sm90 import QKVWeights
+
+        lay = self.plan.layout
+        return QKVWeights(rows, None, None, lay.world_size, lay.heads_loc, 0, self.plan.D)
 
     def launcher(self, spec: Spec, s: Saved, deterministic: bool):
         """FA4's fused backward of this call (saved tensors s), checked and bound; compiled at its first

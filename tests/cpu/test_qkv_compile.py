@@ -33,8 +33,8 @@ def _fake_problem(dtype, D, P=4, H_loc=None, H_kv_loc=None, bias=True, norm=True
     return proj, x, windows, cs
 
 
-def _key(dtype, width, D, bias_dtype, norm, rope, one_launch=False, paced=False):
-    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128), one_launch, paced)
+def _key(dtype, width, D, bias_dtype, norm, rope, one_launch=False, paced=False, weight_major="k"):
+    return (dtype, width, D, bias_dtype, norm, rope, K.GemmConfig(tile_n=128), one_launch, paced, weight_major)
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_paced_variants_compile_with_the_pacer_in_their_ptx(bias, norm, rope, on
         pacer = make_pacer("cuda", 44.0, UNIT_BYTES, 4)
         K.qkv_a2a_projection(x, proj, windows, 200, rope_cs={"table": cs, "pair": (cs, cs), None: None}[rope],
                              one_launch=one, pacer=pacer)
-    assert record_compiles and all(args[-1] is True for args in record_compiles)
+    assert record_compiles and all(args[8] is True for args in record_compiles)
     import cutlass.cute as cute
 
     from cute_kernels.qkv_a2a_sm90_device import compile_kernel
@@ -132,6 +132,36 @@ def test_gqa_and_fp32_bias_compile(record_compiles):
     assert widths == [256, 128, 128]
     assert [args[4] for args in record_compiles] == [True, True, False]
     assert all(args[3] == torch.float32 for args in record_compiles)
+
+
+def test_a_weight_read_in_place_compiles_its_gemm_n_major(record_compiles):
+    """The fused backward's dO GEMM (dO = dY @ W_o, fa_a2a.engine.backward._FusedRank.project_dout) reads
+    nn.Linear's weight W_o [C_out, H * D] in place: QKVWeights' weight is W_o.t(), contiguous columns, so
+    the GEMM compiles with an N-major B; its launch operand is a view of W_o (no copy)."""
+    P, H_loc, D, C = 2, 2, 128, 384
+    with FakeTensorMode():
+        w_o = torch.empty(C, P * H_loc * D, dtype=torch.bfloat16, device="cuda")
+        proj = K.QKVWeights(w_o.t(), None, None, P, H_loc, 0, D)
+        assert K.weight_major(proj.weight) == "n" and K.weight_major(w_o) == "k"
+        x = torch.empty(1, 200, C, dtype=torch.bfloat16, device="cuda")
+        dq = torch.empty(P, 1, 400, H_loc, D, dtype=torch.bfloat16, device="cuda")
+        K.qkv_a2a_projection(x, proj, (dq, None, None), 200)
+        [key] = record_compiles
+        assert key == _key(torch.bfloat16, H_loc * D, D, None, False, None, weight_major="n")
+        weight, _, _ = K._launch_args(proj, K._groups(proj, [True, False, False], False, False)[0],
+                                      K.compile_projection(*key))
+        assert weight.shape == (1, P * H_loc * D, C) and weight.stride()[1:] == (1, P * H_loc * D)
+
+
+def test_a_weight_with_neither_rows_nor_columns_contiguous_is_refused():
+    with FakeTensorMode():
+        proj, x, windows, _ = _fake_problem(torch.bfloat16, 128, bias=False, norm=False)
+        n, C = proj.weight.shape
+        for bad in (torch.empty(n, 2 * C, dtype=torch.bfloat16, device="cuda")[:, ::2],  # strided rows
+                    torch.empty(n + 1, C, dtype=torch.bfloat16, device="cuda").as_strided((n, C), (C, 1), 1)):
+            with pytest.raises(ValueError, match=r"proj: a weight \[n, C\] with contiguous rows or columns"):
+                K.qkv_a2a_launcher(x, K.QKVWeights(bad, None, None, proj.world_size, proj.heads_loc,
+                                                   proj.kv_heads_loc, proj.head_dim), windows, 200)
 
 
 def test_compile_is_cached():

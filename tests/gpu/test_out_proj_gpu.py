@@ -32,7 +32,7 @@ CASES = [
     (2, 999, 4, 4, 128, False),  # seq_len padding
     (4, 1024, 8, 2, 64, True),  # GQA, causal
     (8, 2048, 24, 24, 128, False),  # Flux's 24 heads
-    (3, 600, 4, 4, 64, False),  # a padding head (its zero weight rows in the dO GEMM)
+    (3, 600, 4, 4, 64, False),  # a padding head: the weight copied into destination rows (others read it in place)
 ]
 
 

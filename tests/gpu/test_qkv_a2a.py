@@ -233,6 +233,32 @@ def test_bias_only_fp16_one_launch(P):
     assert_close_to_torch(proj, outs[:1], False, dtype)
 
 
+@pytest.mark.parametrize("P,S_loc,epilogue", [(2, 130, False), (8, 100, True)])
+def test_a_weight_read_n_major_equals_its_rows_bit_for_bit(P, S_loc, epilogue):
+    """The fused backward's dO GEMM reads nn.Linear's weight in place (QKVWeights' weight = W.t(),
+    contiguous columns: an N-major B, K.weight_major): its windows equal those of the same weight
+    stored in contiguous rows, bit for bit (the same MMA and order over K), every row written."""
+    import dataclasses
+
+    dtype, D, C = torch.bfloat16, 128, 384
+    proj = make_proj(3 * P, 3 * P, D, C, P, dtype, bias=epilogue, norm=epilogue)
+    cols = dataclasses.replace(proj, weight=proj.weight.t().contiguous().t())
+    assert K.weight_major(proj.weight) == "k" and K.weight_major(cols.weight) == "n"
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(1, S_loc, C, generator=g, device=DEV).to(dtype)
+    cs = rope_table(S_loc, D, S_loc) if epilogue else None
+    heads = [w // D for w in proj.widths]
+    got = []
+    for p in (proj, cols):
+        w = Windows(P, 1, P * S_loc, heads, D, dtype)
+        K.qkv_a2a_projection(x, p, w.tensors, S_loc, rope_cs=cs)
+        got.append(w)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0].mem.view(torch.int16), got[1].mem.view(torch.int16))
+    for t in got[1].tensors:
+        assert not t[:, :, S_loc:2 * S_loc].isnan().any(), "rows left unwritten"
+
+
 def test_gqa_and_head_padding():
     """H = 6 query heads over P = 4 (2 a rank, heads 6 and 7 zero padding), H_kv = 1 (the KV
     head replicated on every rank), uneven S_loc: q and k|v launch apart (widths 256, 128)."""
