@@ -71,9 +71,11 @@ def _cute_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-def _main_kernel(dkv_store: str, dtype, head_dim: int, qhead_per_kvhead: int, causal: bool, deterministic: bool):
-    """FA4's SM90 backward object (dkv_store "accum": FA4's own class, GQA) or the routed subclass,
-    configured as flash_attn.cute.interface._flash_attn_bwd configures it."""
+def _main_kernel(dkv_store: str, dtype, head_dim: int, qhead_per_kvhead: int, causal: bool, deterministic: bool,
+                 joint: bool = False):
+    """FA4's SM90 backward object (dkv_store "accum": FA4's own class, GQA) or the routed subclass (joint:
+    its dK, dV rows of the joint keys stored into the rank's own tensors), configured as
+    flash_attn.cute.interface._flash_attn_bwd configures it."""
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 
     from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardSm90
@@ -81,7 +83,7 @@ def _main_kernel(dkv_store: str, dtype, head_dim: int, qhead_per_kvhead: int, ca
     cfg = fa4_sm90_bwd_config(head_dim, causal)
     cls, extra = FlashAttentionBackwardSm90, {}
     if dkv_store != "accum":
-        cls, extra = FlashAttentionA2ABackwardSm90, {"dkv_store": dkv_store}
+        cls, extra = FlashAttentionA2ABackwardSm90, {"dkv_store": dkv_store, "joint": joint}
     return cls(
         _cute_dtype(dtype), head_dim, head_dim, qhead_per_kvhead, causal, is_local=False,
         deterministic=deterministic, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
@@ -137,16 +139,19 @@ def _semaphore_tensor(t):
 @disk_cache
 def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
                          has_seqused_k: bool, deterministic: bool, single_q_block: bool, single_k_block: bool,
-                         extra_options: str = ""):
+                         joint: bool = False, extra_options: str = ""):
     """The main backward kernel of one key: dkv_store "tma" / "st" (FlashAttentionA2ABackwardSm90, dK, dV
     into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm90 with fp32 dK,
     dV accumulators, GQA). single_q_block / single_k_block: one m / n block (FA4 compiles those apart).
+    joint ("st" only): the J joint key rows' dK, dV go into the rank's own [B, J, h, D] tensors.
     extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the compiler."""
     gqa = dkv_store == "accum"
     if gqa != (qhead_per_kvhead > 1):
         raise ValueError(f"dkv_store: 'accum' exactly when qhead_per_kvhead > 1, got {dkv_store!r} "
                          f"with qhead_per_kvhead={qhead_per_kvhead}")
-    fa = _main_kernel(dkv_store, dtype, head_dim, qhead_per_kvhead, causal, deterministic)
+    if joint and dkv_store != "st":
+        raise ValueError(f"joint: the joint key rows' dK, dV are routed by the 'st' epilogue, got {dkv_store!r}")
+    fa = _main_kernel(dkv_store, dtype, head_dim, qhead_per_kvhead, causal, deterministic, joint)
     cfg = fa4_sm90_bwd_config(head_dim, causal)
     N = cfg.m_block_size if single_q_block else 640 * 2
     if single_k_block:
@@ -154,11 +159,15 @@ def compile_bwd_a2a_main(dkv_store: str, dtype: torch.dtype, head_dim: int, qhea
     if single_q_block != (N <= cfg.m_block_size) or single_k_block != (N <= cfg.n_block_size):
         raise ValueError("single_q_block, single_k_block: no sequence length has this pair of block counts")
     return _compile_main(fa, gqa, dtype, head_dim, qhead_per_kvhead, has_seqused_k, deterministic, N,
-                         cfg.m_block_size, cfg.n_block_size, 1, extra_options)
+                         cfg.m_block_size, cfg.n_block_size, 1, extra_options, joint)
+
+
+JOINT_ROWS_EXAMPLE = 77  # the fake tensors' joint rows (shapes are dynamic)
 
 
 def _compile_main(fa, gqa: bool, dtype, head_dim: int, qhead_per_kvhead: int, has_seqused_k: bool,
-                  deterministic: bool, N: int, tm: int, tn: int, cluster: int, extra_options: str):
+                  deterministic: bool, N: int, tm: int, tn: int, cluster: int, extra_options: str,
+                  joint: bool = False):
     """cute.compile of a main backward kernel object (FA4's or the routed one, SM90 or SM100: the same
     __call__ arguments) on fake tensors of one rank of P = 2 with N rows."""
     import cutlass.cute as cute
@@ -183,6 +192,8 @@ def _compile_main(fa, gqa: bool, dtype, head_dim: int, qhead_per_kvhead: int, ha
         tdpsum, tlse, tacc = (to_cute_tensor(t) for t in (s.dpsum, s.lse_log2, s.dq_accum))
         tsk = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
         tsems = [_semaphore_tensor(t) for t in (s.dq_sem, s.dk_sem, s.dv_sem)]
+        tjoint = [to_cute_tensor(torch.empty(B, JOINT_ROWS_EXAMPLE, H_kv, D, dtype=dtype, device="cuda"))
+                  for _ in range(2)] if joint else []
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi {extra_options}".strip()
     if gqa:
@@ -190,24 +201,25 @@ def _compile_main(fa, gqa: bool, dtype, head_dim: int, qhead_per_kvhead: int, ha
         # window_l, window_r, dQ_sem, dK_sem, dV_sem, aux, blocksparse, cu_total_m_blocks_k, stream)
         return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, None, None, None, tsk, None,
                             None, *tsems, AuxData(None, None), None, None, stream, options=options)
-    return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], stream=stream,
-                        options=options)
+    return cute.compile(fa, tq, tk, tk, tq, tlse, tdpsum, tacc, tdk, tdv, 1.0, tsk, tsems[0], *tjoint,
+                        stream=stream, options=options)
 
 
 @disk_cache
 def compile_bwd_a2a_post(dtype: torch.dtype, head_dim: int, tile_m: int, num_threads: int, atom_layout: int,
-                         swap_ab: bool, has_seqused: bool, extra_options: str = ""):
+                         swap_ab: bool, has_seqused: bool, joint: bool = False, extra_options: str = ""):
     """The routed postprocess of one key (FlashAttentionA2ABackwardPostprocessSm90): FA4's postprocess
     configuration of dQ (tile_m = the backward's m block, AtomLayoutMdQ, dQ_swapAB) or of GQA's dK, dV
-    (n block, AtomLayoutNdKV, dKV_swapAB)."""
+    (n block, AtomLayoutNdKV, dKV_swapAB). joint: the J last rows (before seqused) go into the rank's own
+    [B, J, h, D] tensor."""
     from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardPostprocessSm90
 
     fa = FlashAttentionA2ABackwardPostprocessSm90(_cute_dtype(dtype), head_dim, tile_m, num_threads, atom_layout,
                                                   swap_ab)
-    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options)
+    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options, joint)
 
 
-def _compile_post(fa, dtype, head_dim: int, has_seqused: bool, extra_options: str):
+def _compile_post(fa, dtype, head_dim: int, has_seqused: bool, extra_options: str, joint: bool = False):
     """cute.compile of a routed postprocess object (RoutedPostprocess, SM90 or SM100) on fake tensors."""
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
@@ -221,8 +233,11 @@ def _compile_post(fa, dtype, head_dim: int, has_seqused: bool, extra_options: st
         seqused = torch.empty(B, dtype=torch.int32, device="cuda") if has_seqused else None
         tacc, twin = to_cute_tensor(accum), to_cute_tensor(windows)
         tsu = to_cute_tensor(seqused, assumed_align=4, leading_dim=0)
+        tjoint = [to_cute_tensor(torch.empty(B, JOINT_ROWS_EXAMPLE, H_loc, head_dim, dtype=dtype, device="cuda"))
+                  ] if joint else []
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(fa, tacc, twin, 1.0, tsu, stream=stream, options=f"--enable-tvm-ffi {extra_options}".strip())
+    return cute.compile(fa, tacc, twin, 1.0, tsu, *tjoint, stream=stream,
+                        options=f"--enable-tvm-ffi {extra_options}".strip())
 
 
 # ---- SM100 (cute_kernels.fa4_bwd_a2a_sm100) ---------------------------------------------------------
@@ -295,17 +310,17 @@ def _check_heads(name: str, t, B: int, N: int, D: int, dtype, device, heads: Opt
         raise ValueError(f"{name}: must be contiguous")
 
 
-def _check_windows(name: str, w, x: torch.Tensor, rank: int) -> None:
-    """w [P, B, S_loc, P * h_loc, D] of x [B, P * S_loc, h_loc, D]: each window contiguous, the window
-    stride a multiple of 16 bytes, a 16-byte aligned base."""
+def _check_windows(name: str, w, x: torch.Tensor, rank: int, joint_len: int = 0) -> None:
+    """w [P, B, S_loc, P * h_loc, D] of x [B, P * S_loc + joint_len, h_loc, D]: each window contiguous, the
+    window stride a multiple of 16 bytes, a 16-byte aligned base."""
     if not isinstance(w, torch.Tensor) or w.dim() != 5:
         raise ValueError(f"{name}: expected a tensor [P, B, S_loc, P * heads, D]")
     P, B, S_loc, H, D = w.shape
     if w.dtype != x.dtype or w.device != x.device:
         raise ValueError(f"{name}: must be {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
-    if B != x.shape[0] or D != x.shape[3] or P * S_loc != x.shape[1] or H != P * x.shape[2]:
+    if B != x.shape[0] or D != x.shape[3] or P * S_loc != x.shape[1] - joint_len or H != P * x.shape[2]:
         raise ValueError(f"{name}: expected [P, {x.shape[0]}, S_loc, P * {x.shape[2]}, {x.shape[3]}] with "
-                         f"P * S_loc = {x.shape[1]}, got {tuple(w.shape)}")
+                         f"P * S_loc = {x.shape[1] - joint_len}, got {tuple(w.shape)}")
     check_rank(rank, P)
     if w.stride()[1:] != (S_loc * H * D, H * D, D, 1):
         raise ValueError(f"{name}: each window {name}[d] must be a contiguous [B, S_loc, H, D]")
@@ -332,6 +347,7 @@ def fa4_bwd_a2a_launcher(
     seqused_k: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     dkv_store: Optional[str] = None,
+    joint: Optional[tuple] = None,
 ) -> Callable[[], None]:
     """FA4's backward (SM90 or SM100) of rank `rank` with the post-A2A of dq, dk, dv in its kernels,
     checked and compiled once: the returned function launches it on the current stream (preprocess, main kernel,
@@ -348,7 +364,12 @@ def fa4_bwd_a2a_launcher(
     there is no seqused_k; SM100 takes "st" only); with GQA dK, dV go through the postprocess and it has
     no effect.
     The rows of k must be in slot order (key row s = sequence row s): ulysses.layout's key order is
-    that when the padding is a suffix and there are no joint rows."""
+    that when the padding is a suffix.
+    joint (SM90): (djq [B, J, H_loc, D], djk, djv [B, J, H_kv_loc, D]), the rank's own contiguous tensors:
+    the rows then hold J joint rows too, N = P * S_loc + J (ulysses.layout: query rows [sequence slots,
+    joint], key rows [S valid keys, joint, padding keys], S = seqused_k - J or P * S_loc): query rows
+    >= P * S_loc go to djq (row P * S_loc + j to djq[:, j]), key rows S .. S + J - 1 to djk, djv, the
+    others to the windows as above ("st" dK/dV stores)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a tensor [B, N, H, D]")
@@ -370,9 +391,22 @@ def fa4_bwd_a2a_launcher(
             or not lse.is_contiguous() or lse.device != q.device):
         raise ValueError(f"lse: expected a contiguous float32 [{B}, {H_loc}, {N}] on {q.device}")
     arch = device_arch(q)  # 90 or 100 (ValueError naming q otherwise)
-    _check_windows("dq_windows", dq_windows, q, rank)
-    _check_windows("dk_windows", dk_windows, k, rank)
-    _check_windows("dv_windows", dv_windows, v, rank)
+    J = 0
+    if joint is not None:
+        if arch != 90:
+            raise ValueError("joint: the joint rows' routing is built for SM90 only")
+        if not isinstance(joint, (tuple, list)) or len(joint) != 3:
+            raise ValueError("joint: expected (djq, djk, djv)")
+        J = joint[0].shape[1] if isinstance(joint[0], torch.Tensor) and joint[0].dim() == 4 else -1
+        if not 0 < J < N:
+            raise ValueError(f"joint: djq must be [B, J, H_loc, D] with 0 < J < {N}")
+        for name, t, heads in zip(("djq", "djk", "djv"), joint, (H_loc, k.shape[2], k.shape[2])):
+            _check_heads(f"joint {name}", t, B, J, D, q.dtype, q.device, heads=heads)
+            if not aligned16(t, _address(t), dims=()):
+                raise ValueError(f"joint {name}: the base address must be 16-byte aligned")
+    _check_windows("dq_windows", dq_windows, q, rank, J)
+    _check_windows("dk_windows", dk_windows, k, rank, J)
+    _check_windows("dv_windows", dv_windows, v, rank, J)
     if dk_windows.shape[0] != dq_windows.shape[0] or dv_windows.shape[0] != dq_windows.shape[0]:
         raise ValueError("dk_windows, dv_windows: must have dq_windows' P")
     if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
@@ -389,12 +423,12 @@ def fa4_bwd_a2a_launcher(
     else:
         cfg = fa4_sm90_bwd_config(D, causal)
         tm, tn, cluster = cfg.m_block_size, cfg.n_block_size, 1
-        tma_ok = S_loc % tn == 0 and seqused_k is None
+        tma_ok = S_loc % tn == 0 and seqused_k is None and not J  # (joint rows: per-thread stores)
     if dkv_store is None:
         dkv_store = "tma" if tma_ok else "st"
     elif dkv_store not in DKV_STORES or (dkv_store == "tma" and not tma_ok):
         raise ValueError(f"dkv_store: {dkv_store!r} is not 'st', or 'tma' on SM90 with S_loc a multiple of {tn} "
-                         f"(the backward's tile_n) and no seqused_k")
+                         f"(the backward's tile_n), no seqused_k and no joint rows")
     if qpk > 1:
         dkv_store = "accum"
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
@@ -406,12 +440,14 @@ def fa4_bwd_a2a_launcher(
         if qpk > 1:
             post_dkv = compile_bwd_a2a_post_sm100(q.dtype, D, False, use_2cta, has_sk)
     else:
-        main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, N <= tm, N <= tn)
+        with_joint = {"joint": True} if J else {}  # (the keys of calls without joint rows as they were)
+        main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, N <= tm, N <= tn,
+                                    **(with_joint if qpk == 1 else {}))
         post_dq = compile_bwd_a2a_post(q.dtype, D, tm, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
-                                       cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)
+                                       cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False, **with_joint)
         if qpk > 1:
             post_dkv = compile_bwd_a2a_post(q.dtype, D, tn, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB,
-                                            has_sk)
+                                            has_sk, **with_joint)
     s = _scratch(B, N, H_loc, H_kv_loc, D, tm, tn, qpk > 1, deterministic, q.device, cluster)
     from flash_attn.cute.cute_dsl_utils import torch2cute_dtype_map
     from flash_attn.cute.interface import _bwd_preprocess
@@ -428,11 +464,13 @@ def fa4_bwd_a2a_launcher(
     dq_dst = dq_windows.narrow(3, rank * H_loc, H_loc)
     dk_dst = dk_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
     dv_dst = dv_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
+    djq, djk, djv = ((t,) for t in joint) if J else ((), (), ())  # the joint tensors' arguments, if any
     if qpk > 1:
         main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, s.dk_accum, s.dv_accum, scale, None, None,
                      None, seqused_k, None, None, s.dq_sem, s.dk_sem, s.dv_sem, (None, None), None, None)
     else:
-        main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, dk_dst, dv_dst, scale, seqused_k, s.dq_sem)
+        main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, dk_dst, dv_dst, scale, seqused_k, s.dq_sem,
+                     *djk, *djv)
     zero = [t for t in (s.dk_accum, s.dv_accum, s.dq_sem, s.dk_sem, s.dv_sem) if t is not None]
 
     def launch() -> None:
@@ -440,10 +478,10 @@ def fa4_bwd_a2a_launcher(
             t.zero_()
         preprocess()
         main(*main_args)
-        post_dq(s.dq_accum, dq_dst, scale, None)
+        post_dq(s.dq_accum, dq_dst, scale, None, *djq)
         if post_dkv is not None:
-            post_dkv(s.dk_accum, dk_dst, scale, seqused_k)
-            post_dkv(s.dv_accum, dv_dst, 1.0, seqused_k)
+            post_dkv(s.dk_accum, dk_dst, scale, seqused_k, *djk)
+            post_dkv(s.dv_accum, dv_dst, 1.0, seqused_k, *djv)
 
     return launch
 

@@ -242,6 +242,7 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
         mAccum: cute.Tensor,
         mOut: cute.Tensor,
         mSeqUsed: Optional[cute.Tensor],
+        mJoint: Optional[cute.Tensor],  # joint rows: SM90 only (None here)
         scale: Float32,
         tiled_mma: cute.TiledMma,
         sAccum_layout: cute.Layout,
@@ -251,6 +252,8 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
         r2s_tiled_copy: Optional[cute.TiledCopy],
         sched_params: SingleTileScheduler.Params,
     ):
+        if const_expr(mJoint is not None):
+            raise ValueError("mJoint: joint rows in the routed SM100 postprocess are not built (SM90 only)")
         smem = cutlass.utils.SmemAllocator()
         sAccum = smem.allocate_tensor(Float32, sAccum_layout, byte_alignment=1024)
         # FA4's SM100 sdQ has a stage mode

@@ -108,11 +108,17 @@ def store_rows(
     head_idx: Int32,
     batch_idx: Int32,
     seqlen: Int32,
+    mJoint: Optional[cute.Tensor] = None,  # (b, j, h, d): this rank's joint rows, its own memory
 ):
     """A tile from smem into the windows: 16-byte per-thread stores, issued once per rank the tile
-    touches, each row predicated on 0 <= local row < S_loc and row < seqlen."""
+    touches, each row predicated on 0 <= local row < S_loc and row < seqlen. With mJoint (J rows) the
+    last J rows before seqlen are joint rows: row seqlen - J + j goes to mJoint[b, j], and only rows
+    before them to the windows."""
     seqlen_loc = mX.shape[1]
     num_ranks = mX.shape[0][1]
+    seq_end = seqlen
+    if const_expr(mJoint is not None):
+        seq_end = seqlen - mJoint.shape[1]
     thr = tiled_copy.get_slice(tidx)
     tXsX = thr.partition_S(sX)
     tXrX = cute.make_fragment_like(tXsX)
@@ -132,8 +138,21 @@ def store_rows(
         tXgX = thr.partition_D(gX)
         for rest_m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
             row = tXcX[0, rest_m, 0][0]
-            if row_off + row >= 0 and row_off + row < seqlen_loc and row0 + row < seqlen:
+            if row_off + row >= 0 and row_off + row < seqlen_loc and row0 + row < seq_end:
                 cute.copy(tiled_copy, tXrX[None, rest_m, None], tXgX[None, rest_m, None])
+    if const_expr(mJoint is not None):
+        joint_off = row0 - seq_end  # joint row of tile row 0 (may be < 0)
+        if joint_off + tile_rows > 0:
+            gJ = cute.local_tile(
+                cute.domain_offset((joint_off, 0), mJoint[batch_idx, None, head_idx, None]),
+                (tile_rows, tile_cols),
+                (0, 0),
+            )
+            tXgJ = thr.partition_D(gJ)
+            for rest_m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
+                row = tXcX[0, rest_m, 0][0]
+                if joint_off + row >= 0 and row0 + row < seqlen:
+                    cute.copy(tiled_copy, tXrX[None, rest_m, None], tXgJ[None, rest_m, None])
 
 
 _MMA_SIGNATURE = inspect.signature(FlashAttentionBackwardSm90.mma)
@@ -145,9 +164,11 @@ class FlashAttentionA2ABackwardSm90(FlashAttentionBackwardSm90):
     dQ accumulation, scheduler, deterministic mode) is FA4's. No GQA: FA4 accumulates GQA's dK, dV in
     fp32, and FlashAttentionA2ABackwardPostprocessSm90 routes them instead."""
 
-    def __init__(self, *args, dkv_store: str = "st", **kwargs):
+    def __init__(self, *args, dkv_store: str = "st", joint: bool = False, **kwargs):
         if dkv_store not in DKV_STORES:
             raise ValueError(f"dkv_store: one of {DKV_STORES}, got {dkv_store!r}")
+        if joint and dkv_store != "st":
+            raise ValueError("dkv_store: joint rows are stored per thread ('st'), got 'tma'")
         super().__init__(*args, **kwargs)
         if self.qhead_per_kvhead != 1:
             raise ValueError(
@@ -156,7 +177,7 @@ class FlashAttentionA2ABackwardSm90(FlashAttentionBackwardSm90):
                 "FlashAttentionA2ABackwardPostprocessSm90")
         if self.check_hdim_oob or self.check_hdim_v_oob or self.dKV_swapAB:
             raise ValueError(f"head_dim: the routed epilogue takes head dims {HEAD_DIMS}")
-        self.dkv_store = dkv_store
+        self.dkv_store, self.joint = dkv_store, joint
 
     # FA4 sets varlen_k in __call__ (seqused_k) to make dK/dV ragged TMA tensors; the windows never are
     # (a ragged view would add a sixth TMA mode): this epilogue predicates the rows itself.
@@ -183,12 +204,17 @@ class FlashAttentionA2ABackwardSm90(FlashAttentionBackwardSm90):
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (a suffix mask)
         mdQ_semaphore: Optional[cute.Tensor] = None,  # deterministic: (b, h_loc, m_blocks, 1) int32
+        mdKJoint: Optional[cute.Tensor] = None,  # joint: (b, j, h_loc, d), the rank's joint key rows' dK
+        mdVJoint: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,
     ):
         mdK, mdV = rank_window_o(mdKWindows), rank_window_o(mdVWindows)
         aux_data = AuxData()
         if const_expr(self.dkv_store == "st"):
-            aux_data = AuxData([_assume_nested_aligned(mdK), _assume_nested_aligned(mdV)], None)
+            aux = [_assume_nested_aligned(mdK), _assume_nested_aligned(mdV)]
+            if const_expr(self.joint):
+                aux += [assume_tensor_aligned(mdKJoint), assume_tensor_aligned(mdVJoint)]
+            aux_data = AuxData(aux, None)
         with _nested_stride_alignment():
             # FA4's __call__ named: the DSL re-executes this body, where super() would follow type(self)
             FlashAttentionBackwardSm90.__call__(
@@ -250,15 +276,17 @@ class FlashAttentionA2ABackwardSm90(FlashAttentionBackwardSm90):
             copy_dV_r2s(acc_dV, dst_idx=None)
             copy_dK_r2s(acc_dK, dst_idx=None)
             epi_barrier.arrive_and_wait()
-            mdK_win, mdV_win = self._dkv_windows
+            mdK_win, mdV_win = self._dkv_windows[0], self._dkv_windows[1]
+            mdK_joint = self._dkv_windows[2] if const_expr(self.joint) else None
+            mdV_joint = self._dkv_windows[3] if const_expr(self.joint) else None
             copy_elems = 128 // self.dtype.width
             gmem_copy = copy_utils.tiled_copy_2d(
                 self.dtype, self.tile_hdim // copy_elems, self.num_mma_threads, copy_elems
             )
             store_rows(gmem_copy, tidx, sV, mdV_win, self.tile_n, self.tile_hdimv, row0, head_idx, batch_idx,
-                       seqlen.seqlen_k)
+                       seqlen.seqlen_k, mdV_joint)
             store_rows(gmem_copy, tidx, sK, mdK_win, self.tile_n, self.tile_hdim, row0, head_idx, batch_idx,
-                       seqlen.seqlen_k)
+                       seqlen.seqlen_k, mdK_joint)
 
 
 class RoutedPostprocess(FlashAttentionBackwardPostprocess):
@@ -276,6 +304,7 @@ class RoutedPostprocess(FlashAttentionBackwardPostprocess):
         mWindows: cute.Tensor,  # (p, b, s_loc, h_loc, d): this rank's head slice of every window
         scale: Float32,
         mSeqUsed: Optional[cute.Tensor] = None,  # (b,) rows to write (dK, dV: seqused_k)
+        mJoint: Optional[cute.Tensor] = None,  # (b, j, h_loc, d): the rank's joint rows (store_rows)
         stream: cuda.CUstream = None,
     ):
         if const_expr(mWindows.element_type not in [cutlass.Float16, cutlass.BFloat16]):
@@ -291,6 +320,9 @@ class RoutedPostprocess(FlashAttentionBackwardPostprocess):
             cute.size_in_bytes(self.dtype, self.sdQ_layout),
         )
         seqlen = mWindows.shape[0] * mWindows.shape[2]
+        if const_expr(mJoint is not None):
+            mJoint = assume_tensor_aligned(mJoint)
+            seqlen = seqlen + mJoint.shape[1]
         sched_args = TileSchedulerArguments(
             num_block=cute.ceil_div(seqlen, self.tile_m),
             num_head=mWindows.shape[3],
@@ -304,7 +336,7 @@ class RoutedPostprocess(FlashAttentionBackwardPostprocess):
         )
         sched_params = SingleTileScheduler.to_underlying_arguments(sched_args)
         self.kernel(
-            mAccum, mOut, mSeqUsed, scale, self.tiled_mma, self.sdQaccum_layout, self.sdQ_layout,
+            mAccum, mOut, mSeqUsed, mJoint, scale, self.tiled_mma, self.sdQaccum_layout, self.sdQ_layout,
             *self._kernel_copies(), sched_params,
         ).launch(
             grid=SingleTileScheduler.get_grid_shape(sched_params),
@@ -333,6 +365,7 @@ class FlashAttentionA2ABackwardPostprocessSm90(RoutedPostprocess):
         mAccum: cute.Tensor,
         mOut: cute.Tensor,
         mSeqUsed: Optional[cute.Tensor],
+        mJoint: Optional[cute.Tensor],
         scale: Float32,
         tiled_mma: cute.TiledMma,
         sAccum_layout: cute.Layout,
@@ -351,6 +384,8 @@ class FlashAttentionA2ABackwardPostprocessSm90(RoutedPostprocess):
         work_tile = SingleTileScheduler.create(sched_params).initial_work_tile_info()
         m_block, head_idx, batch_idx, _ = work_tile.tile_idx
         seqlen = mOut.shape[1] * mOut.shape[0][1]
+        if const_expr(mJoint is not None):
+            seqlen = seqlen + mJoint.shape[1]
         if const_expr(mSeqUsed is not None):
             seqlen = mSeqUsed[batch_idx]
         gAccum = cute.local_tile(mAccum[batch_idx, head_idx, None], (self.tile_m * self.tile_hdim,), (m_block,))
@@ -378,4 +413,4 @@ class FlashAttentionA2ABackwardPostprocessSm90(RoutedPostprocess):
         cute.copy(r2s, r2s.retile(rOut), r2s.partition_D(sOut_mma))
         cute.arch.barrier()  # the tile is in smem
         store_rows(gmem_tiled_copy, tidx, sOut, mOut, self.tile_m, self.tile_hdim, m_block * self.tile_m,
-                   head_idx, batch_idx, seqlen)
+                   head_idx, batch_idx, seqlen, mJoint)

@@ -148,13 +148,15 @@ def _fused_arch(device) -> bool:
 def fused_backward_applies(p: Problem, device) -> bool:
     """Whether the backward of p's call (p: impl decided, "auto" resolved) on tensors of `device` is the
     fused one (cute_kernels.fa4_bwd_a2a): impl "fused" on several ranks (real or emulated), FA4 on an
-    SM90 or SM100 GPU, no joint rows and the padding a suffix (the ceil split), so that the saved keys are in slot
-    order and every head-layout row is a sequence row (the launcher's rows: N = P * S_loc). Every other
-    call's backward is FA4's (or the reference's) between two exchanges."""
+    SM90 or SM100 GPU, the padding a suffix (the ceil split), so that the saved keys are the sequence's in
+    slot order, then the joint ones (the launcher's rows: N = P * S_loc + J); joint rows on SM90 only (their
+    routing is not built into the SM100 kernels). Every other call's backward is FA4's (or the
+    reference's) between two exchanges."""
     lay = p.layout
-    return (p.impl == "fused" and p.world_size > 1 and p.device_type == "cuda" and lay.joint_len == 0
+    return (p.impl == "fused" and p.world_size > 1 and p.device_type == "cuda"
             and lay.is_suffix_padded and p.dtype in KERNEL_DTYPES and p.head_dim in KERNEL_HEAD_DIMS
-            and device is not None and _fused_arch(device))
+            and device is not None and _fused_arch(device)
+            and (lay.joint_len == 0 or _capability_of(device) == (9, 0)))
 
 
 def spec_of(p: Problem, device=None) -> Spec:
@@ -612,6 +614,10 @@ class _FusedRank:
         self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad (no joint rows): dO of the rank's heads
         B, S, D, P = plan.B, lay.seq_loc, plan.D, lay.world_size
         self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
+        # joint rows: djout_w[d][s] = rank s's joint-output grads of rank d's heads (summed on rank d)
+        self.djout_w = (t.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), plan.dtype)
+                        if lay.joint_len else None)
+        self._joint_grads = None  # this call's (djq, djk, djv) heads-layout joint rows (launcher)
         self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self._kv_in_order = _each_head_once(lay.kv_head_index, lay.num_kv_heads)
@@ -622,12 +628,24 @@ class _FusedRank:
     def closed(self) -> bool:
         return self.plan.transport.closed
 
-    def pre(self, dout) -> None:
-        """Launch the pre-A2A of this rank's dO [B, S_loc, H, D] (padding rows zero) into every rank's dO window."""
+    def pre(self, dout, djout=None) -> None:
+        """Launch the pre-A2A of this rank's dO [B, S_loc, H, D] (padding rows zero) into every rank's dO
+        window; with joint rows, this rank's joint-output grads djout [B, J, H, D] of each rank's heads into
+        that rank's djout window (its slot self.rank)."""
         from .forward import contiguous16
 
         dout = contiguous16(dout)
         self._pre(dout, dout, dout, None)
+        if self.djout_w is not None:
+            lay = self.plan.layout
+            for d in range(lay.world_size):
+                self.djout_w[d][self.rank].copy_(take_heads(djout, lay.q_head_index[d]))
+
+    def joint_dout(self) -> None:
+        """After the barrier (every rank's djout slot written): dO's joint rows of this rank's heads, the ranks'
+        joint-output grads summed as the exchange backward sums them (_sum_ranks, the ranks in order)."""
+        if self.djout_w is not None:
+            self.dout[:, self.plan.layout.seq_pad:].copy_(_sum_ranks(list(self.djout_w[self.rank])))
 
     def project_dout(self, dy, weight) -> None:
         """Launch dO = dy @ weight (the attention's output projection y = o @ weight^T + b: its input
@@ -671,10 +689,14 @@ class _FusedRank:
         build, after which the ranks line up on the host (as the forward's attention launch does)."""
         from cute_kernels.fa4_bwd_a2a import fa4_bwd_a2a_launcher
 
+        joint = None
+        if self.djout_w is not None:  # the joint rows' grads stay here: fresh tensors of this call
+            seq_pad = self.plan.layout.seq_pad
+            joint = self._joint_grads = tuple(torch.empty_like(t[:, seq_pad:]) for t in (s.q, s.k, s.v))
         launch = fa4_bwd_a2a_launcher(s.q, s.k, s.v, s.o, self.dout, s.lse, self.dq_w, self.dk_w, self.dv_w,
                                       self.rank, causal=spec.causal, softmax_scale=spec.scale,
                                       seqused_k=None if spec.causal else self.plan.seqused,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, joint=joint)
         key = (spec.causal, spec.scale, deterministic)
         if key not in self._built:
             self._built.add(key)
@@ -684,7 +706,7 @@ class _FusedRank:
     def grads(self, rows: int) -> tuple:
         """(dq, dk, dv) [B, rows, ., D] of this rank's slot out of its own windows (copies: the peers store
         into them again at the next call), rows >= valid_rows zero (dk, dv rows >= seqused_k are not
-        written by the kernels)."""
+        written by the kernels); then the joint grads (as the exchange backward gives them) or 3 x None."""
         lay, r = self.plan.layout, self.rank
         dq = self.dq_w[r][:, :rows, :lay.num_heads].clone(memory_format=torch.contiguous_format)
         if self._kv_in_order:  # each KV head once, in order (no GQA head sent twice): a plain copy, not a
@@ -699,7 +721,10 @@ class _FusedRank:
         for g in (dq, dk, dv):
             if n < rows:
                 g[:, n:] = 0
-        return dq, dk, dv
+        joint = (None,) * 3
+        if self.djout_w is not None:
+            joint, self._joint_grads = _joint_grads(lay, r, self._joint_grads), None
+        return (dq, dk, dv) + joint
 
 
 _fused_ranks: dict = {}  # (plan, rank) -> _FusedRank
@@ -711,14 +736,17 @@ def _fused_rank(plan, rank: int) -> _FusedRank:
     return prepared_call(_fused_ranks, (plan, rank), lambda: _FusedRank(plan, rank))
 
 
-def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) -> list:
+def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, project=None) -> list:
     """The fused backward of these local ranks' calls (group: the real ranks' group; None: P emulated
-    ranks) -> per rank (dq, dk, dv, None, None, None). The kernels are bound (compiled at the first call)
+    ranks) -> per rank (dq, dk, dv, djq, djk, djv; None without joint rows). The kernels are bound (compiled at the first call)
     before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's
     heads is in its window) -> every local rank's backward -> barrier (every gradient row is in its
     owner's window) -> each rank's grads copied out of its own windows. project = (weight, dys): douts
     are None and each rank's dO comes from the output projection's input-gradient GEMM of dys[i]
-    instead of the pre-A2A (_FusedRank.project_dout)."""
+    instead of the pre-A2A (_FusedRank.project_dout). With joint rows every rank also sends its joint-output
+    grads of each rank's heads (pre), and after the first barrier each rank sums those of its heads into
+    dO's joint rows (joint_dout) before its backward; the joint grads stay on the rank (the kernels' joint
+    tensors)."""
     from .forward import emulated_transport, window_plan
 
     lay, s0 = spec.layout, saved[0]
@@ -737,17 +765,18 @@ def _fused_backward(spec: Spec, ranks, saved, douts, rows, group, project=None) 
         # the projection's GEMM with the pre-A2A epilogue is SM90's (quack): dO in torch, then the pre-A2A
         douts, project = _projected_douts(lay, *project), None
     if project is None:
-        for f, r, do in zip(fused, ranks, douts):
-            f.pre(_padded(lay, r, do))
+        for f, r, do, djo in zip(fused, ranks, douts, djouts):
+            f.pre(_padded(lay, r, do), djo)
     else:
         weight, dys = project
         for f, dy in zip(fused, dys):
             f.project_dout(dy, weight)
     transport.barrier()
-    for launch in launches:
+    for f, launch in zip(fused, launches):
+        f.joint_dout()
         launch()
     transport.barrier()
-    return [f.grads(n) + (None,) * 3 for f, n in zip(fused, rows)]
+    return [f.grads(n) for f, n in zip(fused, rows)]
 
 
 def _projected_douts(lay, weight, dys) -> list:
@@ -769,7 +798,7 @@ def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=
     elif refusal is not None:
         raise ValueError(refusal)
     if spec.fused:
-        return _fused_backward(spec, ranks, saved, douts, rows, group, project)
+        return _fused_backward(spec, ranks, saved, douts, djouts, rows, group, project)
     if project is not None:
         douts = _projected_douts(lay, *project)
     exchange = _exchanger(group)

@@ -1,11 +1,11 @@
 """The fused backward's routing and data movement on CPU (fa_a2a.engine.backward, impl "fused").
 
 Routing: fused_backward_applies (impl "fused" decided, several ranks, CUDA SM90, bf16/fp16, D 64/128,
-no joint rows, suffix padding) and what each call then runs. Data movement: the kernels are stood in
+suffix padding; joint rows on SM90 only) and what each call then runs. Data movement: the kernels are stood in
 for by torch code that does what their docstrings say (cute_kernels.a2a's pre-A2A: dO rows of rank r to
 window d at rows r * S_loc + s, padding heads zero; cute_kernels.fa4_bwd_a2a: FA4's backward, here the
 reference backward as the stand-in of FA4's, with its dq, dk, dv rows stored into the owners' windows,
-dk, dv rows >= seqused_k left unwritten), over an emulated transport on CPU whose barriers are recorded
+dk, dv rows >= seqused_k left unwritten; joint query and key rows into the rank's own joint tensors), over an emulated transport on CPU whose barriers are recorded
 (or, for real ranks, threads meeting in a threading.Barrier). The windows are NaN-poisoned first, so a
 row read that no kernel wrote, or a padding row not zeroed, shows. The serial impl's backward (the
 exchanges around the same stand-in of FA4's backward) is the reference: equal bit for bit.
@@ -91,11 +91,14 @@ class Kernels:
         return launch
 
     def bwd_a2a_launcher(self, q, k, v, out, dout, lse, dq_w, dk_w, dv_w, rank, *, causal=False, softmax_scale=None,
-                         seqused_k=None, deterministic=False, dkv_store=None):
+                         seqused_k=None, deterministic=False, dkv_store=None, joint=None):
         B, N, h, _ = q.shape
         hk = k.shape[2]
         P, _, S_loc = dq_w.shape[:3]
-        assert N == P * S_loc and dq_w.shape[3] == P * h and dk_w.shape[3] == dv_w.shape[3] == P * hk
+        J = 0 if joint is None else joint[0].shape[1]
+        assert N == P * S_loc + J and dq_w.shape[3] == P * h and dk_w.shape[3] == dv_w.shape[3] == P * hk
+        if joint is not None:
+            assert [tuple(t.shape) for t in joint] == [(B, J, h, D), (B, J, hk, D), (B, J, hk, D)]
         for t in (q, k, v, out, dout):
             assert t.is_contiguous() and t.shape[1] == N
         assert tuple(dout.shape) == tuple(q.shape) and tuple(lse.shape) == (B, h, N)
@@ -105,12 +108,16 @@ class Kernels:
             self.events.append(("launch", rank))
             dq, dk, dv = fake_fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal, seqused_k, deterministic)
             used = N if seqused_k is None else int(seqused_k[0])
+            S = used - J  # key rows: S sequence keys, J joint keys, then padding keys (not written)
             for d in range(P):
                 lo = d * S_loc
                 dq_w[d][:, :, rank * h:(rank + 1) * h] = dq[:, lo:lo + S_loc]
-                n = max(0, min(S_loc, used - lo))  # rows >= seqused_k: not written
+                n = max(0, min(S_loc, S - lo))
                 dk_w[d][:, :n, rank * hk:(rank + 1) * hk] = dk[:, lo:lo + n]
                 dv_w[d][:, :n, rank * hk:(rank + 1) * hk] = dv[:, lo:lo + n]
+            if joint is not None:
+                for t, g in zip(joint, (dq[:, P * S_loc:], dk[:, S:S + J], dv[:, S:S + J])):
+                    t.copy_(g)
 
         return launch
 
@@ -157,6 +164,8 @@ def poison_windows(transport, p):
     plan.dq.fill_(float("nan"))
     for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
         transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), p.dtype).fill_(float("nan"))
+    if lay.joint_len:
+        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), p.dtype).fill_(float("nan"))
 
 
 def inputs(p, seed):
@@ -222,7 +231,7 @@ def expected_events(P, first: bool, deterministic=False, seqused=None, causal=Fa
     (dict(impl="nccl"), False),
     (dict(impl="reference"), False),
     (dict(P=1, S=64, H=4, H_kv=4), False),  # one rank: no exchange to fuse
-    (dict(J=5), False),  # joint rows: key rows not in slot order, N != P * S_loc
+    (dict(J=5), True),  # joint rows (on SM90: the kernels route them to the rank's own tensors)
     (dict(rows=[40, 24]), False),  # uneven shards: keys compacted
     (dict(rows=[32, 31]), True),  # explicit rows equal to the ceil split: suffix padding
     (dict(S=63), True),  # seq_len padding (a suffix)
@@ -233,6 +242,7 @@ def expected_events(P, first: bool, deterministic=False, seqused=None, causal=Fa
 ])
 def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
     monkeypatch.setattr(fab, "_fused_arch", lambda device: True)
+    monkeypatch.setattr(fab, "_capability_of", lambda device: (9, 0))
     args = dict(impl="fused", P=2, B=1, S=64, H=4, H_kv=2)
     args.update(change)
     p = problem(args.pop("impl"), args.pop("P"), args.pop("B"), args.pop("S"), args.pop("H"), args.pop("H_kv"),
@@ -240,6 +250,8 @@ def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
     assert fab.fused_backward_applies(p, "cuda") is fused
     spec = fab.spec_of(p, "cuda")
     assert spec.fused is fused and spec.fa4 == (p.device_type == "cuda" and p.impl != "reference")
+    monkeypatch.setattr(fab, "_capability_of", lambda device: (10, 0))  # SM100: joint rows are not routed there
+    assert fab.fused_backward_applies(p, "cuda") is (fused and not p.joint_len)
     monkeypatch.setattr(fab, "_fused_arch", lambda device: False)  # another GPU (SM80, SM120)
     assert not fab.fused_backward_applies(p, "cuda")
     assert not fab.fused_backward_applies(p, None) and not fab.spec_of(p).fused
@@ -306,6 +318,36 @@ def test_emulated_fused_backward_equals_serial(kernels, case):
     assert all(torch.equal(a, b) for a, b in zip(fused, kept))
 
 
+# (P, B, S, H, H_kv, J, rows): joint rows with GQA, with seq_len padding and a padding head (H 5 over 2), with
+# KV heads read twice by one rank, with explicit rows of the ceil split, one joint row
+JOINT_CASES = [
+    (2, 1, 20, 4, 2, 3, None),
+    (2, 2, 19, 5, 5, 4, None),
+    (4, 1, 13, 12, 6, 5, None),
+    (4, 2, 15, 8, 2, 2, [4, 4, 4, 3]),
+    (3, 1, 16, 6, 6, 1, None),
+]
+
+
+@pytest.mark.parametrize("case", JOINT_CASES, ids=str)
+def test_emulated_fused_backward_with_joint_rows_equals_serial(kernels, case):
+    """Joint (text) rows in the fused backward: each rank's joint-output grads of each rank's heads go to that
+    rank's djout window, are summed there into dO's joint rows after the first barrier, and the kernels
+    leave the joint rows' dq, dk, dv on the rank: every grad, the joint ones included, equals the serial
+    (exchange) backward's bit for bit, over NaN-poisoned windows."""
+    P, B, S, H, H_kv, J, rows = case
+    serial = emulated_grads(problem("serial", P, B, S, H, H_kv, J=J, rows=rows), seed=sum(case[:6]))
+    p = problem("fused", P, B, S, H, H_kv, J=J, rows=rows)
+    assert fab.fused_backward_applies(p, "cuda")
+    for call in range(2):
+        poison_windows(kernels.transport(P), p)
+        kernels.events.clear()
+        fused = emulated_grads(p, seed=sum(case[:6]))
+        assert kernels.events == expected_events(P, call == 0, seqused=p.layout.seqused_k(False)), kernels.events
+        check_equal(fused, serial, p)
+        assert all(g.abs().sum() > 0 for g in fused[3 * P:]), "the joint grads must be written"
+
+
 def test_deterministic_mode_reaches_the_kernels(kernels):
     p = problem("fused", 2, 1, 20, 4, 2)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -321,10 +363,10 @@ def test_deterministic_mode_reaches_the_kernels(kernels):
         ["host barrier"] + expected_events(2, False)[2:]
 
 
-@pytest.mark.parametrize("change", [dict(J=3), dict(rows=[12, 8]), dict(rows=[0, 10, 10])], ids=str)
+@pytest.mark.parametrize("change", [dict(rows=[12, 8]), dict(rows=[0, 10, 10])], ids=str)
 def test_fused_falls_back_to_the_exchanges_and_equals_serial(kernels, change):
-    """Joint rows, uneven shards: impl "fused" takes the exchange backward (no kernel launched, no
-    barrier) with the same grads as serial."""
+    """Uneven shards: impl "fused" takes the exchange backward (no kernel launched, no barrier) with the
+    same grads as serial."""
     P = len(change.get("rows", [0, 0]))
     p = problem("fused", P, 1, sum(change.get("rows", [10, 10])), 4, 2, **change)
     assert not fab.fused_backward_applies(p, "cuda")

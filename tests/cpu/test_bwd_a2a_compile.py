@@ -30,10 +30,10 @@ def compiled(monkeypatch):
     return keys
 
 
-def _inputs(P=2, B=1, S_loc=256, H_loc=2, H_kv=None, D=128, dtype=BF16, seqused=None):
-    """Fake q, k, v, out, dout, lse of one rank and its windows (call under FakeTensorMode)."""
+def _inputs(P=2, B=1, S_loc=256, H_loc=2, H_kv=None, D=128, dtype=BF16, seqused=None, J=0):
+    """Fake q, k, v, out, dout, lse of one rank and its windows (call under FakeTensorMode); J joint rows."""
     H_kv = H_kv or H_loc
-    N = P * S_loc
+    N = P * S_loc + J
     q = torch.empty(B, N, H_loc, D, dtype=dtype, device="cuda")
     k = torch.empty(B, N, H_kv, D, dtype=dtype, device="cuda")
     lse = torch.empty(B, H_loc, N, dtype=torch.float32, device="cuda")
@@ -152,3 +152,64 @@ def test_refusals():
         bwd._main_kernel("tma", BF16, 128, 2, False, False)
     with pytest.raises(ValueError, match="dkv_store: one of"):
         FlashAttentionA2ABackwardSm90(bwd._cute_dtype(BF16), 128, dkv_store="x")
+
+
+def _joint(B, J, H_loc, H_kv, D=128, dtype=BF16):
+    return tuple(torch.empty(B, J, h, D, dtype=dtype, device="cuda") for h in (H_loc, H_kv, H_kv))
+
+
+@pytest.mark.parametrize("H_loc,H_kv,seqused", [(2, 2, None), (2, 2, 2 * 300 - 40 + 33), (4, 1, 2 * 300 - 40 + 33)])
+def test_joint_rows_compile_and_take_the_routed_joint_kernels(monkeypatch, H_loc, H_kv, seqused):
+    """Joint rows (N = P * S_loc + J): the routed main kernel (no GQA, per-thread dK/dV stores) and the
+    postprocesses are compiled with their joint tensors; GQA keeps FA4's own main kernel."""
+    seen = []
+    main, post = bwd.compile_bwd_a2a_main, bwd.compile_bwd_a2a_post
+    monkeypatch.setattr(bwd, "compile_bwd_a2a_main", lambda *k, **kw: seen.append(("main", k[0], kw)) or main(*k, **kw))
+    monkeypatch.setattr(bwd, "compile_bwd_a2a_post", lambda *k, **kw: seen.append(("post", k[2], kw)) or post(*k, **kw))
+    with FakeTensorMode():
+        args, sk = _inputs(P=2, S_loc=300, H_loc=H_loc, H_kv=H_kv, seqused=seqused, J=33)
+        bwd.fa4_bwd_a2a(**args, rank=1, seqused_k=sk, joint=_joint(1, 33, H_loc, H_kv))
+    cfg = bwd.fa4_sm90_bwd_config(128, False)
+    gqa = H_loc > H_kv
+    want = [("main", "accum" if gqa else "st", {} if gqa else {"joint": True}),
+            ("post", cfg.m_block_size, {"joint": True})]
+    if gqa:
+        want.append(("post", cfg.n_block_size, {"joint": True}))
+    assert seen == want
+
+
+def test_ptx_of_the_joint_routing(tmp_path):
+    """The joint build's dK/dV epilogue and postprocess store rows to the joint tensors too: more 16-byte
+    stores than the build without."""
+    st = _ptx(bwd.compile_bwd_a2a_main, "st", BF16, 128, 1, False, True, False, False, False, tmp_path=tmp_path)
+    joint = bwd.compile_bwd_a2a_main("st", BF16, 128, 1, False, True, False, False, False, joint=True,
+                                     extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert joint.count("st.global.v4.b32") > st.count("st.global.v4.b32") > 0
+    cfg = bwd.fa4_sm90_bwd_config(128, False)
+    key = (BF16, 128, cfg.m_block_size, 256, cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False)
+    post = _ptx(bwd.compile_bwd_a2a_post, *key, tmp_path=tmp_path)
+    post_joint = bwd.compile_bwd_a2a_post(*key, joint=True, extra_options=f"--keep-ptx --dump-dir={tmp_path}").__ptx__
+    assert post_joint.count("st.global.v4.b32") > post.count("st.global.v4.b32") > 0
+
+
+def test_joint_refusals():
+    with FakeTensorMode():
+        args, _ = _inputs(P=2, S_loc=256, J=20)
+
+        def refused(match, **over):
+            with pytest.raises(ValueError, match=match):
+                bwd.fa4_bwd_a2a_launcher(**{**args, **over}, rank=0)
+
+        good = _joint(1, 20, 2, 2)
+        refused("dq_windows: expected")  # 20 joint rows without their tensors
+        refused("joint: expected", joint=good[:2])
+        refused("joint: djq must be", joint=(good[0].narrow(1, 0, 0),) + good[1:])
+        refused("joint djk: expected", joint=(good[0].narrow(1, 0, 10),) + good[1:])  # J read from djq: 10
+        refused("joint djq: expected", joint=(torch.empty(1, 20, 3, 128, dtype=BF16, device="cuda"),) + good[1:])
+        refused("joint djk: expected", joint=(good[0], torch.empty(1, 20, 1, 128, dtype=BF16, device="cuda"), good[2]))
+        refused("joint djv: dtype", joint=good[:2] + (good[2].half(),))
+        refused("joint djq: must be contiguous",
+                joint=(torch.empty(1, 2, 20, 128, dtype=BF16, device="cuda").transpose(1, 2),) + good[1:])
+        refused("dkv_store", joint=good, dkv_store="tma")  # S_loc 256 a multiple of tile_n, but joint rows
+    with pytest.raises(ValueError, match="joint"):
+        bwd.compile_bwd_a2a_main("tma", BF16, 128, 1, False, False, False, False, False, joint=True)

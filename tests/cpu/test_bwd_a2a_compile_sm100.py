@@ -69,6 +69,10 @@ def test_sm100_refusals(sm100):
         args, _ = _inputs(P=2, S_loc=256, D=128)
         with pytest.raises(ValueError, match="dkv_store: 'tma' is not 'st', or 'tma' on SM90"):
             bwd.fa4_bwd_a2a_launcher(**args, rank=0, dkv_store="tma")  # SM90's path; SM100 stores per thread
+        args, _ = _inputs(P=2, S_loc=256, D=128, J=8)
+        joint = tuple(torch.empty(1, 8, 2, 128, dtype=BF16, device="cuda") for _ in range(3))
+        with pytest.raises(ValueError, match="joint: the joint rows' routing is built for SM90 only"):
+            bwd.fa4_bwd_a2a_launcher(**args, rank=0, joint=joint)
     with pytest.raises(ValueError, match="dkv_store: 'st', or 'accum' exactly when"):
         bwd.compile_bwd_a2a_main_sm100("st", BF16, 128, 2, False, False, False, True)
     with pytest.raises(ValueError, match="qhead_per_kvhead"):

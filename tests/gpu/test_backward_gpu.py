@@ -9,12 +9,12 @@ GPU (VMM windows; the serial backward's exchanges over their gloo group). Under
 torch.use_deterministic_algorithms (FA4's deterministic backward) "fused" and "serial" give the
 same gradients bit for bit, real ranks the emulated ranks' bits; the output of a call with grad
 equals the no-grad call's. Padding rows get zero grads; joint grads summed over the ranks match.
-impl "fused" without joint rows and with suffix padding takes the fused backward (cute_kernels.
+impl "fused" with suffix padding (joint rows: on SM90) takes the fused backward (cute_kernels.
 fa4_bwd_a2a: dq, dk, dv stored into the owners' windows by FA4's backward kernels, dO's pre-A2A kernel
 before it, no torch.distributed collective): checked to run there (and nowhere else) and to equal the
 serial backward bit for bit also with every window it reads NaN-poisoned first (an unwritten tile
 shows), emulated P = 2, 3, 4, 8 (D 64 and 128, GQA through FA4's accumulators and through the fp32 head
-sums, seq_len padding, causal, B = 2) and 2 real ranks under MPS; with joint rows or uneven shards it
+sums, seq_len padding, causal, joint rows, B = 2) and 2 real ranks under MPS; with uneven shards it
 falls back to the exchanges and still equals serial.
 The cases share FA4's compiles (forward with LSE and backward per D, GQA ratio, causal, seqused_k).
 
@@ -154,8 +154,8 @@ def emulated_grads(case, impl, shards, joint, douts, djouts):
 
 
 def takes_fused_backward(case) -> bool:
-    """Whether impl "fused" takes the fused backward on this case (no joint rows, suffix padding)."""
-    return case[6] == 0 and layout(case).is_suffix_padded
+    """Whether impl "fused" takes the fused backward on this case (suffix padding; joint rows on SM90 only)."""
+    return layout(case).is_suffix_padded and (case[6] == 0 or torch.cuda.get_device_capability() == (9, 0))
 
 
 @pytest.fixture
@@ -230,7 +230,7 @@ def test_real_ranks_gradients():
 
 
 # ---- the fused backward (impl "fused": fa_a2a.engine.backward.fused_backward_applies) -------------------
-# no joint rows, suffix padding: FA4's backward kernels store dq, dk, dv into the owners' windows
+# suffix padding: FA4's backward kernels store dq, dk, dv into the owners' windows (joint rows: on the rank)
 FUSED_CASES = [
     (2, 1, 999, 4, 4, 128, 0, False, None),  # seq_len padding: S_loc 500, keys masked (per-thread dK/dV stores)
     (2, 1, 1024, 4, 2, 64, 0, True, None),  # causal, GQA (dK, dV through FA4's accumulators), S_loc 512 (TMA)
@@ -239,6 +239,9 @@ FUSED_CASES = [
     (4, 1, 768, 12, 6, 128, 0, True, None),  # a rank reads a KV head twice (fp32 head sums)
     (8, 1, 1024, 24, 24, 128, 0, False, None),  # Flux's 24 heads, S_loc 128 (TMA)
     (8, 1, 1999, 16, 8, 64, 0, False, None),  # GQA, S_loc 250 with a padding row
+    (2, 1, 999, 4, 4, 128, 77, False, None),  # joint rows, seq_len padding (keys: sequence, joint, padding)
+    (4, 1, 1000, 8, 2, 64, 33, False, None),  # joint rows, GQA (the postprocesses route them)
+    (8, 1, 1024, 24, 24, 128, 64, False, None),  # Flux's 24 heads with 64 joint rows, S_loc 128
 ]
 
 
@@ -253,17 +256,22 @@ def poison_windows(case):
     forward.window_plan(transport, lay, B, D, DTYPE).dq.fill_(float("nan"))
     for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
         transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), DTYPE).fill_(float("nan"))
+    if lay.joint_len:
+        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), DTYPE).fill_(float("nan"))
 
 
-def fused_grads_poisoned(case, shards, douts):
-    """The fused call's forward, every window poisoned, then its backward -> per-rank (dq, dk, dv)."""
+def fused_grads_poisoned(case, shards, joint, douts, djouts):
+    """The fused call's forward, every window poisoned, then its backward -> (per-rank (dq, dk, dv), the
+    joint grads or None)."""
     P, B, S, H, H_kv, D, J, causal, rows = case
     qs, ks, vs = ([t.clone().requires_grad_() for t in xs] for xs in shards)
+    jins = [j.to(DTYPE).requires_grad_() for j in joint] if joint else []
     kw = dict(shard_rows=rows) if rows else dict(seq_len=S)
-    outs = ulysses_attention_emulated(qs, ks, vs, impl="fused", causal=causal, **kw)
+    res = ulysses_attention_emulated(qs, ks, vs, impl="fused", causal=causal, joint=tuple(jins) or None, **kw)
+    outs = [*res[0], *res[1]] if jins else res
     poison_windows(case)
-    got = torch.autograd.grad(outs, [*qs, *ks, *vs], douts)
-    return [(got[r], got[P + r], got[2 * P + r]) for r in range(P)]
+    got = torch.autograd.grad(outs, [*qs, *ks, *vs, *jins], [*douts, *(djouts or ())])
+    return [(got[r], got[P + r], got[2 * P + r]) for r in range(P)], (got[3 * P:] if jins else None)
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=str)
@@ -271,11 +279,11 @@ def test_emulated_fused_backward_equals_serial_bit_for_bit(case, fused_calls):
     full, joint, shards, douts, djouts = make(case, seed=sum(case[:6]))
     assert takes_fused_backward(case)
     with deterministic():
-        _, serial, _ = emulated_grads(case, "serial", shards, joint, douts, djouts)
+        _, serial, serial_joint = emulated_grads(case, "serial", shards, joint, douts, djouts)
         assert not fused_calls
-        _, fused, _ = emulated_grads(case, "fused", shards, joint, douts, djouts)
+        _, fused, fused_joint = emulated_grads(case, "fused", shards, joint, douts, djouts)
         assert len(fused_calls) == 1 and fused_calls[0].fused
-        poisoned = fused_grads_poisoned(case, shards, douts)
+        poisoned, poisoned_joint = fused_grads_poisoned(case, shards, joint, douts, djouts)
         assert len(fused_calls) == 2
     ref = oracle(case, full, joint, douts, djouts)
     base = fa4_baseline(case, full, joint, douts, djouts)
@@ -284,6 +292,9 @@ def test_emulated_fused_backward_equals_serial_bit_for_bit(case, fused_calls):
         for name, a, b, c in zip(("dq", "dk", "dv"), serial[r], fused[r], poisoned[r]):
             assert torch.equal(a, b), (case, r, name, "fused backward differs from serial")
             assert torch.equal(a, c), (case, r, name, "fused backward over poisoned windows differs: unwritten rows")
+    for i, (a, b, c) in enumerate(zip(serial_joint or (), fused_joint or (), poisoned_joint or ())):
+        check(b, ref[3 + i], base[3 + i], ("fused backward", "joint", i))
+        assert torch.equal(a, b) and torch.equal(a, c), (case, "joint", i, "fused joint grads differ from serial")
 
 
 def test_fused_backward_without_deterministic_mode_is_close():

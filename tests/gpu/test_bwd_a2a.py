@@ -54,31 +54,42 @@ def _check(name, got, want, unwritten_from=None):
 
 
 def _run_case(P, B, S_loc, H_loc, D, causal, kv_heads=None, seqused=None, dkv_store=None, deterministic=True,
-              dtype=torch.bfloat16, window_pad=0):
+              dtype=torch.bfloat16, window_pad=0, joint_len=0):
     from flash_attn.cute.interface import _flash_attn_bwd
 
     from cute_kernels.fa4 import fa4_forward
     from cute_kernels.fa4_bwd_a2a import fa4_bwd_a2a
 
-    torch.manual_seed(1000 * P + S_loc + H_loc + D)
-    N, H_kv = P * S_loc, kv_heads or H_loc
+    torch.manual_seed(1000 * P + S_loc + H_loc + D + joint_len)
+    J, H_kv = joint_len, kv_heads or H_loc
+    N = P * S_loc + J
+    S = (seqused - J) if seqused is not None else P * S_loc  # key rows: S sequence keys, J joint, padding
     scale = D ** -0.5
     sk = None if seqused is None else torch.full((B,), seqused, device="cuda", dtype=torch.int32)
     dq_w = _windows(P, B, S_loc, P * H_loc, D, dtype, window_pad)
     dk_w, dv_w = (_windows(P, B, S_loc, P * H_kv, D, dtype, window_pad) for _ in range(2))
-    refs = []
+    refs, joints = [], []
     for r in range(P):
         q, do = (torch.randn(B, N, H_loc, D, device="cuda", dtype=dtype) for _ in range(2))
         k, v = (torch.randn(B, N, H_kv, D, device="cuda", dtype=dtype) for _ in range(2))
         lse = torch.empty(B, H_loc, N, device="cuda")
         o = fa4_forward(q, k, v, causal=causal, softmax_scale=scale, seqused_k=sk, lse=lse)
+        joint = None
+        if J:  # the rank's own joint-row grads, poisoned
+            joint = tuple(torch.full((B, J, h, D), POISON, device="cuda", dtype=dtype) for h in (H_loc, H_kv, H_kv))
+            joints.append(joint)
         fa4_bwd_a2a(q, k, v, o, do, lse, dq_w, dk_w, dv_w, r, causal=causal, softmax_scale=scale, seqused_k=sk,
-                    deterministic=deterministic, dkv_store=dkv_store)
+                    deterministic=deterministic, dkv_store=dkv_store, joint=joint)
         refs.append(_flash_attn_bwd(q, k, v, o, do, lse, scale, causal, seqused_k=sk, deterministic=deterministic))
     torch.cuda.synchronize()
-    dq, dk, dv = (_expected([g[i] for g in refs], P, None) for i in range(3))
-    _check("dk", dk_w, dk, seqused)
-    _check("dv", dv_w, dv, seqused)
+    dq, dk, dv = (_expected([g[i][:, :P * S_loc] for g in refs], P, None) for i in range(3))
+    _check("dk", dk_w, dk, S if J else seqused)
+    _check("dv", dv_w, dv, S if J else seqused)
+    for r, joint in enumerate(joints):  # query rows P * S_loc.. and key rows S..S + J stay on the rank
+        for name, got, want in zip(("djq", "djk", "djv"), joint,
+                                   (refs[r][0][:, P * S_loc:], refs[r][1][:, S:S + J], refs[r][2][:, S:S + J])):
+            if name != "djq" or deterministic:
+                assert torch.equal(got, want), (name, r, "the joint rows differ from FA4's")
     if deterministic:
         _check("dq", dq_w, dq)
     else:
@@ -149,3 +160,17 @@ def test_relaunch_and_fp16():
         h = w.shape[3] // P  # rank 1's heads
         mine, before = w[:, :, :, h:2 * h], f[:, :, :, h:2 * h]
         assert not torch.isnan(mine).any() and torch.equal(mine, before)
+
+
+@pytest.mark.parametrize("P,S_loc,H_loc,kv_heads,J,seqused", [
+    (2, 256, 2, None, 77, None),  # joint rows, no padding keys: key rows S_pad.. are the joint ones
+    (4, 320, 3, None, 33, 4 * 320 - 50 + 33),  # padding keys after the joint ones, tiles straddling
+    (4, 384, 4, 1, 64, 4 * 384 - 10 + 64),  # GQA: the postprocesses route the joint rows
+    (8, 100, 1, None, 5, None),  # S_loc < tile, a few joint rows
+])
+def test_joint_rows_stay_on_the_rank(P, S_loc, H_loc, kv_heads, J, seqused):
+    """Joint (text) rows (SM90): N = P * S_loc + J; query rows >= P * S_loc and key rows S .. S + J - 1 land
+    in the rank's own tensors, equal to FA4's own backward's rows; every other row as without them."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the joint rows' routing is built for SM90 only")
+    _run_case(P, 1, S_loc, H_loc, 128, False, kv_heads=kv_heads, seqused=seqused, joint_len=J)
