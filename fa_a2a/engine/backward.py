@@ -737,16 +737,15 @@ def _fused_rank(plan, rank: int) -> _FusedRank:
 
 
 def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, project=None) -> list:
-    """The fused backward of these local ranks' calls (group: the real ranks' group; None: P emulated
-    ranks) -> per rank (dq, dk, dv, djq, djk, djv; None without joint rows). The kernels are bound (compiled at the first call)
-    before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's
-    heads is in its window) -> every local rank's backward -> barrier (every gradient row is in its
-    owner's window) -> each rank's grads copied out of its own windows. project = (weight, dys): douts
-    are None and each rank's dO comes from the output projection's input-gradient GEMM of dys[i]
-    instead of the pre-A2A (_FusedRank.project_dout). With joint rows every rank also sends its joint-output
-    grads of each rank's heads (pre), and after the first barrier each rank sums those of its heads into
-    dO's joint rows (joint_dout) before its backward; the joint grads stay on the rank (the kernels' joint
-    tensors)."""
+    """The fused backward of these local ranks' calls (group: the real ranks' group; None: P emulated ranks) -> per
+    rank (dq, dk, dv, djq, djk, djv; None without joint rows). The kernels are bound (compiled at the first call)
+    before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's heads is
+    in its window) -> every local rank's backward -> barrier (every gradient row is in its owner's window) -> each
+    rank's grads copied out of its own windows. project = (weight, dys): douts are None and each rank's dO comes
+    from the output projection's input-gradient GEMM of dys[i] instead of the pre-A2A (_FusedRank.project_dout).
+    With joint rows every rank also sends its joint-output grads of each rank's heads (pre), and after the first
+    barrier each rank sums those of its heads into dO's joint rows (joint_dout) before its backward; the joint grads
+    stay on the rank (the kernels' joint tensors)."""
     from .forward import emulated_transport, window_plan
 
     lay, s0 = spec.layout, saved[0]

@@ -5,8 +5,9 @@ suffix padding; joint rows on SM90 only) and what each call then runs. Data move
 for by torch code that does what their docstrings say (cute_kernels.a2a's pre-A2A: dO rows of rank r to
 window d at rows r * S_loc + s, padding heads zero; cute_kernels.fa4_bwd_a2a: FA4's backward, here the
 reference backward as the stand-in of FA4's, with its dq, dk, dv rows stored into the owners' windows,
-dk, dv rows >= seqused_k left unwritten; joint query and key rows into the rank's own joint tensors), over an emulated transport on CPU whose barriers are recorded
-(or, for real ranks, threads meeting in a threading.Barrier). The windows are NaN-poisoned first, so a
+dk, dv rows >= seqused_k left unwritten; joint query and key rows into the rank's own joint tensors),
+over an emulated transport on CPU whose barriers are recorded (or, for real ranks, threads meeting in a
+threading.Barrier). The windows are NaN-poisoned first, so a
 row read that no kernel wrote, or a padding row not zeroed, shows. The serial impl's backward (the
 exchanges around the same stand-in of FA4's backward) is the reference: equal bit for bit.
 """
