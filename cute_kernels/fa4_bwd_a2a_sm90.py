@@ -35,6 +35,13 @@ local buffers for emulated ranks), [P, B, S_loc, P * h_loc, D], seen by the kern
   stores each row predicated per rank like "st" above, so every S_loc works (FA4's backward tile_m is
   80 at D=128 non-causal, which seldom divides S_loc). Scale, conversion and rounding are FA4's.
 
+Joint (text) rows (compile-time `joint`, "st" dK/dV stores; SM90 only): the rows are then N = P * S_loc
++ J, query rows [sequence slots, J joint] and key rows [S sequence keys, J joint, padding keys]
+(ulysses.layout with suffix padding; S = seqused_k - J, or P * S_loc without padding keys). store_rows
+takes the rank's own [B, J, h, D] tensor: rows seqlen - J .. seqlen - 1 (seqlen: N for dQ, seqused_k or
+N for dK, dV) go there, only rows before them to the windows. The joint rows' grads are the rank's own
+(every rank holds all joint rows; ulysses' backward sums them over the ranks), so they are never sent.
+
 Values are FA4's bit for bit: the same kernels compute them, only where they are stored differs. FA4's
 dQ (and GQA's dK, dV) sums are fp32 bulk reduce-adds whose order varies between runs unless
 `deterministic` (FA4's semaphore-ordered mode), as in FA4's own backward.

@@ -42,8 +42,9 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               reads).
                               The backward of "serial" (the reference the fused one must equal):
                               FA4's backward between two all_to_all_single exchanges over the group.
-                              The backward of "fused" (fused_backward_applies: CUDA SM90/SM100, no joint
-                              rows, suffix padding; otherwise the exchanges above): no
+                              The backward of "fused" (fused_backward_applies: CUDA SM90/SM100,
+                              suffix padding, joint rows on SM90 only; otherwise the exchanges
+                              above): no
                               torch.distributed collective at all, the ranks meet in the
                               transport's barriers. dO (padding rows zeroed) -> the pre-A2A kernel
                               into the forward's q in-windows (its q part alone: the k, v part gets
@@ -54,6 +55,11 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               rank's own windows read out (dq's first H heads; dk, dv summed over
                               the ranks' KV heads as the exchange path sums them; rows >=
                               valid_rows zeroed), copied before the next call's first barrier.
+                              Joint rows (SM90): each rank's joint-output grads of each rank's heads
+                              go to that rank's "ulysses.djout" window with the pre-A2A; after the
+                              barrier each rank sums them (as the exchange path does) into dO's
+                              joint rows; the kernels store the joint rows' dq, dk, dv into the
+                              rank's own tensors (its joint grads, never sent).
                               Emulated ranks: every rank's pre-A2A, one barrier, every rank's
                               backward, one barrier. The backward kernels are bound per call (they
                               read that call's saved tensors) and compiled at the first, before
