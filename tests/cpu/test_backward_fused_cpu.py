@@ -426,23 +426,25 @@ class _Group:
     group_name = "fake"
 
 
-def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
+@pytest.mark.parametrize("J", [0, 3])
+def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
     """The real-rank path (group given): each of P threads runs one rank's backward over a shared
     transport whose barriers are a threading.Barrier; no torch.distributed call is made (the backward's
-    agreement is stood in for); every rank's grads equal the serial backward's."""
+    agreement is stood in for); every rank's grads (its joint grads too) equal the serial backward's."""
     import torch.distributed as dist
 
     import ulysses.transport as transport_mod
 
     P = 4
-    p = problem("fused", P, 2, 30, 8, 2)
+    p = problem("fused", P, 2, 30, 8, 2, J=J)
     lay = p.layout
-    (qs, ks, vs), _, douts, _ = inputs(p, seed=6)
+    (qs, ks, vs), joint, douts, djouts = inputs(p, seed=6)
+    djouts = djouts or [None] * P
     rows = [q.shape[1] for q in qs]
     padded = [[fab._padded(lay, r, x) for r, x in enumerate(xs)] for xs in (qs, ks, vs)]
-    _, saved = kernel_forward_emulated(p, *padded, None, rows)
+    _, saved = kernel_forward_emulated(p, *padded, joint, rows)
     serial_spec = fab.Spec(lay, False, p.scale, True, False)
-    serial = fab.backward(serial_spec, range(P), saved, douts, [None] * P, rows)
+    serial = fab.backward(serial_spec, range(P), saved, douts, djouts, rows)
 
     meet = threading.Barrier(P, timeout=60)
     transport = kernels.transport(P)
@@ -464,7 +466,7 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
 
     def rank(r):
         try:
-            [results[r]] = fab.backward(spec, [r], [saved[r]], [douts[r]], [None], [rows[r]], group=_Group())
+            [results[r]] = fab.backward(spec, [r], [saved[r]], [douts[r]], [djouts[r]], [rows[r]], group=_Group())
         except BaseException as e:  # noqa: BLE001 (reported below)
             errors.append((r, e))
             meet.abort()
@@ -477,9 +479,10 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch):
     assert not errors, errors
     assert agreed == [(spec, "fake")] * P
     for r in range(P):
-        assert results[r][3:] == (None, None, None)
-        for x, y in zip(results[r][:3], serial[r][:3]):
-            assert torch.equal(x, y), r
+        if not J:
+            assert results[r][3:] == (None, None, None)
+        for x, y in zip(results[r], serial[r]):
+            assert (x is None and y is None) or torch.equal(x, y), r
 
 
 def test_backward_agreement_names_its_path_and_mode(monkeypatch):
