@@ -642,10 +642,13 @@ class _FusedRank:
 
         dout = contiguous16(dout)
         self._pre(dout, dout, dout, None)
-        if self.djout_w is not None:
+        if self.djout_w is not None:  # one copy into every rank's slot: rank d's heads are d * H_loc .. (+ H_loc)
             lay = self.plan.layout
-            for d in range(lay.world_size):
-                self.djout_w[d][self.rank].copy_(take_heads(djout, lay.q_head_index[d]))
+            B, J, H, D = djout.shape
+            if H < lay.heads_pad:  # the padding heads' grads: zero
+                djout = torch.nn.functional.pad(djout, (0, 0, 0, lay.heads_pad - H))
+            heads = djout.reshape(B, J, lay.world_size, lay.heads_loc, D).permute(2, 0, 1, 3, 4)
+            self.djout_w[:, self.rank].copy_(heads)
 
     def joint_dout(self) -> None:
         """After the barrier (every rank's djout slot written): dO's joint rows of this rank's heads, the ranks'
