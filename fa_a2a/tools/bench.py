@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --backward: the attention block's output projection (H*D -> C_OUT) in both: FA4 + "
                    "torch's linear (forward and backward) against fa_a2a.ulysses_attention_out_proj, whose fused "
                    "backward takes dO from the projection's GEMM")
+    p.add_argument("--joint", type=int, default=None, metavar="J",
+                   help="with --backward: J joint (text) rows replicated on every rank, as Flux's 512 prompt tokens, "
+                   "in both: FA4 on one rank's heads over M + J rows against the op with joint=(q, k, v) [B, J, H, D] "
+                   "(their gradients too)")
     p.add_argument("--per-kernel", action="store_true",
                    help="under torchrun (one GPU per process): the kernel methods above on real ranks instead of "
                    "the whole-call benchmark (fa_a2a.tools.bench_call)")
@@ -157,6 +161,7 @@ BOUNDS = {
     "--seed": (0, 2**31 - 1),
     "--mps-share": (1.0, 100.0),
     "--out-proj": (1, 1 << 16),
+    "--joint": (1, 1 << 16),
 }
 
 
@@ -239,12 +244,21 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
         _bounded(ns.out_proj, "--out-proj")
         if not ns.backward:
             raise ValueError(f"--out-proj: only with --backward (the forward + backward benchmark), got {ns.out_proj}")
+    if ns.joint is not None:
+        _bounded(ns.joint, "--joint")
+        if not ns.backward:
+            raise ValueError(f"--joint: only with --backward (the forward + backward benchmark), got {ns.joint}")
+        if ns.out_proj is not None:
+            raise ValueError("--joint: not with --out-proj (ulysses_attention_out_proj takes no joint rows)")
+        if ns.causal:
+            raise ValueError("--joint: not with --causal (causal masking with joint rows is not defined)")
     return BenchConfig(
         seqlens=seqlens, heads=ns.heads, head_dim=ns.head_dim, batch=ns.batch, world_size=world,
         real_ranks=real, dtype=ns.dtype, causal=ns.causal, trials=trials, warmup=warmup,
         calls=ns.calls, target_ms=target_ms, methods=methods, dests=dests, quick=ns.quick, out=ns.out,
         platform=ns.platform, seed=ns.seed, plots=not ns.no_plots, num_sms=num_sms,
         fa_tflops=ns.fa_tflops, mps_share=mps_share, per_kernel=ns.per_kernel, out_proj=ns.out_proj or 0,
+        joint=ns.joint or 0,
     )
 
 

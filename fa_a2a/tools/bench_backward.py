@@ -24,6 +24,9 @@ owners' windows (cute_kernels.fa4_bwd_a2a), no collective. Per sequence length M
 both: the FA4 baseline adds torch's linear forward and backward on one rank's S_loc rows, the op is
 fa_a2a.ulysses_attention_out_proj (its fused backward takes dO from the projection's GEMM, stored
 straight to its owners, instead of the pre-A2A kernel); dO is then dY [B, S_loc, C_OUT].
+--joint J: J joint (text) rows replicated on every rank (Flux's prompt: 512): FA4 runs one rank's heads over
+M + J rows, the op takes joint=(q, k, v) [B, J, H, D] (their grads computed, each rank's joint output
+given its own dO); the fused backward keeps the joint rows' grads on the rank (SM90).
 
 impl: "serial" and "fused" always; "nccl" (all_to_all_single around FA4) on real ranks with one GPU each (it
 needs NCCL: skipped, with the reason, when ranks share a GPU); "reference" (the fp32 reference
@@ -213,6 +216,8 @@ def table_title(points: Sequence[dict], card: str, cfg: BenchConfig) -> str:
                f"work, ratios over {cfg.world_size} x FA4")
     proj = (f"; with the output projection H*D -> {cfg.out_proj} (FA4 + torch's linear vs "
             f"ulysses_attention_out_proj)" if cfg.out_proj else "")
+    if cfg.joint:
+        proj += f"; {cfg.joint} joint rows (FA4 over M + {cfg.joint} rows)"
     return (f"{card}, {cfg.dtype}, B={cfg.batch}, H={cfg.heads}, H_loc={cfg.heads_local}, D={cfg.head_dim}"
             f"{', causal' if cfg.causal else ''}{proj}; {who}; us per call, median over {cfg.trials} trials ({modes}); "
             f"bwd = fwd+bwd - fwd")
@@ -246,6 +251,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
 
     P, B, H, D, H_loc = cfg.world_size, cfg.batch, cfg.heads, cfg.head_dim, cfg.heads_local
     S_loc, dtype, causal, dev = M // P, torch_dtype(cfg.dtype), cfg.causal, ctx["device"]
+    J = cfg.joint  # joint rows: FA4 runs one rank's heads over M + J rows, the op takes them as joint=
     scale = 1.0 / math.sqrt(D)
     gen = torch.Generator(device=dev).manual_seed(cfg.seed * 1_000_003 + M * 64 + ctx["rank"])
 
@@ -284,9 +290,9 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
         return fwd, fwd_bwd
 
     def fa4_set():
-        q, k, v, do = (randn(B, M, H_loc, D) for _ in range(4))
+        q, k, v, do = (randn(B, M + J, H_loc, D) for _ in range(4))
         o = torch.empty_like(q)
-        lse = torch.empty(B, H_loc, M, dtype=torch.float32, device=dev)
+        lse = torch.empty(B, H_loc, M + J, dtype=torch.float32, device=dev)
         fwd = fa4_launcher(q, k, v, o, causal=causal, softmax_scale=scale, lse=lse)
         lin = linear_set() if C_out else None
 
@@ -309,20 +315,24 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
         n = 1 if cfg.real_ranks else P
         qs, ks, vs = ([randn(B, S_loc, H, D, grad=True) for _ in range(n)] for _ in range(3))
         dos = [randn(B, S_loc, C_out) if C_out else randn(B, S_loc, H, D) for _ in range(n)]
-        leaves = qs + ks + vs + ([weight, bias] if C_out else [])
+        joint = tuple(randn(B, J, H, D, grad=True) for _ in range(3)) if J else None  # replicated: one tuple
+        djouts = [randn(B, J, H, D) for _ in range(n)] if J else []  # each rank's joint output's grad
+        leaves = qs + ks + vs + ([weight, bias] if C_out else []) + list(joint or ())
         if cfg.real_ranks and C_out:
             def forward():
                 return [ulysses_attention_out_proj(qs[0], ks[0], vs[0], weight, bias, group=ctx["group"], impl=impl,
                                                    causal=causal)]
         elif cfg.real_ranks:
             def forward():
-                return [ulysses_attention(qs[0], ks[0], vs[0], group=ctx["group"], impl=impl, causal=causal)]
+                res = ulysses_attention(qs[0], ks[0], vs[0], group=ctx["group"], impl=impl, causal=causal, joint=joint)
+                return list(res) if J else [res]
         elif C_out:
             def forward():
                 return ulysses_attention_out_proj_emulated(qs, ks, vs, weight, bias, impl=impl, causal=causal)
         else:
             def forward():
-                return list(ulysses_attention_emulated(qs, ks, vs, impl=impl, causal=causal))
+                res = ulysses_attention_emulated(qs, ks, vs, impl=impl, causal=causal, joint=joint)
+                return [*res[0], *res[1]] if J else list(res)
 
         def fwd_only():
             with torch.enable_grad():
@@ -334,7 +344,7 @@ def _build(cfg: BenchConfig, M: int, ctx: dict, impls: Sequence[str]) -> tuple:
                 t.grad = None
             with torch.enable_grad():
                 outs = forward()
-            torch.autograd.backward(outs, dos)
+            torch.autograd.backward(outs, dos + djouts)
             return [o.detach() for o in outs] + [t.grad for t in leaves]
 
         return fwd_only, fwd_bwd

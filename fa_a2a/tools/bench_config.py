@@ -61,6 +61,7 @@ class BenchConfig:
     mps_share: Optional[float] = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of every rank, when given
     per_kernel: bool = False  # torchrun: the kernel methods instead of the whole call
     out_proj: int = 0  # --backward: C_out of the attention's output projection timed with it (0: none)
+    joint: int = 0  # --backward: joint (text) rows replicated on every rank (0: none)
 
     @property
     def whole_call(self) -> bool:

@@ -45,6 +45,23 @@ def test_out_proj_rides_on_backward_and_names_itself():
         _cfg(["--backward", "--out-proj", "0"])
 
 
+def test_joint_rides_on_backward_and_names_itself():
+    """--joint J: joint (text) rows in both sides of --backward (the title says so); without --backward,
+    with --out-proj (no joint rows there) or --causal (not defined with joint rows), or out of bounds: a
+    ValueError naming --joint."""
+    assert _cfg(["--backward"]).joint == 0
+    cfg = _cfg(["--backward", "--joint", "512", "--world-size", "2"])
+    assert cfg.joint == 512
+    assert "512 joint rows (FA4 over M + 512 rows)" in bb.table_title([], "NVIDIA H100", cfg)
+    assert "joint" not in bb.table_title([], "NVIDIA H100", _cfg(["--backward"]))
+    for argv, match in ((["--joint", "512"], "--joint: only with --backward"),
+                        (["--backward", "--joint", "0"], "--joint"),
+                        (["--backward", "--joint", "8", "--out-proj", "3072"], "--joint: not with --out-proj"),
+                        (["--backward", "--joint", "8", "--causal"], "--joint: not with --causal")):
+        with pytest.raises(ValueError, match=match):
+            _cfg(argv)
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--methods", "fa"], "--methods"),
     (["--dest", "host"], "--dest"),
