@@ -118,12 +118,14 @@ def _graph_us(call, n: int) -> float:
 
 
 def _measure(call, n: int, n_host: int, trials: int = 5, barrier=None, graph: bool = True) -> dict:
-    """n_host calls for the host column: few enough that their launches fit the launch queue."""
+    """n_host calls for the host column: few enough that their launches fit the launch queue. host_min_us
+    (in the JSON): the fastest trial's, less moved by other work on the machine than the median."""
     for _ in range(3):
         call()
-    host = statistics.median(_host_us(call, n_host, barrier) for _ in range(trials))
+    hosts = [_host_us(call, n_host, barrier) for _ in range(trials)]
     eager = statistics.median(_eager_us(call, n, barrier) for _ in range(trials))
-    return dict(host_us=host, eager_us=eager, graph_us=_graph_us(call, n) if graph else None)
+    return dict(host_us=statistics.median(hosts), host_min_us=min(hosts), eager_us=eager,
+                graph_us=_graph_us(call, n) if graph else None)
 
 
 def one_process_cases(n: int) -> list[dict]:
@@ -224,7 +226,8 @@ def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
     q, k, v = _inputs(P, 128, 1, rank)[0]
     o = torch.empty_like(q)
     res.append(_measure(lambda: fa4_forward(q, k, v, o), n, n, barrier=dist.barrier, graph=False))
-    vals = torch.tensor([t for r in res for t in (r["host_us"], r["eager_us"])], dtype=torch.float64)
+    vals = torch.tensor([t for r in res for t in (r["host_us"], r["eager_us"], r["host_min_us"])],
+                        dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     dist.barrier()
     close_transports()
@@ -232,10 +235,11 @@ def _real_rank_rows(P: int, n: int, profile: bool) -> list[dict] | None:
         return None
     where = f"{P} processes on {min(P, torch.cuda.device_count())} GPU(s){', MPS' if mps_reachable() else ''}"
     rows = [dict(case=f"{where}, {name}, S_loc = {S_loc}", kind=kind, pair=f"{P} processes, S_loc = {S_loc}",
-                 host_us=vals[2 * i].item(), eager_us=vals[2 * i + 1].item(), graph_us=None)
+                 host_us=vals[3 * i].item(), eager_us=vals[3 * i + 1].item(), host_min_us=vals[3 * i + 2].item(),
+                 graph_us=None)
             for i, (kind, name, S_loc) in enumerate(names)]
-    return rows + [dict(case=f"{where}, fa4_forward, S = 128", host_us=vals[-2].item(), eager_us=vals[-1].item(),
-                        graph_us=None)]
+    return rows + [dict(case=f"{where}, fa4_forward, S = 128", host_us=vals[-3].item(), eager_us=vals[-2].item(),
+                        host_min_us=vals[-1].item(), graph_us=None)]
 
 
 def _rank_entry(rank, P, n, init, out, profile):
