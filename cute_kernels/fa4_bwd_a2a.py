@@ -330,6 +330,15 @@ def _check_windows(name: str, w, x: torch.Tensor, rank: int, joint_len: int = 0)
         raise ValueError(f"{name}: the base address must be 16-byte aligned")
 
 
+def _overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte (same storage, overlapping element ranges)."""
+    if a.untyped_storage()._cdata != b.untyped_storage()._cdata or not a.numel() or not b.numel():
+        return False
+    es = a.element_size()
+    lo_a, lo_b = a.storage_offset() * es, b.storage_offset() * b.element_size()
+    return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * es
+
+
 def fa4_bwd_a2a_launcher(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -365,7 +374,9 @@ def fa4_bwd_a2a_launcher(
     no effect.
     The rows of k must be in slot order (key row s = sequence row s): ulysses.layout's key order is
     that when the padding is a suffix.
-    joint (SM90): (djq [B, J, H_loc, D], djk, djv [B, J, H_kv_loc, D]), the rank's own contiguous tensors:
+    joint (SM90, not causal): (djq [B, J, H_loc, D], djk, djv [B, J, H_kv_loc, D]), the rank's own contiguous
+    tensors, apart from each other and from q, k, v, out, dout (seqused_k, a device value, is not read
+    here: with joint rows it must be S + J):
     the rows then hold J joint rows too, N = P * S_loc + J (ulysses.layout: query rows [sequence slots,
     joint], key rows [S valid keys, joint, padding keys], S = seqused_k - J or P * S_loc): query rows
     >= P * S_loc go to djq (row P * S_loc + j to djq[:, j]), key rows S .. S + J - 1 to djk, djv, the
@@ -397,6 +408,8 @@ def fa4_bwd_a2a_launcher(
             raise ValueError("joint: the joint rows' routing is built for SM90 only")
         if not isinstance(joint, (tuple, list)) or len(joint) != 3:
             raise ValueError("joint: expected (djq, djk, djv)")
+        if causal:
+            raise ValueError("joint: causal masking with joint rows is not defined (ulysses.layout)")
         J = joint[0].shape[1] if isinstance(joint[0], torch.Tensor) and joint[0].dim() == 4 else -1
         if not 0 < J < N:
             raise ValueError(f"joint: djq must be [B, J, H_loc, D] with 0 < J < {N}")
@@ -404,6 +417,11 @@ def fa4_bwd_a2a_launcher(
             _check_heads(f"joint {name}", t, B, J, D, q.dtype, q.device, heads=heads)
             if not aligned16(t, _address(t), dims=()):
                 raise ValueError(f"joint {name}: the base address must be 16-byte aligned")
+        named = list(zip(("djq", "djk", "djv"), joint)) + [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)]
+        for i, (name, t) in enumerate(named[:3]):
+            for other, u in named[i + 1:]:
+                if _overlapping(t, u):
+                    raise ValueError(f"joint {name}: overlaps {other} (the kernels write it while reading the others)")
     _check_windows("dq_windows", dq_windows, q, rank, J)
     _check_windows("dk_windows", dk_windows, k, rank, J)
     _check_windows("dv_windows", dv_windows, v, rank, J)

@@ -211,5 +211,9 @@ def test_joint_refusals():
         refused("joint djq: must be contiguous",
                 joint=(torch.empty(1, 2, 20, 128, dtype=BF16, device="cuda").transpose(1, 2),) + good[1:])
         refused("dkv_store", joint=good, dkv_store="tma")  # S_loc 256 a multiple of tile_n, but joint rows
+        refused("joint: causal masking", joint=good, causal=True)
+        refused("joint djk: overlaps djv", joint=(good[0], good[1], good[1]))
+        refused("joint djq: overlaps dout", joint=(args["dout"].narrow(1, 512, 20),) + good[1:])
+        refused("joint djv: overlaps k", joint=good[:2] + (args["k"].narrow(1, 512, 20),))
     with pytest.raises(ValueError, match="joint"):
         bwd.compile_bwd_a2a_main("tma", BF16, 128, 1, False, False, False, False, False, joint=True)
