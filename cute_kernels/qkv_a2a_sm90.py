@@ -627,7 +627,8 @@ def _launch_args(proj: QKVWeights, run: dict, kern: _Kernel) -> tuple:
             else:
                 name, as_row = field
                 epi.append(operands[name].unsqueeze(0) if as_row else operands[name])
-        args = cache[key] = (proj.weight[lo:hi].unsqueeze(0), tuple(epi), tuple(per_call))
+        # (narrow: also on fake tensors of torch's CPU build, where indexing a CUDA tensor fails)
+        args = cache[key] = (proj.weight.narrow(0, lo, hi - lo).unsqueeze(0), tuple(epi), tuple(per_call))
     return args
 
 

@@ -157,7 +157,8 @@ def test_a_weight_with_neither_rows_nor_columns_contiguous_is_refused():
     with FakeTensorMode():
         proj, x, windows, _ = _fake_problem(torch.bfloat16, 128, bias=False, norm=False)
         n, C = proj.weight.shape
-        for bad in (torch.empty(n, 2 * C, dtype=torch.bfloat16, device="cuda")[:, ::2],  # strided rows
+        wide = torch.empty(n, 2 * C, dtype=torch.bfloat16, device="cuda")
+        for bad in (wide.as_strided((n, C), (2 * C, 2)),  # strided rows (as_strided: torch's CPU build too)
                     torch.empty(n + 1, C, dtype=torch.bfloat16, device="cuda").as_strided((n, C), (C, 1), 1)):
             with pytest.raises(ValueError, match=r"proj: a weight \[n, C\] with contiguous rows or columns"):
                 K.qkv_a2a_launcher(x, K.QKVWeights(bad, None, None, proj.world_size, proj.heads_loc,
