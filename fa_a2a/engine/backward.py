@@ -617,7 +617,7 @@ class _FusedRank:
         none = [_no_heads(w) for w in (plan.dk, plan.dv)]
         self._pre = pre_a2a_launcher(plan.dq, *none, plan.q_map, plan.kv_map.narrow(0, 0, 0), rank, lay.seq_len,
                                      plan.key_rows[rank], False)
-        self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad (no joint rows): dO of the rank's heads
+        self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad + J: dO of the rank's heads
         B, S, D, P = plan.B, lay.seq_loc, plan.D, lay.world_size
         self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
         # joint rows: djout_w[d][s] = rank s's joint-output grads of rank d's heads (summed on rank d)
