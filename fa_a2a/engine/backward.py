@@ -55,6 +55,9 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               rank's own windows read out (dq's first H heads; dk, dv summed over
                               the ranks' KV heads as the exchange path sums them; rows >=
                               valid_rows zeroed), copied before the next call's first barrier.
+                              dK, dV are stored per thread where the call's forward stored O so
+                              (impl "fused:st", or "auto" that timed it faster: Spec.dkv_store),
+                              else by TMA where the shape allows.
                               Joint rows (SM90): each rank's joint-output grads of each rank's heads
                               go to that rank's "ulysses.djout" window with the pre-A2A; after the
                               barrier each rank sums them (as the exchange path does) into dO's
@@ -123,13 +126,17 @@ class Saved(NamedTuple):
 class Spec(NamedTuple):
     """What the backward of one call needs besides tensors: fa4 = FA4's backward (else the reference's);
     fused = the fused backward (cute_kernels.fa4_bwd_a2a through the transport's windows; else FA4's
-    backward between two exchanges)."""
+    backward between two exchanges); dkv_store "st": the fused backward stores dK, dV per thread, as the
+    call's forward stored O (impl "fused:st", or "auto" that timed per-thread stores faster on this
+    machine: remote TMA stores are the kind that can collapse into cross-process peer mappings), None:
+    the launcher's rule (TMA where the shape allows)."""
 
     layout: UlyssesLayout
     causal: bool
     scale: float
     fa4: bool
     fused: bool = False
+    dkv_store: Optional[str] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,8 +174,9 @@ def fused_backward_applies(p: Problem, device) -> bool:
 
 def spec_of(p: Problem, device=None) -> Spec:
     """The backward's Spec of p's call (impl decided); device: its tensors' (None: never the fused backward)."""
-    return Spec(p.layout, p.causal, p.scale, p.device_type == "cuda" and p.impl != "reference",
-                fused_backward_applies(p, device))
+    fused = fused_backward_applies(p, device)
+    return Spec(p.layout, p.causal, p.scale, p.device_type == "cuda" and p.impl != "reference", fused,
+                "st" if fused and p.o_store == "st" else None)
 
 
 def wants_grad(q, k, v, joint=None) -> bool:
@@ -577,7 +585,8 @@ def _agree_backward(spec: Spec, saved: Saved, group, refusal: Optional[str] = No
                       seq_len=lay.seq_len, shard_rows=lay.shard_rows, batch=B, num_heads=lay.num_heads,
                       num_kv_heads=lay.num_kv_heads, head_dim=D, dtype=str(saved.q.dtype).replace("torch.", ""),
                       joint_len=lay.joint_len, causal=spec.causal,
-                      softmax_scale=spec.scale, impl="fused backward" if spec.fused else "exchange backward",
+                      softmax_scale=spec.scale, impl=("exchange backward" if not spec.fused else "fused backward"
+                                                      + (", per-thread dK/dV stores" if spec.dkv_store else "")),
                       deterministic=deterministic)
         entry = _backward_words[key] = (fields, signature_word(fields))
     fields, word = entry
@@ -705,8 +714,8 @@ class _FusedRank:
         launch = fa4_bwd_a2a_launcher(s.q, s.k, s.v, s.o, self.dout, s.lse, self.dq_w, self.dk_w, self.dv_w,
                                       self.rank, causal=spec.causal, softmax_scale=spec.scale,
                                       seqused_k=None if spec.causal else self.plan.seqused,
-                                      deterministic=deterministic, joint=joint)
-        key = (spec.causal, spec.scale, deterministic)
+                                      deterministic=deterministic, joint=joint, dkv_store=spec.dkv_store)
+        key = (spec.causal, spec.scale, deterministic, spec.dkv_store)
         if key not in self._built:
             self._built.add(key)
             self.plan.transport.host_barrier()
@@ -1016,7 +1025,7 @@ def _grad_op(
     out, jout, saved, spec = forward_saving(problem, q, k, v, joint, group, rank)
     words = _call_words(impl, causal, softmax_scale, seq_len, shard_rows, pace)
     key = _traced_key(key_name, words, q.shape, k.shape[2], problem.layout.joint_len, q.dtype, q.device)
-    _traced_paths[key] = spec.fused
+    _traced_paths[key] = (spec.fused, spec.dkv_store)
     if jout is None:
         jout = out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
     return [out, jout, *(_empty(q) if t is None else t for t in _apart(saved))]
@@ -1059,7 +1068,7 @@ def _grad_backward_op(
     lay, P, rank = _layout_of(group_name, rows, H, num_kv_heads, djout.shape[1], seq_len, shard_rows)
     group, _, _, _ = group_by_name(group_name)
     key = _traced_key(group_name, words, dout.shape, num_kv_heads, djout.shape[1], dout.dtype, dout.device)
-    spec = Spec(lay, causal, softmax_scale, fa4, _traced_paths.get(key, False))
+    spec = Spec(lay, causal, softmax_scale, fa4, *_traced_paths.get(key, (False, None)))
     saved = Saved(q_heads, k_heads, v_heads, o_heads if fa4 else None, lse if fa4 else None)
     [grads] = backward(spec, [rank], [saved], [dout], [djout], [rows], group if P > 1 else None)
     if not lay.joint_len:

@@ -62,7 +62,7 @@ class Kernels:
     """The stand-ins and what they saw: events (in order), the transports (per P)."""
 
     def __init__(self):
-        self.events, self.transports = [], {}
+        self.events, self.transports, self.dkv_stores = [], {}, []
 
     def transport(self, P, device="cpu"):
         if P not in self.transports:
@@ -97,6 +97,7 @@ class Kernels:
         hk = k.shape[2]
         P, _, S_loc = dq_w.shape[:3]
         J = 0 if joint is None else joint[0].shape[1]
+        self.dkv_stores.append(dkv_store)
         assert N == P * S_loc + J and dq_w.shape[3] == P * h and dk_w.shape[3] == dv_w.shape[3] == P * hk
         if joint is not None:
             assert [tuple(t.shape) for t in joint] == [(B, J, h, D), (B, J, hk, D), (B, J, hk, D)]
@@ -349,6 +350,16 @@ def test_emulated_fused_backward_with_joint_rows_equals_serial(kernels, case):
         assert all(g.abs().sum() > 0 for g in fused[3 * P:]), "the joint grads must be written"
 
 
+@pytest.mark.parametrize("o_store,dkv_store", [("st", "st"), ("tma", None), (None, None)])
+def test_the_backward_stores_dk_dv_as_the_forward_stored_o(kernels, o_store, dkv_store):
+    """impl "fused:st" (or "auto" that timed per-thread O stores faster): the fused backward stores dK, dV
+    per thread too, and says so in the agreed fields; otherwise the launcher's rule (TMA where it can)."""
+    p = dataclasses.replace(problem("fused", 2, 1, 20, 4, 4), o_store=o_store)
+    assert fab.spec_of(p, "cuda").dkv_store == dkv_store
+    emulated_grads(p, seed=7)
+    assert kernels.dkv_stores == [dkv_store] * 2
+
+
 def test_deterministic_mode_reaches_the_kernels(kernels):
     p = problem("fused", 2, 1, 20, 4, 2)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -534,7 +545,7 @@ def test_traced_backward_op_keys_the_forward_ops_decision(monkeypatch):
     xs = [t.clone().requires_grad_() for t in ins + joint]
     torch.compile(f, backend="aot_eager", fullgraph=True)(*xs).backward()
     assert len(keys) == 2 and keys[0] == keys[1], keys
-    assert fab._traced_paths == {keys[0]: False}
+    assert fab._traced_paths == {keys[0]: (False, None)}  # (fused, dkv_store)
     assert all(torch.isfinite(x.grad).all() for x in xs)
 
 
