@@ -2,7 +2,7 @@
 kernel, FA4's backward kernels storing dq, dk, dv into the owners' windows over NVLink), "serial" and
 "nccl" (FA4's backward between all_to_all_single exchanges) give the same gradients bit for bit under
 torch.use_deterministic_algorithms(True), every rank; the fused backward runs (no collective) where it
-applies, and a case with joint rows falls back to the exchanges and still agrees. With the output
+applies (with joint rows: on SM90; elsewhere they fall back to the exchanges and still agree). With the output
 projection (ulysses_attention_out_proj) the fused backward takes dO from the projection's GEMM (no
 collective) and its grads agree with serial's within bf16 rounding (the two dO GEMMs round apart),
 the weight's and bias's bit for bit.
@@ -18,7 +18,7 @@ import torch
 from tests.multiproc import run_torchrun_on_gpus
 
 # (S, H, H_kv, D, J, causal): S_loc a multiple of the tiles; seq_len padding with GQA; causal D 64;
-# joint rows (the exchange backward)
+# joint rows (fused on SM90, the exchange backward elsewhere)
 CASES = [(16384, 24, 24, 128, 0, False), (8 * 1000 - 5, 16, 8, 128, 0, False), (8192, 8, 8, 64, 0, True),
          (4096, 24, 24, 128, 77, False)]
 
