@@ -350,6 +350,48 @@ def test_emulated_fused_backward_with_joint_rows_equals_serial(kernels, case):
         assert all(g.abs().sum() > 0 for g in fused[3 * P:]), "the joint grads must be written"
 
 
+def _random_joint_layouts(n: int, seed: int) -> list:
+    """(P, B, S, H, H_kv, J, rows): P 2-8, GQA ratios 1-4, seq_len padding (ranks of padding only too), J from
+    1 to past 2 x S_loc, a third with explicit rows of the ceil split."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        P, B, H_kv, g = rng.randint(2, 8), rng.randint(1, 2), rng.choice([1, 2, 3, 4, 6]), rng.choice([1, 1, 2, 4])
+        S = rng.randint(1, 6 * P)
+        S_loc = -(-S // P)
+        J = rng.choice([1, 2, S_loc, S_loc + 1, 2 * S_loc + 3, rng.randint(1, 20)])
+        rows = list(layout(P, S, H_kv * g, H_kv, J).shard_rows) if rng.random() < 0.3 else None
+        out.append((P, B, S, H_kv * g, H_kv, J, rows))
+    return out
+
+
+@pytest.mark.parametrize("case", _random_joint_layouts(12, seed=0), ids=str)
+def test_random_layouts_with_joint_rows_equal_serial(kernels, case):
+    """Seeded random layouts with joint rows: two calls with other dO and joint dO over poisoned windows,
+    then one over the windows as the last call left them: fused == serial bit for bit each time."""
+    P, B, S, H, H_kv, J, rows = case
+    p = problem("fused", P, B, S, H, H_kv, J=J, rows=rows)
+    assert fab.fused_backward_applies(p, "cuda")
+    serial_p = dataclasses.replace(p, impl="serial", o_store=None)
+    for seed, poison in ((1, True), (2, True), (3, False)):
+        serial = emulated_grads(serial_p, seed=seed)
+        if poison:
+            poison_windows(kernels.transport(P), p)
+        kernels.events.clear()
+        check_equal(emulated_grads(p, seed=seed), serial, p)
+        assert sum(isinstance(e, tuple) and e[0] == "launch" for e in kernels.events) == P
+
+
+def test_joint_rows_come_and_go_on_one_transport(kernels):
+    """Calls with and without joint rows (and of other lengths) in turn on one transport: each equals serial."""
+    for P, B, S, H, H_kv in ((2, 1, 20, 4, 2), (4, 2, 13, 5, 5)):
+        for J in (0, 3, 0, 5, 3, 1):
+            p = problem("fused", P, B, S, H, H_kv, J=J)
+            serial = emulated_grads(dataclasses.replace(p, impl="serial", o_store=None), seed=J + P)
+            check_equal(emulated_grads(p, seed=J + P), serial, p)
+
+
 @pytest.mark.parametrize("o_store,dkv_store", [("st", "st"), ("tma", None), (None, None)])
 def test_the_backward_stores_dk_dv_as_the_forward_stored_o(kernels, o_store, dkv_store):
     """impl "fused:st" (or "auto" that timed per-thread O stores faster): the fused backward stores dK, dV
