@@ -332,11 +332,10 @@ def _check_windows(name: str, w, x: torch.Tensor, rank: int, joint_len: int = 0)
 
 def _overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous tensors share a byte (same storage, overlapping element ranges)."""
-    if a.untyped_storage()._cdata != b.untyped_storage()._cdata or not a.numel() or not b.numel():
+    if a.untyped_storage()._cdata != b.untyped_storage()._cdata:
         return False
-    es = a.element_size()
-    lo_a, lo_b = a.storage_offset() * es, b.storage_offset() * b.element_size()
-    return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * es
+    lo_a, lo_b = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
 
 
 def fa4_bwd_a2a_launcher(
