@@ -481,13 +481,15 @@ def fa4_bwd_a2a_launcher(
     dq_dst = dq_windows.narrow(3, rank * H_loc, H_loc)
     dk_dst = dk_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
     dv_dst = dv_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
-    djq, djk, djv = ((t,) for t in joint) if J else ((), (), ())  # the joint tensors' arguments, if any
+    # Every parameter passed, the absent ones as None: a function loaded from the disk cache takes all of
+    # them positionally (cute_kernels.compile_cache); SM100's routed main has no joint parameters.
+    djq, djk, djv = joint if J else (None, None, None)
     if qpk > 1:
         main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, s.dk_accum, s.dv_accum, scale, None, None,
                      None, seqused_k, None, None, s.dq_sem, s.dk_sem, s.dv_sem, (None, None), None, None)
     else:
         main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, dk_dst, dv_dst, scale, seqused_k, s.dq_sem,
-                     *djk, *djv)
+                     *((djk, djv) if arch == 90 else ()))
     zero = [t for t in (s.dk_accum, s.dv_accum, s.dq_sem, s.dk_sem, s.dv_sem) if t is not None]
 
     def launch() -> None:
@@ -495,10 +497,10 @@ def fa4_bwd_a2a_launcher(
             t.zero_()
         preprocess()
         main(*main_args)
-        post_dq(s.dq_accum, dq_dst, scale, None, *djq)
+        post_dq(s.dq_accum, dq_dst, scale, None, djq)
         if post_dkv is not None:
-            post_dkv(s.dk_accum, dk_dst, scale, seqused_k, *djk)
-            post_dkv(s.dv_accum, dv_dst, 1.0, seqused_k, *djv)
+            post_dkv(s.dk_accum, dk_dst, scale, seqused_k, djk)
+            post_dkv(s.dv_accum, dv_dst, 1.0, seqused_k, djv)
 
     return launch
 

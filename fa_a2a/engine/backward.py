@@ -318,8 +318,10 @@ def _sum_heads(parts, rows, num_heads: int) -> torch.Tensor:
 
 
 def _sum_ranks(parts) -> torch.Tensor:
-    """The ranks' joint grads summed (in fp32 at least), in their dtype."""
-    return torch.stack(parts).sum(0, dtype=torch.promote_types(parts[0].dtype, torch.float32)).to(parts[0].dtype)
+    """The ranks' joint grads (a list, or already stacked on dim 0) summed in rank order (in fp32 at least),
+    in their dtype."""
+    stacked = parts if isinstance(parts, torch.Tensor) else torch.stack(parts)
+    return stacked.sum(0, dtype=torch.promote_types(stacked.dtype, torch.float32)).to(stacked.dtype)
 
 
 def _shard_grads(lay, r: int, recv, rows: int) -> tuple:
@@ -663,7 +665,7 @@ class _FusedRank:
         """After the barrier (every rank's djout slot written): dO's joint rows of this rank's heads, the ranks'
         joint-output grads summed as the exchange backward sums them (_sum_ranks, the ranks in order)."""
         if self.djout_w is not None:
-            self.dout[:, self.plan.layout.seq_pad:].copy_(_sum_ranks(list(self.djout_w[self.rank])))
+            self.dout[:, self.plan.layout.seq_pad:].copy_(_sum_ranks(self.djout_w[self.rank]))
 
     def project_dout(self, dy, weight) -> None:
         """Launch dO = dy @ weight (the attention's output projection y = o @ weight^T + b: its input

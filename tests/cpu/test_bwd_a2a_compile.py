@@ -217,3 +217,60 @@ def test_joint_refusals():
         refused("joint djv: overlaps k", joint=good[:2] + (args["k"].narrow(1, 512, 20),))
     with pytest.raises(ValueError, match="joint"):
         bwd.compile_bwd_a2a_main("tma", BF16, 128, 1, False, False, False, False, False, joint=True)
+
+
+def _arity(cls) -> int:
+    """The parameters of a kernel class's __call__ but self and stream: what its compiled function loaded from
+    the disk cache takes, every one positionally (cute_kernels.compile_cache)."""
+    import inspect
+
+    return len([p for p in inspect.signature(cls.__call__).parameters if p not in ("self", "stream")])
+
+
+def launched_arities(monkeypatch, main_classes, post_class, compile_names, launcher_kwargs, inputs):
+    """Run the launcher's launch with strict stand-ins of its compiled kernels (FakeTensorMode, nothing runs on a
+    device): -> [(kernel, arguments passed, parameters of the kernel's __call__)] per kernel call."""
+    import flash_attn.cute.interface as fa4_interface
+
+    calls = []
+
+    def strict(cls):
+        want = _arity(cls)
+        return lambda *args, **kw: calls.append((cls.__name__, len(args) + len(kw), want))
+
+    main_name, post_name = compile_names
+    monkeypatch.setattr(bwd, main_name, lambda dkv_store, dtype, D, qpk, *a, **kw: strict(main_classes[qpk > 1]))
+    monkeypatch.setattr(bwd, post_name, lambda *a, **kw: strict(post_class))
+    monkeypatch.setattr(fa4_interface, "_bwd_preprocess", lambda *a, **kw: None)
+    monkeypatch.setattr(bwd, "_is_fake", lambda t: False)
+    with FakeTensorMode():
+        args, sk = _inputs(**inputs)
+        J, H_loc = inputs.get("J"), inputs["H_loc"]
+        joint = _joint(1, J, H_loc, inputs.get("H_kv") or H_loc) if J else None
+        bwd.fa4_bwd_a2a(**args, rank=0, seqused_k=sk, joint=joint, **launcher_kwargs)
+    return calls
+
+
+ARITY_CASES = [  # the kernel set each launch takes: tma / st / GQA, seqused, deterministic, joint rows
+    dict(P=2, S_loc=256, H_loc=2),
+    dict(P=4, S_loc=100, H_loc=2, seqused=300),
+    dict(P=2, S_loc=256, H_loc=4, H_kv=1, seqused=400),
+    dict(P=2, S_loc=300, H_loc=2, J=33),
+    dict(P=2, S_loc=300, H_loc=4, H_kv=2, J=33),
+]
+
+
+@pytest.mark.parametrize("inputs", ARITY_CASES, ids=str)
+@pytest.mark.parametrize("det", [False, True])
+def test_every_kernel_is_launched_with_all_its_parameters(monkeypatch, inputs, det):
+    """A compiled function loaded from the disk cache takes all its parameters positionally, absent ones as None
+    (one passed fewer fails there with "Expects N parameters", never in the process that compiled it)."""
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+
+    from cute_kernels.fa4_bwd_a2a_sm90 import FlashAttentionA2ABackwardPostprocessSm90, FlashAttentionA2ABackwardSm90
+
+    calls = launched_arities(monkeypatch, (FlashAttentionA2ABackwardSm90, FlashAttentionBackwardSm90),
+                             FlashAttentionA2ABackwardPostprocessSm90,
+                             ("compile_bwd_a2a_main", "compile_bwd_a2a_post"), dict(deterministic=det), inputs)
+    assert len(calls) == (4 if inputs.get("H_kv") else 2)
+    assert all(passed == want for _, passed, want in calls), calls

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_kernels import fa4_bwd_a2a as bwd
-from tests.cpu.test_bwd_a2a_compile import _inputs
+from tests.cpu.test_bwd_a2a_compile import ARITY_CASES, _inputs, launched_arities
 from tests.cpu.test_fused_compile_sm100 import TMA_STORE, fa4_knobs, sm100  # noqa: F401
 
 BF16 = torch.bfloat16
@@ -87,3 +87,18 @@ def test_scratch_rounds_as_fa4_does_for_2cta():
         s = bwd._scratch(1, 384, 4, 2, 128, 128, 128, True, True, "cuda", cluster=2)
     assert s.dq_accum.shape == (1, 4, 384 * 128) and s.dq_sem.shape == (1, 4, 3, 2)
     assert s.dk_accum.shape == (1, 2, 512 * 128) and s.dk_sem.shape == (1, 2, 4, 2)
+
+
+@pytest.mark.parametrize("inputs", [c for c in ARITY_CASES if not c.get("J")], ids=str)
+def test_every_sm100_kernel_is_launched_with_all_its_parameters(sm100, fa4_knobs, monkeypatch, inputs):
+    """As on SM90 (tests.cpu.test_bwd_a2a_compile): a kernel loaded from the disk cache takes every parameter."""
+    from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
+
+    from cute_kernels.fa4_bwd_a2a_sm100 import (FlashAttentionA2ABackwardPostprocessSm100,
+                                                FlashAttentionA2ABackwardSm100)
+
+    calls = launched_arities(monkeypatch, (FlashAttentionA2ABackwardSm100, FlashAttentionBackwardSm100),
+                             FlashAttentionA2ABackwardPostprocessSm100,
+                             ("compile_bwd_a2a_main_sm100", "compile_bwd_a2a_post_sm100"), {}, inputs)
+    assert len(calls) == (4 if inputs.get("H_kv") else 2)
+    assert all(passed == want for _, passed, want in calls), calls
