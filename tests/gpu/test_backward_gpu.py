@@ -329,16 +329,23 @@ def _real_ranks_fused(P, group, rank):
             _, joint, shards, douts, djouts = make(case, seed=sum(case[:6]))
             kw = dict(shard_rows=case[8]) if case[8] else dict(seq_len=case[2])
             with deterministic():
-                _, emulated, _ = emulated_grads(case, "serial", shards, joint, douts, djouts)
+                _, emulated, ejoint = emulated_grads(case, "serial", shards, joint, douts, djouts)
                 got = {}
                 for impl in ("fused", "serial"):
                     before = dict(calls)
                     ins = [s[rank].clone().requires_grad_() for s in shards]
-                    out = ulysses_attention(*ins, group=group, impl=impl, causal=case[7], **kw)
-                    got[impl] = torch.autograd.grad(out, ins, douts[rank])
+                    jins = [j.to(DTYPE).requires_grad_() for j in joint] if joint else []
+                    out = ulysses_attention(*ins, group=group, impl=impl, causal=case[7], joint=tuple(jins) or None,
+                                            **kw)
+                    grad_out = (douts[rank], djouts[rank]) if jins else douts[rank]
+                    got[impl] = torch.autograd.grad(out, ins + jins, grad_out)
                     if impl == "fused":
                         assert calls == {"a2a": before["a2a"], "fused": before["fused"] + 1}, (case, calls)
-                        for x, y in zip(got[impl], emulated[rank]):
+                        for i in range(3, len(got[impl])):  # the joint grads: this rank's heads, summed over ranks
+                            total = got[impl][i].float()
+                            dist.all_reduce(total, group=group)
+                            assert torch.equal(total.to(DTYPE), ejoint[i - 3]), (case, rank, "joint", i - 3)
+                        for x, y in zip(got[impl][:3], emulated[rank]):
                             assert torch.equal(x, y), (case, rank, "fused real ranks differ from emulated serial")
                     else:
                         assert calls["fused"] == before["fused"] and calls["a2a"] > before["a2a"], (case, calls)
