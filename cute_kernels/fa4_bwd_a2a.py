@@ -255,10 +255,11 @@ def fa4_sm100_bwd_2cta(head_dim: int) -> bool:
 @disk_cache
 def compile_bwd_a2a_main_sm100(dkv_store: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int,
                                causal: bool, has_seqused_k: bool, deterministic: bool, use_2cta: bool,
-                               extra_options: str = ""):
+                               joint: bool = False, extra_options: str = ""):
     """The SM100 main backward kernel of one key: dkv_store "st" (FlashAttentionA2ABackwardSm100, dK, dV
     into the windows; qhead_per_kvhead == 1) or "accum" (FA4's FlashAttentionBackwardSm100 with fp32 dK,
-    dV accumulators, GQA), configured as flash_attn.cute.interface._flash_attn_bwd configures it."""
+    dV accumulators, GQA), configured as flash_attn.cute.interface._flash_attn_bwd configures it.
+    joint ("st" only): the J joint key rows' dK, dV go into the rank's own [B, J, h, D] tensors."""
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 
     from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardSm100
@@ -267,23 +268,26 @@ def compile_bwd_a2a_main_sm100(dkv_store: str, dtype: torch.dtype, head_dim: int
     if dkv_store not in ("st", "accum") or gqa != (qhead_per_kvhead > 1):
         raise ValueError(f"dkv_store: 'st', or 'accum' exactly when qhead_per_kvhead > 1, got {dkv_store!r} "
                          f"with qhead_per_kvhead={qhead_per_kvhead}")
+    if joint and gqa:
+        raise ValueError("joint: the joint key rows' dK, dV are routed by the 'st' epilogue (GQA: the postprocess)")
     tm, tn = SM100_BWD_TILES
     cluster = 2 if use_2cta else 1
     fa = (FlashAttentionBackwardSm100 if gqa else FlashAttentionA2ABackwardSm100)(
         head_dim, head_dim, is_causal=causal, is_local=False, qhead_per_kvhead=qhead_per_kvhead, tile_m=tm,
         tile_n=tn, cluster_size=cluster, use_2cta_instrs=use_2cta, deterministic=deterministic,
-        spt=causal and deterministic, q_subtile_factor=2, kv_subtile_factor=1,
+        spt=causal and deterministic, q_subtile_factor=2, kv_subtile_factor=1, **({"joint": True} if joint else {}),
     )
     return _compile_main(fa, gqa, dtype, head_dim, qhead_per_kvhead, has_seqused_k, deterministic, 4 * tn, tm, tn,
-                         cluster, extra_options)
+                         cluster, extra_options, joint)
 
 
 @disk_cache
 def compile_bwd_a2a_post_sm100(dtype: torch.dtype, head_dim: int, of_dq: bool, use_2cta: bool, has_seqused: bool,
-                               extra_options: str = ""):
+                               joint: bool = False, extra_options: str = ""):
     """The routed SM100 postprocess of one key (FlashAttentionA2ABackwardPostprocessSm100) with FA4's
     postprocess configuration: dQ (of_dq: tile_m, 2-CTA as the main kernel, its dQ tile order) or GQA's
-    dK, dV (tile_n, its dK/dV tile order)."""
+    dK, dV (tile_n, its dK/dV tile order). joint: the J last rows (before seqused) go into the rank's own
+    [B, J, h, D] tensor."""
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 
     from cute_kernels.fa4_bwd_a2a_sm100 import FlashAttentionA2ABackwardPostprocessSm100
@@ -292,7 +296,7 @@ def compile_bwd_a2a_post_sm100(dtype: torch.dtype, head_dim: int, of_dq: bool, u
     dq_order, dkv_order = FlashAttentionBackwardSm100.accum_tile_orders(use_2cta, tn)
     fa = FlashAttentionA2ABackwardPostprocessSm100(_cute_dtype(dtype), head_dim, tm if of_dq else tn,
                                                    use_2cta and of_dq, dq_order if of_dq else dkv_order)
-    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options)
+    return _compile_post(fa, dtype, head_dim, has_seqused, extra_options, joint)
 
 
 # ---- the launcher -----------------------------------------------------------------------------------
@@ -373,7 +377,7 @@ def fa4_bwd_a2a_launcher(
     no effect.
     The rows of k must be in slot order (key row s = sequence row s): ulysses.layout's key order is
     that when the padding is a suffix.
-    joint (SM90, not causal): (djq [B, J, H_loc, D], djk, djv [B, J, H_kv_loc, D]), the rank's own contiguous
+    joint (not causal): (djq [B, J, H_loc, D], djk, djv [B, J, H_kv_loc, D]), the rank's own contiguous
     tensors, apart from each other and from q, k, v, out, dout (seqused_k, a device value, is not read
     here: with joint rows it must be S + J):
     the rows then hold J joint rows too, N = P * S_loc + J (ulysses.layout: query rows [sequence slots,
@@ -403,8 +407,6 @@ def fa4_bwd_a2a_launcher(
     arch = device_arch(q)  # 90 or 100 (ValueError naming q otherwise)
     J = 0
     if joint is not None:
-        if arch != 90:
-            raise ValueError("joint: the joint rows' routing is built for SM90 only")
         if not isinstance(joint, (tuple, list)) or len(joint) != 3:
             raise ValueError("joint: expected (djq, djk, djv)")
         if causal:
@@ -451,13 +453,14 @@ def fa4_bwd_a2a_launcher(
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     has_sk = seqused_k is not None
     post_dkv = None
+    with_joint = {"joint": True} if J else {}  # (the keys of calls without joint rows as they were)
     if arch == 100:
-        main = compile_bwd_a2a_main_sm100(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, use_2cta)
-        post_dq = compile_bwd_a2a_post_sm100(q.dtype, D, True, use_2cta, False)
+        main = compile_bwd_a2a_main_sm100(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, use_2cta,
+                                          **(with_joint if qpk == 1 else {}))
+        post_dq = compile_bwd_a2a_post_sm100(q.dtype, D, True, use_2cta, False, **with_joint)
         if qpk > 1:
-            post_dkv = compile_bwd_a2a_post_sm100(q.dtype, D, False, use_2cta, has_sk)
+            post_dkv = compile_bwd_a2a_post_sm100(q.dtype, D, False, use_2cta, has_sk, **with_joint)
     else:
-        with_joint = {"joint": True} if J else {}  # (the keys of calls without joint rows as they were)
         main = compile_bwd_a2a_main(dkv_store, q.dtype, D, qpk, bool(causal), has_sk, deterministic, N <= tm, N <= tn,
                                     **(with_joint if qpk == 1 else {}))
         post_dq = compile_bwd_a2a_post(q.dtype, D, tm, 128 if cfg.dQ_single_wg else cfg.num_wg * 128,
@@ -482,14 +485,14 @@ def fa4_bwd_a2a_launcher(
     dk_dst = dk_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
     dv_dst = dv_windows.narrow(3, rank * H_kv_loc, H_kv_loc)
     # Every parameter passed, the absent ones as None: a function loaded from the disk cache takes all of
-    # them positionally (cute_kernels.compile_cache); SM100's routed main has no joint parameters.
+    # them positionally (cute_kernels.compile_cache).
     djq, djk, djv = joint if J else (None, None, None)
     if qpk > 1:
         main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, s.dk_accum, s.dv_accum, scale, None, None,
                      None, seqused_k, None, None, s.dq_sem, s.dk_sem, s.dv_sem, (None, None), None, None)
     else:
         main_args = (q, k, v, dout, s.lse_log2, s.dpsum, s.dq_accum, dk_dst, dv_dst, scale, seqused_k, s.dq_sem,
-                     *((djk, djv) if arch == 90 else ()))
+                     djk, djv)
     zero = [t for t in (s.dk_accum, s.dv_accum, s.dq_sem, s.dk_sem, s.dv_sem) if t is not None]
 
     def launch() -> None:

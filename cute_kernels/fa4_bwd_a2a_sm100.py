@@ -16,6 +16,10 @@ dq_accum) and a postprocess per fp32 accumulator.
   the per-thread one (`use_tma_store` held False) and gives every thread's store the window of the
   rank that owns its row: dst = s // S_loc, local row s - dst * S_loc, predicated on s < seqused_k
   (any S_loc, no smem staging, one row per thread so no tile splits over ranks inside a thread).
+  Joint (text) rows (compile-time `joint`), the SM90 file's contract: key rows seqused_k - J ..
+  seqused_k - 1 go to the rank's own [B, J, h, D] tensors instead (the thread's row, one predicate);
+  the tensors reach the compute warps through FA4's aux slot (its __call__ -> compute_loop), as the
+  SM90 build passes its windows.
   Scaling (dK by softmax_scale), conversion and rounding are FA4's lines; the pipeline release is
   FA4's, with the consumer state advanced after dK as well as after dV (FA4's epilogue_dKV returns
   it after dK un-advanced; its TMA epilogue advances after both: the state has two stages, dV's and
@@ -30,14 +34,15 @@ Values are FA4's bit for bit (the same kernels compute them); only where they ar
 Ordering as on SM90: no kernel waits for its remote writes; the barrier kernel launched after the
 last postprocess on the same stream publishes them (cute_kernels/signal.py).
 
-Status (2026-12-05): compiled for sm_100a on CPU only (tests/cpu/test_bwd_a2a_compile_sm100.py); it
-has not run on a Blackwell GPU (none is lent). ptxas 13.0 (sm_100a, 2026-12-05): the main kernel uses 128
+Status (2026-12-05; joint rows 2026-12-06): compiled for sm_100a on CPU only
+(tests/cpu/test_bwd_a2a_compile_sm100.py); it has not run on a Blackwell GPU (none is lent). ptxas 13.0 (sm_100a, 2026-12-05): the main kernel uses 128
 registers; D 128 with 2-CTA MMA spills 8 bytes, as FA4's own kernel of that configuration does (8 bytes
 with its TMA epilogue, 16 with its per-thread one); D 128 1-CTA and D 64 spill none; the postprocesses
 58-96 registers, no spill. tests/gpu/test_bwd_a2a.py checks it against FA4's own
 SM100 backward moved by the reference exchange on an SM100 device.
 """
 
+import inspect
 import math
 from contextlib import contextmanager
 from typing import Optional
@@ -51,6 +56,7 @@ from cutlass.cute.nvgpu import tcgen05
 from cutlass.utils import LayoutEnum
 
 import flash_attn.cute.flash_bwd_sm100 as _fa4_bwd_sm100
+from flash_attn.cute.cute_dsl_utils import assume_tensor_aligned
 from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 from flash_attn.cute.tile_scheduler import SingleTileScheduler
 from flash_attn.cute.utils import AuxData
@@ -71,14 +77,18 @@ def _nested_stride_alignment():
         _fa4_bwd_sm100.assume_tensor_aligned = saved
 
 
+_COMPUTE_SIGNATURE = inspect.signature(FlashAttentionBackwardSm100.compute_loop)
+
+
 class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
     """FA4's SM100 backward whose dK/dV epilogue stores each thread's row into the window of the rank
     that owns it (module docstring). Everything else (warp roles, TMEM, pipelines, dQ accumulation,
     scheduler, deterministic mode) is FA4's. No GQA: FA4 accumulates GQA's dK, dV in fp32 and
     FlashAttentionA2ABackwardPostprocessSm100 routes them."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, joint: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.joint = joint
         if self.qhead_per_kvhead != 1:
             raise ValueError(
                 f"qhead_per_kvhead: {self.qhead_per_kvhead} > 1 (GQA) makes FA4 accumulate dK, dV in fp32; "
@@ -112,16 +122,28 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
         softmax_scale: Float32,
         mSeqUsedK: Optional[cute.Tensor] = None,  # (b,) valid keys (a suffix mask)
         mdQ_semaphore: Optional[cute.Tensor] = None,  # deterministic: (b, h_loc, m_blocks, cluster) int32
+        mdKJoint: Optional[cute.Tensor] = None,  # joint: (b, j, h_loc, d), the rank's joint key rows' dK
+        mdVJoint: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,
     ):
         mdK, mdV = rank_window_o(mdKWindows), rank_window_o(mdVWindows)
+        aux_data = AuxData()
+        if const_expr(self.joint):  # to the compute warps' epilogue through FA4's aux slot (compute_loop)
+            aux_data = AuxData([assume_tensor_aligned(mdKJoint), assume_tensor_aligned(mdVJoint)], None)
         with _nested_stride_alignment():
             # FA4's __call__ named: the DSL re-executes this body, where super() would follow type(self)
             FlashAttentionBackwardSm100.__call__(
                 self, mQ, mK, mV, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, softmax_scale,
-                None, None, None, mSeqUsedK, None, None, mdQ_semaphore, None, None, AuxData(), None, None,
+                None, None, None, mSeqUsedK, None, None, mdQ_semaphore, None, None, aux_data, None, None,
                 stream=stream,
             )
+
+    def compute_loop(self, *args, **kwargs):
+        """FA4's compute warps; the joint build takes the joint tensors from the aux slot."""
+        self._dkv_joint = (None, None)
+        if const_expr(self.joint):
+            self._dkv_joint = tuple(_COMPUTE_SIGNATURE.bind(self, *args, **kwargs).arguments["aux_data"].tensors)
+        return FlashAttentionBackwardSm100.compute_loop(self, *args, **kwargs)
 
     @cute.jit
     def epilogue_dKV(
@@ -147,7 +169,7 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
         pipeline_dKV.consumer_wait(consumer_state_dKV)
         self._store_rows_routed(tidx, wg_idx, num_wg, thr_mma_dV, tdVtdV, mdV,
                                 (self.mma_tiler_pdo[0], self.tile_hdimv), self.dv_dtype, None,
-                                n_block, head_idx, batch_idx, seqlen.seqlen_k)
+                                n_block, head_idx, batch_idx, seqlen.seqlen_k, self._dkv_joint[1])
         cute.arch.sync_warp()
         with cute.arch.elect_one():
             pipeline_dKV.consumer_release(consumer_state_dKV)
@@ -155,7 +177,7 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
         pipeline_dKV.consumer_wait(consumer_state_dKV)
         self._store_rows_routed(tidx, wg_idx, num_wg, thr_mma_dK, tdKtdK, mdK,
                                 (self.mma_tiler_dsq[0], self.tile_hdim), self.dk_dtype, softmax_scale,
-                                n_block, head_idx, batch_idx, seqlen.seqlen_k)
+                                n_block, head_idx, batch_idx, seqlen.seqlen_k, self._dkv_joint[0])
         cute.arch.sync_warp()
         with cute.arch.elect_one():
             pipeline_dKV.consumer_release(consumer_state_dKV)
@@ -178,9 +200,11 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
         head_idx: Int32,
         batch_idx: Int32,
         seqlen_k: Int32,
+        mJoint: Optional[cute.Tensor] = None,  # (b, j, h_loc, d): the rank's joint key rows, its own memory
     ):
         """FA4's epilogue_dKV for one tensor (TMEM -> registers, scaled, converted), its row stored into
-        the window of the rank that owns it."""
+        the window of the rank that owns it; with mJoint (J rows) the last J rows before seqlen_k are joint
+        rows: row seqlen_k - J + j goes to mJoint[b, j] (as store_rows does on SM90)."""
         rep = math.gcd(16, tile[1] // num_wg)
         tiled_tmem_ld = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(rep)), Float32), tXtX
@@ -209,7 +233,16 @@ class FlashAttentionA2ABackwardSm100(FlashAttentionBackwardSm100):
         # coordinates are the cluster tile's (this CTA's half with 2-CTA MMA)
         row0 = (n_block // self.cta_group_size) * tile[0]
         row = row0 + tXcX_t2r[0][0]
-        if row < seqlen_k:
+        seq_end = seqlen_k
+        if const_expr(mJoint is not None):
+            seq_end = seqlen_k - mJoint.shape[1]
+            if row >= seq_end and row < seqlen_k:
+                gJ = cute.local_tile(
+                    cute.domain_offset((row0 - seq_end, 0), mJoint[batch_idx, None, head_idx, None]), tile, (0, 0)
+                )
+                tXgJ = self.split_wg(thr_tmem_ld.partition_D(thr_mma.partition_C(gJ)), wg_idx, num_wg)
+                cute.copy(gmem_store, tXrX, tXgJ)
+        if row < seq_end:
             seqlen_loc = mX.shape[0]
             dst = row // seqlen_loc
             gX = cute.local_tile(
@@ -242,7 +275,7 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
         mAccum: cute.Tensor,
         mOut: cute.Tensor,
         mSeqUsed: Optional[cute.Tensor],
-        mJoint: Optional[cute.Tensor],  # joint rows: SM90 only (None here)
+        mJoint: Optional[cute.Tensor],  # (b, j, h_loc, d): the rank's joint rows (store_rows)
         scale: Float32,
         tiled_mma: cute.TiledMma,
         sAccum_layout: cute.Layout,
@@ -252,8 +285,6 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
         r2s_tiled_copy: Optional[cute.TiledCopy],
         sched_params: SingleTileScheduler.Params,
     ):
-        if const_expr(mJoint is not None):
-            raise ValueError("mJoint: joint rows in the routed SM100 postprocess are not built (SM90 only)")
         smem = cutlass.utils.SmemAllocator()
         sAccum = smem.allocate_tensor(Float32, sAccum_layout, byte_alignment=1024)
         # FA4's SM100 sdQ has a stage mode
@@ -265,6 +296,8 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
         work_tile = SingleTileScheduler.create(sched_params).initial_work_tile_info()
         m_block, head_idx, batch_idx, _ = work_tile.tile_idx
         seqlen = mOut.shape[1] * mOut.shape[0][1]
+        if const_expr(mJoint is not None):
+            seqlen = seqlen + mJoint.shape[1]
         if const_expr(mSeqUsed is not None):
             seqlen = mSeqUsed[batch_idx]
         gAccum = cute.local_tile(mAccum[batch_idx, head_idx, None], (self.tile_m * self.tile_hdim,), (m_block,))
@@ -314,4 +347,4 @@ class FlashAttentionA2ABackwardPostprocessSm100(RoutedPostprocess):
             cute.copy(r2s_tiled_copy, cute.make_tensor(rOut.iterator, cute.make_layout(tOsO.shape)), tOsO)
         cute.arch.barrier()  # the tile is in smem
         store_rows(gmem_tiled_copy, tidx, sOut, mOut, self.tile_m, self.tile_hdim, m_block * self.tile_m,
-                   head_idx, batch_idx, seqlen)
+                   head_idx, batch_idx, seqlen, mJoint)

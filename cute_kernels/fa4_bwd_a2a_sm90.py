@@ -35,7 +35,7 @@ local buffers for emulated ranks), [P, B, S_loc, P * h_loc, D], seen by the kern
   stores each row predicated per rank like "st" above, so every S_loc works (FA4's backward tile_m is
   80 at D=128 non-causal, which seldom divides S_loc). Scale, conversion and rounding are FA4's.
 
-Joint (text) rows (compile-time `joint`, "st" dK/dV stores; SM90 only): the rows are then N = P * S_loc
+Joint (text) rows (compile-time `joint`, "st" dK/dV stores; SM100: cute_kernels.fa4_bwd_a2a_sm100): the rows are then N = P * S_loc
 + J, query rows [sequence slots, J joint] and key rows [S sequence keys, J joint, padding keys]
 (ulysses.layout with suffix padding; S = seqused_k - J, or P * S_loc without padding keys). store_rows
 takes the rank's own [B, J, h, D] tensor: rows seqlen - J .. seqlen - 1 (seqlen: N for dQ, seqused_k or

@@ -43,7 +43,7 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               The backward of "serial" (the reference the fused one must equal):
                               FA4's backward between two all_to_all_single exchanges over the group.
                               The backward of "fused" (fused_backward_applies: CUDA SM90/SM100,
-                              suffix padding, joint rows on SM90 only; otherwise the exchanges
+                              suffix padding; otherwise the exchanges
                               above): no
                               torch.distributed collective at all, the ranks meet in the
                               transport's barriers. dO (padding rows zeroed) -> the pre-A2A kernel
@@ -162,14 +162,12 @@ def fused_backward_applies(p: Problem, device) -> bool:
     """Whether the backward of p's call (p: impl decided, "auto" resolved) on tensors of `device` is the
     fused one (cute_kernels.fa4_bwd_a2a): impl "fused" on several ranks (real or emulated), FA4 on an
     SM90 or SM100 GPU, the padding a suffix (the ceil split), so that the saved keys are the sequence's in
-    slot order, then the joint ones (the launcher's rows: N = P * S_loc + J); joint rows on SM90 only (their
-    routing is not built into the SM100 kernels). Every other call's backward is FA4's (or the
-    reference's) between two exchanges."""
+    slot order, then the joint ones (the launcher's rows: N = P * S_loc + J). Every other call's backward is
+    FA4's (or the reference's) between two exchanges."""
     lay = p.layout
     return (p.impl == "fused" and p.world_size > 1 and p.device_type == "cuda"
             and lay.is_suffix_padded and p.dtype in KERNEL_DTYPES and p.head_dim in KERNEL_HEAD_DIMS
-            and device is not None and _fused_arch(device)
-            and (lay.joint_len == 0 or _capability_of(device) == (9, 0)))
+            and device is not None and _fused_arch(device))
 
 
 def spec_of(p: Problem, device=None) -> Spec:

@@ -1,7 +1,7 @@
 """The fused backward's routing and data movement on CPU (fa_a2a.engine.backward, impl "fused").
 
 Routing: fused_backward_applies (impl "fused" decided, several ranks, CUDA SM90, bf16/fp16, D 64/128,
-suffix padding; joint rows on SM90 only) and what each call then runs. Data movement: the kernels are stood in
+suffix padding) and what each call then runs. Data movement: the kernels are stood in
 for by torch code that does what their docstrings say (cute_kernels.a2a's pre-A2A: dO rows of rank r to
 window d at rows r * S_loc + s, padding heads zero; cute_kernels.fa4_bwd_a2a: FA4's backward, here the
 reference backward as the stand-in of FA4's, with its dq, dk, dv rows stored into the owners' windows,
@@ -233,7 +233,7 @@ def expected_events(P, first: bool, deterministic=False, seqused=None, causal=Fa
     (dict(impl="nccl"), False),
     (dict(impl="reference"), False),
     (dict(P=1, S=64, H=4, H_kv=4), False),  # one rank: no exchange to fuse
-    (dict(J=5), True),  # joint rows (on SM90: the kernels route them to the rank's own tensors)
+    (dict(J=5), True),  # joint rows: the kernels route them to the rank's own tensors
     (dict(rows=[40, 24]), False),  # uneven shards: keys compacted
     (dict(rows=[32, 31]), True),  # explicit rows equal to the ceil split: suffix padding
     (dict(S=63), True),  # seq_len padding (a suffix)
@@ -252,8 +252,8 @@ def test_fused_backward_applies_by_the_conditions(monkeypatch, change, fused):
     assert fab.fused_backward_applies(p, "cuda") is fused
     spec = fab.spec_of(p, "cuda")
     assert spec.fused is fused and spec.fa4 == (p.device_type == "cuda" and p.impl != "reference")
-    monkeypatch.setattr(fab, "_capability_of", lambda device: (10, 0))  # SM100: joint rows are not routed there
-    assert fab.fused_backward_applies(p, "cuda") is (fused and not p.joint_len)
+    monkeypatch.setattr(fab, "_capability_of", lambda device: (10, 0))  # SM100: the same conditions
+    assert fab.fused_backward_applies(p, "cuda") is fused
     monkeypatch.setattr(fab, "_fused_arch", lambda device: False)  # another GPU (SM80, SM120)
     assert not fab.fused_backward_applies(p, "cuda")
     assert not fab.fused_backward_applies(p, None) and not fab.spec_of(p).fused

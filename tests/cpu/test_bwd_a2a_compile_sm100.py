@@ -69,16 +69,52 @@ def test_sm100_refusals(sm100):
         args, _ = _inputs(P=2, S_loc=256, D=128)
         with pytest.raises(ValueError, match="dkv_store: 'tma' is not 'st', or 'tma' on SM90"):
             bwd.fa4_bwd_a2a_launcher(**args, rank=0, dkv_store="tma")  # SM90's path; SM100 stores per thread
-        args, _ = _inputs(P=2, S_loc=256, D=128, J=8)
-        joint = tuple(torch.empty(1, 8, 2, 128, dtype=BF16, device="cuda") for _ in range(3))
-        with pytest.raises(ValueError, match="joint: the joint rows' routing is built for SM90 only"):
-            bwd.fa4_bwd_a2a_launcher(**args, rank=0, joint=joint)
     with pytest.raises(ValueError, match="dkv_store: 'st', or 'accum' exactly when"):
         bwd.compile_bwd_a2a_main_sm100("st", BF16, 128, 2, False, False, False, True)
     with pytest.raises(ValueError, match="qhead_per_kvhead"):
         FlashAttentionA2ABackwardSm100(128, qhead_per_kvhead=2)
     with pytest.raises(ValueError, match="head_dim"):
         FlashAttentionA2ABackwardSm100(80)  # padded to 96: FA4 predicates the columns, the routed store does not
+
+
+@pytest.mark.parametrize("H_loc,H_kv,seqused", [(2, 2, None), (2, 2, 2 * 300 - 40 + 33), (4, 1, 2 * 300 - 40 + 33)])
+def test_joint_rows_compile_and_take_the_routed_joint_kernels(sm100, fa4_knobs, H_loc, H_kv, seqused):
+    """Joint rows (N = P * S_loc + J), as on SM90: the routed main kernel (no GQA) and the postprocesses are
+    compiled with their joint tensors; GQA keeps FA4's own main kernel and routes them in the postprocesses."""
+    from tests.cpu.test_bwd_a2a_compile import _joint
+
+    seen = []
+
+    def spy(name, compile_fn, at):  # records (kernel, its key's argument `at`, the keywords)
+        return lambda *key, **kw: seen.append((name, key[at], kw)) or compile_fn(*key, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bwd, "compile_bwd_a2a_main_sm100", spy("main", bwd.compile_bwd_a2a_main_sm100, 0))
+        mp.setattr(bwd, "compile_bwd_a2a_post_sm100", spy("post", bwd.compile_bwd_a2a_post_sm100, 2))
+        with FakeTensorMode():
+            args, sk = _inputs(P=2, S_loc=300, H_loc=H_loc, H_kv=H_kv, seqused=seqused, J=33)
+            bwd.fa4_bwd_a2a(**args, rank=1, seqused_k=sk, joint=_joint(1, 33, H_loc, H_kv))
+    gqa = H_loc > H_kv
+    want = [("main", "accum" if gqa else "st", {} if gqa else {"joint": True}), ("post", True, {"joint": True})]
+    if gqa:
+        want.append(("post", False, {"joint": True}))
+    assert seen == want
+
+
+def test_ptx_of_the_joint_routing(sm100, fa4_knobs, tmp_path):
+    """The joint build's dK/dV epilogue and postprocess store rows to the joint tensors too: more 16-byte
+    stores than the build without, still no TMA store and no local memory."""
+    opts = f"--keep-ptx --dump-dir={tmp_path}"
+    for two_cta in (True, False):
+        key = ("st", BF16, 128, 1, False, True, False, two_cta)
+        plain = bwd.compile_bwd_a2a_main_sm100(*key, extra_options=opts).__ptx__
+        joint = bwd.compile_bwd_a2a_main_sm100(*key, joint=True, extra_options=opts).__ptx__
+        assert joint.count("st.global.v4") > plain.count("st.global.v4") > 0, two_cta
+        assert TMA_STORE.format(4) not in joint and TMA_STORE.format(5) not in joint and ".local" not in joint
+        post = bwd.compile_bwd_a2a_post_sm100(BF16, 128, True, two_cta, False, extra_options=opts).__ptx__
+        post_joint = bwd.compile_bwd_a2a_post_sm100(BF16, 128, True, two_cta, False, joint=True,
+                                                    extra_options=opts).__ptx__
+        assert post_joint.count("st.global.v4") > post.count("st.global.v4") > 0, two_cta
 
 
 def test_scratch_rounds_as_fa4_does_for_2cta():
@@ -89,7 +125,7 @@ def test_scratch_rounds_as_fa4_does_for_2cta():
     assert s.dk_accum.shape == (1, 2, 512 * 128) and s.dk_sem.shape == (1, 2, 4, 2)
 
 
-@pytest.mark.parametrize("inputs", [c for c in ARITY_CASES if not c.get("J")], ids=str)
+@pytest.mark.parametrize("inputs", ARITY_CASES, ids=str)
 def test_every_sm100_kernel_is_launched_with_all_its_parameters(sm100, fa4_knobs, monkeypatch, inputs):
     """As on SM90 (tests.cpu.test_bwd_a2a_compile): a kernel loaded from the disk cache takes every parameter."""
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100

@@ -9,7 +9,7 @@ GPU (VMM windows; the serial backward's exchanges over their gloo group). Under
 torch.use_deterministic_algorithms (FA4's deterministic backward) "fused" and "serial" give the
 same gradients bit for bit, real ranks the emulated ranks' bits; the output of a call with grad
 equals the no-grad call's. Padding rows get zero grads; joint grads summed over the ranks match.
-impl "fused" with suffix padding (joint rows: on SM90) takes the fused backward (cute_kernels.
+impl "fused" with suffix padding takes the fused backward (cute_kernels.
 fa4_bwd_a2a: dq, dk, dv stored into the owners' windows by FA4's backward kernels, dO's pre-A2A kernel
 before it, no torch.distributed collective): checked to run there (and nowhere else) and to equal the
 serial backward bit for bit also with every window it reads NaN-poisoned first (an unwritten tile
@@ -154,8 +154,8 @@ def emulated_grads(case, impl, shards, joint, douts, djouts):
 
 
 def takes_fused_backward(case) -> bool:
-    """Whether impl "fused" takes the fused backward on this case (suffix padding; joint rows on SM90 only)."""
-    return layout(case).is_suffix_padded and (case[6] == 0 or torch.cuda.get_device_capability() == (9, 0))
+    """Whether impl "fused" takes the fused backward on this case (suffix padding)."""
+    return layout(case).is_suffix_padded
 
 
 @pytest.fixture
