@@ -54,11 +54,15 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               epilogue, dQ and GQA's dK, dV in the postprocess) -> barrier -> the
                               rank's own windows read out (dq's first H heads; dk, dv summed over
                               the ranks' KV heads as the exchange path sums them; rows >=
-                              valid_rows zeroed), copied before the next call's first barrier.
+                              valid_rows zeroed). Real ranks deliver them as the forward delivers
+                              its output (forward.Slots: the ranks agree on a set of gradient
+                              windows free on every rank; the grads are lent out of it as they are
+                              where contiguous, and the set is taken again only once none of them
+                              is alive); emulated ranks (and set 0) copy them out.
                               dK, dV are stored per thread where the call's forward stored O so
                               (impl "fused:st", or "auto" that timed it faster: Spec.dkv_store),
                               else by TMA where the shape allows.
-                              Joint rows (SM90): each rank's joint-output grads of each rank's heads
+                              Joint rows: each rank's joint-output grads of each rank's heads
                               go to that rank's "ulysses.djout" window with the pre-A2A; after the
                               barrier each rank sums them (as the exchange path does) into dO's
                               joint rows; the kernels store the joint rows' dq, dk, dv into the
@@ -619,6 +623,8 @@ class _FusedRank:
     def __init__(self, plan, rank: int):
         from cute_kernels.a2a import pre_a2a_launcher
 
+        from .forward import Slots, slot_setting
+
         lay, t = plan.layout, plan.transport
         self.plan, self.rank = plan, rank
         # the pre-A2A kernel's q part alone: its k, v windows (and head map) get no heads, so it launches
@@ -628,13 +634,15 @@ class _FusedRank:
                                      plan.key_rows[rank], False)
         self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad + J: dO of the rank's heads
         B, S, D, P = plan.B, lay.seq_loc, plan.D, lay.world_size
-        self.dq_w = t.windows("ulysses.dq", (B, S, lay.heads_pad, D), plan.dtype)
+        # the gradient windows: sets of (dq, dk, dv), delivered as the forward delivers its output (real ranks
+        # lend a set's grads out as they are where every rank has a free set; set 0 is copied out)
+        kv_shape = (B, S, P * lay.kv_heads_loc, D)
+        self.sets = Slots(t, [("ulysses.dq", (B, S, lay.heads_pad, D)), ("ulysses.dk", kv_shape),
+                              ("ulysses.dv", kv_shape)], plan.dtype, *slot_setting(t), rank=rank)
         # joint rows: djout_w[d][s] = rank s's joint-output grads of rank d's heads (summed on rank d)
         self.djout_w = (t.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), plan.dtype)
                         if lay.joint_len else None)
         self._joint_grads = None  # this call's (djq, djk, djv) heads-layout joint rows (launcher)
-        self.dk_w = t.windows("ulysses.dk", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
-        self.dv_w = t.windows("ulysses.dv", (B, S, P * lay.kv_heads_loc, D), plan.dtype)
         self._kv_in_order = _each_head_once(lay.kv_head_index, lay.num_kv_heads)
         self._built: set = set()
         self._dout_key = None  # the projected dO stage (project_dout), built at its first call
@@ -702,16 +710,17 @@ class _FusedRank:
         lay = self.plan.layout
         return QKVWeights(rows, None, None, lay.world_size, lay.heads_loc, 0, self.plan.D)
 
-    def launcher(self, spec: Spec, s: Saved, deterministic: bool):
-        """FA4's fused backward of this call (saved tensors s), checked and bound; compiled at its first
-        build, after which the ranks line up on the host (as the forward's attention launch does)."""
+    def launcher(self, spec: Spec, s: Saved, deterministic: bool, j: int = 0):
+        """FA4's fused backward of this call (saved tensors s) into gradient set j (Slots.choose), checked and
+        bound; compiled at its first build, after which the ranks line up on the host (as the forward's
+        attention launch does)."""
         from cute_kernels.fa4_bwd_a2a import fa4_bwd_a2a_launcher
 
         joint = None
         if self.djout_w is not None:  # the joint rows' grads stay here: fresh tensors of this call
             seq_pad = self.plan.layout.seq_pad
             joint = self._joint_grads = tuple(torch.empty_like(t[:, seq_pad:]) for t in (s.q, s.k, s.v))
-        launch = fa4_bwd_a2a_launcher(s.q, s.k, s.v, s.o, self.dout, s.lse, self.dq_w, self.dk_w, self.dv_w,
+        launch = fa4_bwd_a2a_launcher(s.q, s.k, s.v, s.o, self.dout, s.lse, *self.sets.windows(j),
                                       self.rank, causal=spec.causal, softmax_scale=spec.scale,
                                       seqused_k=None if spec.causal else self.plan.seqused,
                                       deterministic=deterministic, joint=joint, dkv_store=spec.dkv_store)
@@ -721,20 +730,23 @@ class _FusedRank:
             self.plan.transport.host_barrier()
         return launch
 
-    def grads(self, rows: int) -> tuple:
-        """(dq, dk, dv) [B, rows, ., D] of this rank's slot out of its own windows (copies: the peers store
-        into them again at the next call), rows >= valid_rows zero (dk, dv rows >= seqused_k are not
-        written by the kernels); then the joint grads (as the exchange backward gives them) or 3 x None."""
+    def grads(self, rows: int, j: int = 0) -> tuple:
+        """(dq, dk, dv) [B, rows, ., D] of this rank out of its own windows of gradient set j: lent as they are
+        where j > 0 and they are contiguous, else copies (the peers store into set 0 again at the next call);
+        rows >= valid_rows zero (dk, dv rows >= seqused_k are not written by the kernels); then the joint
+        grads (as the exchange backward gives them) or 3 x None."""
         lay, r = self.plan.layout, self.rank
-        dq = self.dq_w[r][:, :rows, :lay.num_heads].clone(memory_format=torch.contiguous_format)
-        if self._kv_in_order:  # each KV head once, in order (no GQA head sent twice): a plain copy, not a
-            # head-sum (torch.cat of the P parts: 54 us per tensor at P 2, S_loc 4096, 24 heads, H100,
-            # 2026-12-05, a strided gather; the copy of the same bytes is one memcpy, not timed yet)
-            dk, dv = (w[r][:, :rows].clone(memory_format=torch.contiguous_format) for w in (self.dk_w, self.dv_w))
+        dq_w, dk_w, dv_w = self.sets.windows(j)
+        self.sets.delivered(j, dq_w.device)
+        dq = self.sets.lend_or_copy(j, dq_w[r][:, :rows, :lay.num_heads])
+        if self._kv_in_order:  # each KV head once, in order (no GQA head sent twice): the rank's rows as they
+            # are, not a head-sum (torch.cat of the P parts: 54 us per tensor at P 2, S_loc 4096, 24 heads,
+            # H100, 2026-12-05, a strided gather)
+            dk, dv = (self.sets.lend_or_copy(j, w[r][:, :rows]) for w in (dk_w, dv_w))
         else:
             hk = lay.kv_heads_loc
             dk, dv = (_sum_heads(list(w[r][:, :rows].split(hk, dim=2)), lay.kv_head_index, lay.num_kv_heads)
-                      for w in (self.dk_w, self.dv_w))
+                      for w in (dk_w, dv_w))
         n = lay.valid_rows(r)
         for g in (dq, dk, dv):
             if n < rows:
@@ -759,8 +771,9 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
     rank (dq, dk, dv, djq, djk, djv; None without joint rows). The kernels are bound (compiled at the first call)
     before the first barrier; then every local rank's dO pre-A2A -> barrier (every dO row of every rank's heads is
     in its window) -> every local rank's backward -> barrier (every gradient row is in its owner's window) -> each
-    rank's grads copied out of its own windows. project = (weight, dys): douts are None and each rank's dO comes
-    from the output projection's input-gradient GEMM of dys[i] instead of the pre-A2A (_FusedRank.project_dout).
+    rank's grads lent or copied out of its own windows of the gradient set the ranks chose first (Slots).
+    project = (weight, dys): douts are None and each rank's dO comes from the output projection's input-gradient
+    GEMM of dys[i] instead of the pre-A2A (_FusedRank.project_dout).
     With joint rows every rank also sends its joint-output grads of each rank's heads (pre), and after the first
     barrier each rank sums those of its heads into dO's joint rows (joint_dout) before its backward; the joint grads
     stay on the rank (the kernels' joint tensors)."""
@@ -777,7 +790,8 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
     plan = window_plan(transport, lay, B, D, s0.q.dtype)
     deterministic = torch.are_deterministic_algorithms_enabled()
     fused = [_fused_rank(plan, r) for r in ranks]
-    launches = [f.launcher(spec, s, deterministic) for f, s in zip(fused, saved)]
+    sets = [f.sets.choose() for f in fused]  # real ranks: the gradient set every rank has free (else 0)
+    launches = [f.launcher(spec, s, deterministic, j) for f, s, j in zip(fused, saved, sets)]
     if project is not None and _capability_of(s0.q.device) != (9, 0):
         # the projection's GEMM with the pre-A2A epilogue is SM90's (quack): dO in torch, then the pre-A2A
         douts, project = _projected_douts(lay, *project), None
@@ -793,7 +807,7 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
         f.joint_dout()
         launch()
     transport.barrier()
-    return [f.grads(n) for f, n in zip(fused, rows)]
+    return [f.grads(n, j) for f, n, j in zip(fused, rows, sets)]
 
 
 def _projected_douts(lay, weight, dys) -> list:

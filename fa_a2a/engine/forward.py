@@ -32,7 +32,8 @@ is (when it is contiguous: no padding heads); with none, the staging window is c
 call's peers store into a window once this rank has passed that call's first barrier, ordered after
 the work queued on this stream; a call on another stream than the window's last delivery first
 waits for that stream (as with a caching-allocator block, an output used on a third stream needs
-that stream's work ordered before its last reference goes). Emulated ranks always copy.
+that stream's work ordered before its last reference goes). Emulated ranks always copy. The same
+rules, one class (Slots), deliver the fused backward's dq, dk, dv (fa_a2a.engine.backward).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ulysses.reference import local_attention as reference_attention
 from .problem import Problem
 
 __all__ = ["local_attention", "forward", "forward_emulated", "head_maps", "contiguous16", "WindowPlan", "window_plan",
-           "common_slot"]
+           "common_slot", "Slots", "slot_setting"]
 
 
 def common_slot(masks) -> int:
@@ -57,6 +58,97 @@ def common_slot(masks) -> int:
     free on that rank; bit 0 is never set), or 0 (the staging window, copied out)."""
     both = functools.reduce(operator.and_, masks)
     return (both & -both).bit_length() - 1 if both > 0 else 0
+
+
+class Slots:
+    """Sets of windows that a real rank's results stay in, lent out instead of copied (the module
+    docstring's Delivery): set 0 is the staging one (its results are copied out), sets 1..count are
+    allocated when first chosen (collective: every rank chooses the same set at the same call).
+    names_shapes: ((name, shape), ...) of one set's windows (set j > 0 names them f"{name}.{j}");
+    channel: the group's host channel (ulysses.channel), None for emulated ranks (always set 0). A set
+    is free on a rank when none of its windows has a lent tensor alive there (Transport.lend) and no
+    other CUDA graph owns it (its first window's address names it). rank: whose windows (default: the
+    transport's first local rank, the one of a real rank's process)."""
+
+    def __init__(self, transport, names_shapes, dtype, count: int, channel, rank: Optional[int] = None):
+        self.transport, self.names_shapes, self.dtype = transport, tuple(names_shapes), dtype
+        self.count, self.channel = count, channel
+        self.rank = transport.local_ranks[0] if rank is None else rank
+        self._sets: dict = {}  # j -> set j's windows ([P, *shape] each)
+        self._address: dict = {}  # j -> this rank's address of each of set j's windows
+        self._keep(0, [transport.windows(name, shape, dtype) for name, shape in self.names_shapes])
+
+    def _keep(self, j: int, windows) -> tuple:
+        self._sets[j] = tuple(windows)
+        self._address[j] = tuple(w[self.rank].data_ptr() for w in windows)  # a window stays where it is
+        return self._sets[j]
+
+    def windows(self, j: int) -> tuple:
+        """Set j's windows, allocated here the first time."""
+        ws = self._sets.get(j)
+        if ws is None:
+            ws = self._keep(j, [self.transport.windows(f"{name}.{j}", shape, self.dtype)
+                                for name, shape in self.names_shapes])
+        return ws
+
+    def free(self, capture: Optional[int]) -> int:
+        """This rank's mask of free sets (bit j: set j). capture: the id of the CUDA-graph capture this
+        call is part of (None: eager), which may use only allocated sets."""
+        t, mask = self.transport, 0
+        for j in range(1, self.count + 1):
+            if j not in self._address:
+                ws = [t.allocated(f"{name}.{j}", shape, self.dtype) for name, shape in self.names_shapes]
+                if ws[0] is None:
+                    mask |= (capture is None) << j  # allocated when chosen, never during a capture
+                    continue
+                self._keep(j, ws)
+            first = self._address[j][0]
+            if t.captured.get(first, capture) == capture and not any(t.lent(a) for a in self._address[j]):
+                mask |= 1 << j
+        return mask
+
+    def choose(self) -> int:
+        """This call's set, agreed with every rank (common_slot of the ranks' masks); 0 with emulated ranks."""
+        if self.channel is None:
+            return 0
+        t = self.transport
+        capture = _capture_id() if t.device.type == "cuda" else None
+        j = common_slot(self.channel.exchange(self.free(capture)))
+        if capture is not None:
+            if j:  # that graph's replays store into the set: it owns it
+                t.captured[self._address[j][0]] = capture
+        elif t.device.type == "cuda" and j in self._address:  # delivered on another stream last: the peers'
+            # stores wait for it
+            used_on, stream = t.used_on.get(self._address[j][0]), torch.cuda.current_stream(t.device)
+            if used_on is not None and used_on != stream:
+                stream.wait_stream(used_on)
+        return j
+
+    def delivered(self, j: int, device) -> None:
+        """Set j's results were delivered on the current stream: a later call into it on another stream
+        waits for this one (real ranks)."""
+        if self.channel is not None and device.type == "cuda":
+            self.transport.used_on[self._address[j][0]] = torch.cuda.current_stream(device)
+
+    def lend_or_copy(self, j: int, view: torch.Tensor) -> torch.Tensor:
+        """A result view into set j: lent as it is where j is not the staging set and it is contiguous,
+        else copied out (the staging set is reused by the next call)."""
+        if j and view.is_contiguous():
+            return self.transport.lend(view)
+        return view.clone(memory_format=torch.contiguous_format)
+
+
+def slot_setting(transport) -> tuple:
+    """(count, channel) of a transport's Slots: real ranks exchange their free sets every call through the
+    group's host channel, up to ulysses.env.OUT_SLOTS sets where the transport lends (emulated ranks have
+    no group: no exchange, no sets)."""
+    group = getattr(transport, "group", None)
+    if group is None:
+        return 0, None
+    from ulysses.channel import get_channel
+    from ulysses.env import out_slots
+
+    return (out_slots() if transport.lends_outputs else 0), get_channel(group)
 
 
 def _capture_id() -> Optional[int]:
@@ -150,19 +242,8 @@ class WindowPlan:
         self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
         self.dq, self.dk, self.dv = in_windows(lambda n: transport.windows("ulysses.in", (n,), dtype), layout, B, D)
         self.out_shape = (B, layout.seq_loc, layout.heads_pad, D)
-        self.out_w = transport.windows("ulysses.out", self.out_shape, dtype)
-        # real ranks exchange their free out-slots every call (emulated ranks have no group: no exchange)
-        group = getattr(transport, "group", None)
-        self._slot_channel = None
-        if group is not None:
-            from ulysses.channel import get_channel
-
-            self._slot_channel = get_channel(group)
-        from ulysses.env import out_slots
-
-        self.out_slots = out_slots() if group is not None and transport.lends_outputs else 0
-        self._slot_address = {0: self.out_w[transport.local_ranks[0]].data_ptr()}  # slot -> this rank's
-        # window address, once allocated
+        self.out = Slots(transport, [("ulysses.out", self.out_shape)], dtype, *slot_setting(transport))
+        self.out_w = self.out.windows(0)[0]
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)
         self.q_map, self.kv_map = head_maps(layout, transport.device)
@@ -284,43 +365,12 @@ class WindowPlan:
 
     # ---- delivery: which out-window a call's output stays in (module docstring) ----------------------
     def slot_window(self, slot: int) -> torch.Tensor:
-        """The [P, B, S_loc, H_pad, D] out-windows of slot `slot` (0: staging); a new slot is
-        allocated here (collective: every rank chose it at the same call)."""
-        if slot == 0:
-            return self.out_w
-        return self.transport.windows(f"ulysses.out.{slot}", self.out_shape, self.dtype)
-
-    def free_slots(self, capture: Optional[int]) -> int:
-        """This rank's mask of free out-slots (bit j: slot j). capture: the id of the CUDA-graph
-        capture this call is part of (None: eager), which may use only allocated slots."""
-        t, mask = self.transport, 0
-        for j in range(1, self.out_slots + 1):
-            a = self._slot_address.get(j)
-            if a is None:
-                w = t.allocated(f"ulysses.out.{j}", self.out_shape, self.dtype)
-                if w is None:
-                    mask |= (capture is None) << j  # allocated when chosen, never during a capture
-                    continue
-                a = self._slot_address[j] = w[t.local_ranks[0]].data_ptr()  # a window stays where it is
-            if t.captured.get(a, capture) == capture and not t.lent(a):
-                mask |= 1 << j
-        return mask
+        """The [P, B, S_loc, H_pad, D] out-windows of slot `slot` (0: staging)."""
+        return self.out.windows(slot)[0]
 
     def choose_slot(self) -> int:
-        """This call's out-slot, agreed with every rank (the module docstring); 0 with emulated ranks."""
-        if self._slot_channel is None:
-            return 0
-        t = self.transport
-        capture = _capture_id() if t.device.type == "cuda" else None
-        slot = common_slot(self._slot_channel.exchange(self.free_slots(capture)))
-        if capture is not None:
-            if slot:  # that graph's replays store into the slot: it owns it
-                t.captured[self._slot_address[slot]] = capture
-        elif slot in self._slot_address:  # delivered on another stream last: the peers' stores wait for it
-            used_on, stream = t.used_on.get(self._slot_address[slot]), torch.cuda.current_stream(t.device)
-            if used_on is not None and used_on != stream:
-                stream.wait_stream(used_on)
-        return slot
+        """This call's out-slot, agreed with every rank (Slots.choose)."""
+        return self.out.choose()
 
     def pre(self, rank: int, q, k, v, joint) -> None:
         self.pre_launch(rank)(q, k, v, joint)
@@ -348,11 +398,9 @@ class WindowPlan:
             self._results[key] = (self.slot_window(slot)[rank][:, :rows, :H],
                                   self.jout_w[rank][:, :, :H] if self.layout.joint_len else None)
         o, jo = self._results[key]
-        if self._slot_channel is not None:  # real ranks: a later call into this window on another stream waits
-            self.transport.used_on[o.data_ptr()] = torch.cuda.current_stream(o.device)
-        if out is None:
-            # the staging window (and the joint window) are reused by the next call: copy out of them
-            o = self.transport.lend(o) if slot and o.is_contiguous() else o.clone(memory_format=torch.contiguous_format)
+        self.out.delivered(slot, o.device)
+        if out is None:  # (the joint window is reused by the next call: copied out)
+            o = self.out.lend_or_copy(slot, o)
             jo = None if jo is None else jo.clone(memory_format=torch.contiguous_format)
         return _deliver(self.layout, rank, (o, jo), rows, out, joint_out)
 

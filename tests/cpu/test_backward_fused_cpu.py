@@ -538,6 +538,104 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
             assert (x is None and y is None) or torch.equal(x, y), r
 
 
+class _ThreadChannel:
+    """ulysses.channel's exchange between P threads (each registers its rank): every rank's word, in rank order."""
+
+    def __init__(self, P):
+        self.rank_of, self.words, self.meet, self.sent = {}, [None] * P, threading.Barrier(P, timeout=60), []
+
+    def exchange(self, word: int) -> list:
+        self.words[self.rank_of[threading.get_ident()]] = word
+        self.meet.wait()
+        words = list(self.words)
+        self.meet.wait()
+        self.sent.append(words)
+        return words
+
+
+@pytest.mark.parametrize("H_kv", [4, 2])  # each KV head once (dk, dv lent too) / read twice (head sums: dq only)
+def test_real_ranks_lend_their_grads_and_keep_them_while_alive(kernels, monkeypatch, H_kv):
+    """Real ranks deliver the fused backward's grads as the forward delivers its output (forward.Slots): lent out
+    of a gradient set every rank has free, with no copy; a later call takes another set while any of them lives
+    (its grads stay as they were), and set 1 again once they are gone. Each call equals the serial backward."""
+    import ulysses.channel as channel_mod
+    import ulysses.transport as transport_mod
+
+    P = 4
+    p = problem("fused", P, 1, 32, 8, H_kv)
+    lay = p.layout
+    (qs, ks, vs), _, douts, _ = inputs(p, seed=7)
+    rows = [q.shape[1] for q in qs]
+    padded = [[fab._padded(lay, r, x) for r, x in enumerate(xs)] for xs in (qs, ks, vs)]
+    _, saved = kernel_forward_emulated(p, *padded, None, rows)
+    serial_spec = fab.Spec(lay, False, p.scale, True, False)
+    dout_sets = [douts, [d.flip(1).contiguous() for d in douts], [(d * 0.5).to(DTYPE) for d in douts]]
+    serial = [fab.backward(serial_spec, range(P), saved, ds, [None] * P, rows) for ds in dout_sets]
+
+    meet = threading.Barrier(P, timeout=60)
+    transport = kernels.transport(P)
+    transport.barrier = lambda: meet.wait()
+    transport.host_barrier = lambda *a, **kw: meet.wait()
+    transport.group = _Group()
+    chan = _ThreadChannel(P)
+    monkeypatch.setattr(channel_mod, "get_channel", lambda group, timeout_s=None: chan)
+    monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
+    monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group, refusal=None: None)
+    poison_windows(transport, p)
+    kv_shape = (1, lay.seq_loc, P * lay.kv_heads_loc, D)
+    for j in (1, 2):  # the sets the calls below take, allocated and poisoned first
+        for name, shape in (("dq", (1, lay.seq_loc, lay.heads_pad, D)), ("dk", kv_shape), ("dv", kv_shape)):
+            transport.windows(f"ulysses.{name}.{j}", shape, p.dtype).fill_(float("nan"))
+    plan = forward.window_plan(transport, lay, p.batch, D, DTYPE)
+    for r in range(P):
+        fab._fused_rank(plan, r)
+    spec = fab.spec_of(p, "cuda")
+    results, errors = [[None] * P for _ in dout_sets], []
+
+    def call(c):
+        def rank(r):
+            chan.rank_of[threading.get_ident()] = r
+            try:
+                [results[c][r]] = fab.backward(spec, [r], [saved[r]], [dout_sets[c][r]], [None], [rows[r]],
+                                               group=_Group())
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append((c, r, e))
+                meet.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+
+    def windows(j, r):
+        return [w[r].data_ptr() for w in fab._fused_rank(plan, r).sets.windows(j)]
+
+    in_order = H_kv == 4
+    lent = 3 if in_order else 1  # dq, and dk, dv where they are the rank's rows as they are
+
+    call(0)
+    call(1)  # call 0's grads alive: set 2
+    assert [words[0] for words in chan.sent] == [0b111111110] * P + [0b111111100] * P
+    for r in range(P):
+        for c, j in ((0, 1), (1, 2)):
+            got = [g.data_ptr() for g in results[c][r][:3]]
+            assert got[:lent] == windows(j, r)[:lent], (c, r, "grads lent out of their set's windows")
+            assert all(a not in windows(j, r) for a in got[lent:]), (c, r)
+            for x, y in zip(results[c][r][:3], serial[c][r][:3]):
+                assert torch.equal(x, y), (c, r, "lent grads differ from the serial backward's")
+        assert results[0][r][3:] == (None, None, None)
+    results[0] = [None] * P  # call 0's grads gone: set 1 is free again
+    call(2)
+    for r in range(P):
+        assert [g.data_ptr() for g in results[2][r][:lent]] == windows(1, r)[:lent]
+        for x, y in zip(results[2][r][:3], serial[2][r][:3]):
+            assert torch.equal(x, y), (r, "set 1 again")
+        for x, y in zip(results[1][r][:3], serial[1][r][:3]):
+            assert torch.equal(x, y), (r, "call 1's grads changed by a later call")
+
+
 def test_backward_agreement_names_its_path_and_mode(monkeypatch):
     """Ranks whose backwards would meet in different collectives (fused / exchanges) or build for
     another deterministic mode disagree on the host before any data moves."""

@@ -4,7 +4,7 @@ and the transport's lent tensors. The kernels' side (real ranks on a GPU) is tes
 import pytest
 import torch
 
-from fa_a2a.engine.forward import WindowPlan, common_slot
+from fa_a2a.engine.forward import Slots, common_slot
 from ulysses.env import MAX_OUT_SLOTS, OUT_SLOTS, out_slots as out_slots_setting
 from ulysses.transport import EmulatedTransport
 
@@ -38,23 +38,35 @@ class _Channel:
         return [word, self.other]
 
 
-def _plan(slots=3, other=0b1110):
-    """A WindowPlan's delivery state over a CPU transport of 2 ranks (this process is rank 0)."""
-    plan = object.__new__(WindowPlan)
-    plan.transport = EmulatedTransport(2, "cpu")
-    plan.transport.local_ranks = (0,)
-    plan.out_shape, plan.dtype, plan.out_slots, plan._slot_address = SHAPE, torch.float32, slots, {}
-    plan.out_w = plan.transport.windows("ulysses.out", SHAPE, torch.float32)
-    plan._slot_channel = _Channel(other)
-    return plan
+class _Plan:
+    """A WindowPlan's out-slots (Slots) over a CPU transport of 2 ranks (this process is rank 0), as the
+    tests below name them."""
+
+    def __init__(self, slots=3, other=0b1110, family=(("ulysses.out", SHAPE),)):
+        self.transport = EmulatedTransport(2, "cpu")
+        self.transport.local_ranks = (0,)
+        self.out = Slots(self.transport, family, torch.float32, slots, _Channel(other))
+
+    def free_slots(self, capture):
+        return self.out.free(capture)
+
+    def choose_slot(self):
+        return self.out.choose()
+
+    def slot_window(self, j):
+        return self.out.windows(j)[0]
+
+
+_plan = _Plan
 
 
 def test_an_eager_call_offers_unallocated_slots_and_a_capture_only_allocated_ones():
     plan = _plan()
     assert plan.free_slots(None) == 0b1110 and plan.free_slots(capture=7) == 0
-    assert plan.choose_slot() == 1 and plan._slot_channel.sent == [0b1110]
+    assert plan.choose_slot() == 1 and plan.out.channel.sent == [0b1110]
     w = plan.slot_window(1)  # allocated when first used
-    assert w.shape == (2, *SHAPE) and plan.slot_window(1) is w and plan.slot_window(0) is plan.out_w
+    assert w.shape == (2, *SHAPE) and plan.slot_window(1) is w
+    assert plan.slot_window(0) is plan.transport.allocated("ulysses.out", SHAPE, torch.float32)
     assert plan.free_slots(capture=7) == 0b0010  # now allocated: a capture may take it
 
 
@@ -71,6 +83,27 @@ def test_a_slot_is_offered_again_once_every_view_of_its_output_is_gone():
     assert plan.free_slots(None) == 0b1110
     with pytest.raises(ValueError, match="^view: expected a contiguous view"):
         plan.transport.lend(w[0][:, :, :1])
+
+
+def test_a_set_of_several_windows_is_free_only_when_none_is_lent():
+    """The fused backward's sets (dq, dk, dv windows): any one lent tensor alive holds the whole set."""
+    family = (("ulysses.dq", SHAPE), ("ulysses.dk", (1, 4, 1, 8)), ("ulysses.dv", (1, 4, 1, 8)))
+    plan = _plan(family=family)
+    dq, dk, dv = plan.out.windows(1)
+    assert [w.shape[1:] for w in (dq, dk, dv)] == [SHAPE, (1, 4, 1, 8), (1, 4, 1, 8)]
+    assert plan.transport.allocated("ulysses.dv.1", (1, 4, 1, 8), torch.float32) is dv
+    lent = plan.transport.lend(dv[0])
+    assert plan.free_slots(None) == 0b1100
+    del lent
+    lent = [plan.out.lend_or_copy(1, w[0]) for w in (dq, dk)] + [plan.out.lend_or_copy(0, dv[0])]
+    assert [t.data_ptr() for t in lent] == [dq[0].data_ptr(), dk[0].data_ptr(), lent[2].data_ptr()]
+    assert lent[2].data_ptr() != dv[0].data_ptr()  # the staging set: copied out
+    assert plan.out.lend_or_copy(1, dq[0][:, :, :1]).data_ptr() != dq[0].data_ptr()  # not contiguous: copied
+    assert plan.free_slots(None) == 0b1100
+    lent.pop(0)
+    assert plan.free_slots(None) == 0b1100  # dk still lent
+    lent.clear()
+    assert plan.free_slots(None) == 0b1110
 
 
 def test_a_lent_tensor_is_the_window_memory_in_the_windows_dtype_and_shape():
@@ -98,6 +131,6 @@ def test_a_captured_slot_belongs_to_its_graph():
 
 def test_slots_off_still_exchange_so_that_the_ranks_meet():
     plan = _plan(slots=0, other=0b10)
-    assert plan.choose_slot() == 0 and plan._slot_channel.sent == [0]
-    plan._slot_channel = None  # emulated ranks: no exchange, the staging window
+    assert plan.choose_slot() == 0 and plan.out.channel.sent == [0]
+    plan.out.channel = None  # emulated ranks: no exchange, the staging window
     assert plan.choose_slot() == 0
