@@ -479,6 +479,25 @@ class _Group:
     group_name = "fake"
 
 
+def run_ranks(P, meet, body):
+    """body(r) in P threads, one per rank; a rank that raises aborts `meet` (the others' barrier) and is reported."""
+    errors = []
+
+    def rank(r):
+        try:
+            body(r)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+            meet.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("J", [0, 3])
 def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
     """The real-rank path (group given): each of P threads runs one rank's backward over a shared
@@ -515,21 +534,12 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
         fab._fused_rank(plan, r)
     spec = fab.spec_of(p, "cuda")
     assert spec.fused
-    results, errors = [None] * P, []
+    results = [None] * P
 
     def rank(r):
-        try:
-            [results[r]] = fab.backward(spec, [r], [saved[r]], [douts[r]], [djouts[r]], [rows[r]], group=_Group())
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append((r, e))
-            meet.abort()
+        [results[r]] = fab.backward(spec, [r], [saved[r]], [douts[r]], [djouts[r]], [rows[r]], group=_Group())
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    run_ranks(P, meet, rank)
     assert agreed == [(spec, "fake")] * P
     for r in range(P):
         if not J:
@@ -590,24 +600,15 @@ def test_real_ranks_lend_their_grads_and_keep_them_while_alive(kernels, monkeypa
     for r in range(P):
         fab._fused_rank(plan, r)
     spec = fab.spec_of(p, "cuda")
-    results, errors = [[None] * P for _ in dout_sets], []
+    results = [[None] * P for _ in dout_sets]
 
     def call(c):
         def rank(r):
             chan.rank_of[threading.get_ident()] = r
-            try:
-                [results[c][r]] = fab.backward(spec, [r], [saved[r]], [dout_sets[c][r]], [None], [rows[r]],
-                                               group=_Group())
-            except BaseException as e:  # noqa: BLE001 (reported below)
-                errors.append((c, r, e))
-                meet.abort()
+            [results[c][r]] = fab.backward(spec, [r], [saved[r]], [dout_sets[c][r]], [None], [rows[r]],
+                                           group=_Group())
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_ranks(P, meet, rank)
 
     def windows(j, r):
         return [w[r].data_ptr() for w in fab._fused_rank(plan, r).sets.windows(j)]
