@@ -311,7 +311,9 @@ def test_fused_backward_without_deterministic_mode_is_close():
 
 def _real_ranks_fused(P, group, rank):
     """Real ranks (VMM windows, MPS): impl "fused" takes the fused backward with no all_to_all_single
-    over the (gloo) group; its grads equal the emulated ranks' serial ones and the real serial ones."""
+    over the (gloo) group; its grads equal the emulated ranks' serial ones and the real serial ones, also
+    those of a call whose grads stay alive through a second fused call (lent out of their gradient set, which
+    the second call must not take: forward.Slots)."""
     calls = {"a2a": 0, "fused": 0}
     real_a2a, real_fused = dist.all_to_all_single, fab._fused_backward
 
@@ -331,15 +333,15 @@ def _real_ranks_fused(P, group, rank):
             with deterministic():
                 _, emulated, ejoint = emulated_grads(case, "serial", shards, joint, douts, djouts)
                 got = {}
-                for impl in ("fused", "serial"):
+                for impl in ("fused", "fused again", "serial"):
                     before = dict(calls)
                     ins = [s[rank].clone().requires_grad_() for s in shards]
                     jins = [j.to(DTYPE).requires_grad_() for j in joint] if joint else []
-                    out = ulysses_attention(*ins, group=group, impl=impl, causal=case[7], joint=tuple(jins) or None,
-                                            **kw)
+                    out = ulysses_attention(*ins, group=group, impl=impl.split()[0], causal=case[7],
+                                            joint=tuple(jins) or None, **kw)
                     grad_out = (douts[rank], djouts[rank]) if jins else douts[rank]
                     got[impl] = torch.autograd.grad(out, ins + jins, grad_out)
-                    if impl == "fused":
+                    if impl != "serial":
                         assert calls == {"a2a": before["a2a"], "fused": before["fused"] + 1}, (case, calls)
                         for i in range(3, len(got[impl])):  # the joint grads: this rank's heads, summed over ranks
                             total = got[impl][i].float()
@@ -347,6 +349,8 @@ def _real_ranks_fused(P, group, rank):
                             assert torch.equal(total.to(DTYPE), ejoint[i - 3]), (case, rank, "joint", i - 3)
                         for x, y in zip(got[impl][:3], emulated[rank]):
                             assert torch.equal(x, y), (case, rank, "fused real ranks differ from emulated serial")
+                        for x, y in zip(got["fused"][:3], emulated[rank]):
+                            assert torch.equal(x, y), (case, rank, impl, "the first call's grads changed")
                     else:
                         assert calls["fused"] == before["fused"] and calls["a2a"] > before["a2a"], (case, calls)
                 for x, y in zip(got["fused"], got["serial"]):
