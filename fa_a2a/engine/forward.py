@@ -64,7 +64,8 @@ class Slots:
     """Sets of windows that a real rank's results stay in, lent out instead of copied (the module
     docstring's Delivery): set 0 is the staging one (its results are copied out), sets 1..count are
     allocated when first chosen (collective: every rank chooses the same set at the same call).
-    names_shapes: ((name, shape), ...) of one set's windows (set j > 0 names them f"{name}.{j}");
+    names_shapes: ((name, shape), ...) of one set's windows (set j > 0 names them f"{name}.{j}.{key}", key:
+    every shape of the set, so that two Slots' sets j are the same windows or none of them);
     channel: the group's host channel (ulysses.channel), None for emulated ranks (always set 0). A set
     is free on a rank when none of its windows has a lent tensor alive there (Transport.lend) and no
     other CUDA graph owns it (its first window's address names it). rank: whose windows (default: the
@@ -74,6 +75,7 @@ class Slots:
         self.transport, self.names_shapes, self.dtype = transport, tuple(names_shapes), dtype
         self.count, self.channel = count, channel
         self.rank = transport.local_ranks[0] if rank is None else rank
+        self._key = "-".join("x".join(map(str, shape)) for _, shape in self.names_shapes)
         self._sets: dict = {}  # j -> set j's windows ([P, *shape] each)
         self._address: dict = {}  # j -> this rank's address of each of set j's windows
         self._keep(0, [transport.windows(name, shape, dtype) for name, shape in self.names_shapes])
@@ -87,7 +89,7 @@ class Slots:
         """Set j's windows, allocated here the first time."""
         ws = self._sets.get(j)
         if ws is None:
-            ws = self._keep(j, [self.transport.windows(f"{name}.{j}", shape, self.dtype)
+            ws = self._keep(j, [self.transport.windows(f"{name}.{j}.{self._key}", shape, self.dtype)
                                 for name, shape in self.names_shapes])
         return ws
 
@@ -97,8 +99,8 @@ class Slots:
         t, mask = self.transport, 0
         for j in range(1, self.count + 1):
             if j not in self._address:
-                ws = [t.allocated(f"{name}.{j}", shape, self.dtype) for name, shape in self.names_shapes]
-                if ws[0] is None:
+                ws = [t.allocated(f"{name}.{j}.{self._key}", shape, self.dtype) for name, shape in self.names_shapes]
+                if ws[0] is None:  # (a set is allocated whole, by windows())
                     mask |= (capture is None) << j  # allocated when chosen, never during a capture
                     continue
                 self._keep(j, ws)

@@ -592,13 +592,11 @@ def test_real_ranks_lend_their_grads_and_keep_them_while_alive(kernels, monkeypa
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
     monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group, refusal=None: None)
     poison_windows(transport, p)
-    kv_shape = (1, lay.seq_loc, P * lay.kv_heads_loc, D)
-    for j in (1, 2):  # the sets the calls below take, allocated and poisoned first
-        for name, shape in (("dq", (1, lay.seq_loc, lay.heads_pad, D)), ("dk", kv_shape), ("dv", kv_shape)):
-            transport.windows(f"ulysses.{name}.{j}", shape, p.dtype).fill_(float("nan"))
     plan = forward.window_plan(transport, lay, p.batch, D, DTYPE)
     for r in range(P):
-        fab._fused_rank(plan, r)
+        for j in (1, 2):  # the sets the calls below take, allocated and poisoned first
+            for w in fab._fused_rank(plan, r).sets.windows(j):
+                w.fill_(float("nan"))
     spec = fab.spec_of(p, "cuda")
     results = [[None] * P for _ in dout_sets]
 

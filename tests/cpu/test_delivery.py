@@ -91,7 +91,7 @@ def test_a_set_of_several_windows_is_free_only_when_none_is_lent():
     plan = _plan(family=family)
     dq, dk, dv = plan.out.windows(1)
     assert [w.shape[1:] for w in (dq, dk, dv)] == [SHAPE, (1, 4, 1, 8), (1, 4, 1, 8)]
-    assert plan.transport.allocated("ulysses.dv.1", (1, 4, 1, 8), torch.float32) is dv
+    assert plan.transport.allocated("ulysses.dv.1.1x4x2x8-1x4x1x8-1x4x1x8", (1, 4, 1, 8), torch.float32) is dv
     lent = plan.transport.lend(dv[0])
     assert plan.free_slots(None) == 0b1100
     del lent
@@ -104,6 +104,22 @@ def test_a_set_of_several_windows_is_free_only_when_none_is_lent():
     assert plan.free_slots(None) == 0b1100  # dk still lent
     lent.clear()
     assert plan.free_slots(None) == 0b1110
+
+
+def test_sets_that_share_a_window_shape_share_no_window():
+    """Two layers whose gradient sets agree in dk, dv's shape but not dq's (or the reverse): their sets j are
+    other windows, so one's lent grads hold only its own set (a shared dk window would have been offered by
+    the other's free() and overwritten; a shared dq with another dk failed to find its dk)."""
+    a = _plan(family=(("ulysses.dq", SHAPE), ("ulysses.dk", (1, 4, 1, 8)), ("ulysses.dv", (1, 4, 1, 8))))
+    b = Slots(a.transport, (("ulysses.dq", (1, 4, 1, 8)), ("ulysses.dk", (1, 4, 1, 8)),
+                            ("ulysses.dv", (1, 4, 1, 8))), torch.float32, 3, _Channel(0b1110))
+    c = Slots(a.transport, (("ulysses.dq", SHAPE), ("ulysses.dk", (1, 4, 2, 8)), ("ulysses.dv", (1, 4, 2, 8))),
+              torch.float32, 3, _Channel(0b1110))
+    held = a.transport.lend(b.windows(1)[1][0])  # b's dk of set 1, alive
+    assert b.free(None) == 0b1100 and a.free_slots(None) == 0b1110 and c.free(None) == 0b1110
+    ptrs = {w.data_ptr() for s in (a.out, b, c) for w in s.windows(1)}
+    assert len(ptrs) == 9  # three sets 1, nine windows
+    del held
 
 
 def test_a_lent_tensor_is_the_window_memory_in_the_windows_dtype_and_shape():
