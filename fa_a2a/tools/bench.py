@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --backward: J joint (text) rows replicated on every rank, as Flux's 512 prompt tokens, "
                    "in both: FA4 on one rank's heads over M + J rows against the op with joint=(q, k, v) [B, J, H, D] "
                    "(their gradients too)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --backward: after each M's timing, each method's kernel time per call by kind "
+                   "(attention forward / backward kernels, FA4's pre/postprocess, GEMMs, A2A kernels, barriers, "
+                   "copies, other; torch.profiler, rank 0's kernels on real ranks): a table and the JSON")
     p.add_argument("--per-kernel", action="store_true",
                    help="under torchrun (one GPU per process): the kernel methods above on real ranks instead of "
                    "the whole-call benchmark (fa_a2a.tools.bench_call)")
@@ -252,13 +256,15 @@ def make_config(ns: argparse.Namespace, env: Optional[dict] = None) -> BenchConf
             raise ValueError("--joint: not with --out-proj (ulysses_attention_out_proj takes no joint rows)")
         if ns.causal:
             raise ValueError("--joint: not with --causal (causal masking with joint rows is not defined)")
+    if ns.breakdown and not ns.backward:
+        raise ValueError("--breakdown: only with --backward (the forward + backward benchmark)")
     return BenchConfig(
         seqlens=seqlens, heads=ns.heads, head_dim=ns.head_dim, batch=ns.batch, world_size=world,
         real_ranks=real, dtype=ns.dtype, causal=ns.causal, trials=trials, warmup=warmup,
         calls=ns.calls, target_ms=target_ms, methods=methods, dests=dests, quick=ns.quick, out=ns.out,
         platform=ns.platform, seed=ns.seed, plots=not ns.no_plots, num_sms=num_sms,
         fa_tflops=ns.fa_tflops, mps_share=mps_share, per_kernel=ns.per_kernel, out_proj=ns.out_proj or 0,
-        joint=ns.joint or 0,
+        joint=ns.joint or 0, breakdown=ns.breakdown,
     )
 
 

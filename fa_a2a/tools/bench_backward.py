@@ -65,6 +65,13 @@ the timing each method runs once more and its outputs and grads must be finite (
 not reported). Table: one row per (M, impl); rank 0 writes bench_backward.json into --out (no
 plots). No numbers are quoted here: none had been measured when this was written.
 
+--breakdown: after each M's timing, every method's call (its first input set) runs BREAKDOWN_CALLS more times
+under torch.profiler (CUDA activity) and its kernel time per call is summed by kind (kernel_kind: the
+attention's forward and backward kernels, FA4's backward pre/postprocess, GEMMs - the projection's with the
+pre-A2A epilogue among them -, the A2A kernels, barriers, copies and gathers, fills and elementwise, other):
+where a ratio's difference goes. Kernel times only (no gaps); emulated ranks: all P ranks' kernels, real
+ranks: rank 0's own. A table under the main one, "breakdown_us" in the JSON.
+
 Without a GPU nothing is measured: one line says so and the exit status is 0, as for
 `python -m fa_a2a.bench`.
 """
@@ -89,6 +96,19 @@ FA4_KEYS = ("fa4_fwd", "fa4_fwdbwd")
 IMPLS = ("serial", "fused", "nccl")  # the op's impls timed, where they apply
 NCCL_SHARED = "skipped (ranks share a GPU: NCCL refuses two ranks on one device, 'Duplicate GPU detected')"
 NCCL_EMULATED = "n/a (emulated ranks: the NCCL path needs real ranks, one GPU each)"
+BREAKDOWN_CALLS = 5  # profiled calls per method (--breakdown)
+# (kind, substrings of a CUDA kernel's name, any of which puts it there): the first kind that matches
+KERNEL_KINDS = (
+    ("bwd pre/postprocess", ("Preprocess", "Postprocess")),
+    ("attention backward", ("Backward", "flash_bwd")),
+    ("attention forward", ("Forward", "flash_fwd")),
+    ("GEMM", ("Gemm", "gemm", "GEMM", "nvjet", "xmma")),
+    ("A2A kernels", ("PreA2A", "PostA2A")),
+    ("barriers", ("Barrier",)),
+    ("copies, gathers", ("Memcpy", "copy", "Copy", "index", "Index", "gather", "Gather")),
+    ("fills, elementwise, reductions", ("Memset", "Fill", "fill", "elementwise", "reduce", "Reduce")),
+)
+OTHER_KIND = "other"
 # bench's flags that select what the per-kernel benchmark times: refused with --backward (a usage error)
 REFUSED = (("methods", "--methods"), ("dest", "--dest"), ("per_kernel", "--per-kernel"), ("platform", "--platform"))
 
@@ -166,7 +186,7 @@ def new_point(M: int, cfg: BenchConfig, impls: Sequence[str], status: dict) -> d
     return {"M": M, "S_loc": M // cfg.world_size, "H_loc": cfg.heads_local,
             "factor": 1 if cfg.real_ranks else cfg.world_size, "impls": list(impls), "n_calls": None,
             "input_sets": None, "timing_mode": None, "capture_error": None, "status": dict(status), "raw_us": {},
-            "median_us": {}, "eager_raw_us": {}, "eager_us": {}, "finite": {}, "ratios": {}}
+            "median_us": {}, "eager_raw_us": {}, "eager_us": {}, "finite": {}, "ratios": {}, "breakdown_us": {}}
 
 
 def fill_point(point: dict, raw: dict, eager_raw: Optional[dict] = None) -> dict:
@@ -181,6 +201,36 @@ def fill_point(point: dict, raw: dict, eager_raw: Optional[dict] = None) -> dict
     good = {k: raw[k] for k in point["median_us"]}
     point["ratios"] = {impl: ratios(point["median_us"], good, impl, point["factor"]) for impl in point["impls"]}
     return point
+
+
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS row of a CUDA kernel (or memcpy / memset) named `name`, else OTHER_KIND."""
+    for kind, keys in KERNEL_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return OTHER_KIND
+
+
+def breakdown(kernels, calls: int) -> dict:
+    """{kind: us per call} of (name, us) kernel records gathered over `calls` calls, plus "total"."""
+    if not (isinstance(calls, int) and calls >= 1):
+        raise ValueError(f"calls: expected an int >= 1, got {calls!r}")
+    out: dict = {}
+    for name, us in kernels:
+        kind = kernel_kind(name)
+        out[kind] = out.get(kind, 0.0) + us / calls
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_breakdown(points: Sequence[dict]) -> str:
+    """Markdown table, one row per (M, method) with a breakdown (us of kernel time per call by kind)."""
+    kinds = [k for k, _ in KERNEL_KINDS] + [OTHER_KIND, "total"]
+    lines = ["| M | method | " + " | ".join(kinds) + " |", "|" + "---|" * (len(kinds) + 2)]
+    for p in points:
+        for key, b in p.get("breakdown_us", {}).items():
+            lines.append(f"| {p['M']} | {key} | " + " | ".join(_cell(b.get(k)) for k in kinds) + " |")
+    return "\n".join(lines)
 
 
 def _cell(x, fmt: str = "{:.1f}") -> str:
@@ -429,7 +479,25 @@ def run_point(cfg: BenchConfig, M: int, ctx: dict, log: _Log) -> dict:
     for k, good in point["finite"].items():
         if not good:
             log(f"  M={M} {k}: NaN/Inf in its outputs or grads (on some rank); its time is not reported")
+    if cfg.breakdown:
+        point["breakdown_us"] = {k: _profiled(calls[k][0], align) for k in names}
     return fill_point(point, raw, eager_raw)
+
+
+def _profiled(call, align) -> dict:
+    """breakdown() of BREAKDOWN_CALLS calls of `call` under torch.profiler (this process's kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    align()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(BREAKDOWN_CALLS):
+            call()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return breakdown([(e.name, e.device_time_total) for e in prof.events() if e.device_type == cuda],
+                     BREAKDOWN_CALLS)
 
 
 def run_gpu(cfg: BenchConfig) -> int:
@@ -482,6 +550,11 @@ def run_gpu(cfg: BenchConfig) -> int:
         log("")
         log(table_title(result["points"], props.name, cfg))
         log(format_table(result["points"]))
+        if cfg.breakdown:
+            log("")
+            log("Kernel time per call by kind (us; torch.profiler, " + ("rank 0's kernels" if cfg.real_ranks else
+                f"all {cfg.world_size} emulated ranks' kernels") + f", {BREAKDOWN_CALLS} calls):")
+            log(format_breakdown(result["points"]))
     if cfg.real_ranks:
         import torch.distributed as dist
 

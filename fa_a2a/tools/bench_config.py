@@ -62,6 +62,7 @@ class BenchConfig:
     per_kernel: bool = False  # torchrun: the kernel methods instead of the whole call
     out_proj: int = 0  # --backward: C_out of the attention's output projection timed with it (0: none)
     joint: int = 0  # --backward: joint (text) rows replicated on every rank (0: none)
+    breakdown: bool = False  # --backward: each method's kernel time by kind (torch.profiler) after the timing
 
     @property
     def whole_call(self) -> bool:

@@ -62,6 +62,43 @@ def test_joint_rides_on_backward_and_names_itself():
             _cfg(argv)
 
 
+def test_breakdown_rides_on_backward_and_sorts_kernels_by_kind():
+    """--breakdown: kernel time per call by kind, from torch.profiler's kernel names (these as an H100 printed
+    them, 2026-12-06, cut short); without --backward a ValueError naming it."""
+    assert _cfg(["--backward"]).breakdown is False and _cfg(["--backward", "--breakdown"]).breakdown is True
+    with pytest.raises(ValueError, match="--breakdown: only with --backward"):
+        _cfg(["--breakdown"])
+    kinds = {
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object": "attention backward",
+        "kernel_cutlass_kernel_cute_kernelsfa4_bwd_a2a_sm90FlashAttentionA2ABackwardSm90": "attention backward",
+        "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object": "attention forward",
+        "kernel_cutlass_kernel_cute_kernelsfa4_a2a_sm90FlashAttentionA2AForwardSm90": "attention forward",
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPreprocess":
+            "bwd pre/postprocess",
+        "kernel_cutlass_kernel_cute_kernelsfa4_bwd_a2a_sm90FlashAttentionA2ABackwardPostprocess": "bwd pre/postprocess",
+        "kernel_cutlass_kernel_cute_kernelsa2a_devicePreA2A_object_at__tensorptrbf16": "A2A kernels",
+        "kernel_cutlass_kernel_cute_kernelsa2a_devicePostA2A_object_at__tensorptrbf16": "A2A kernels",
+        "kernel_cutlass_kernel_cute_kernelssignal_deviceBarrierKernel_object_at__tensorptri32": "barriers",
+        "kernel_cutlass_kernel_cute_kernelsqkv_a2a_sm90_deviceGemmRankWindowSm90_object": "GEMM",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "GEMM",
+        "Memcpy DtoD (Device -> Device)": "copies, gathers",
+        "void at::native::(anonymous namespace)::indexSelectSmallIndex<c10::BFloat16, long": "copies, gathers",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<": "copies, gathers",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>, ":
+            "fills, elementwise, reductions",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "fills, elementwise, reductions",
+        "some_other_kernel": "other",
+    }
+    assert {n: bb.kernel_kind(n) for n in kinds} == kinds
+    b = bb.breakdown([("Memcpy DtoD (Device -> Device)", 10.0), ("nvjet_x", 30.0), ("Memcpy DtoD", 20.0)], 2)
+    assert b == {"copies, gathers": 15.0, "GEMM": 15.0, "total": 30.0}
+    with pytest.raises(ValueError, match="calls: expected an int >= 1"):
+        bb.breakdown([], 0)
+    table = bb.format_breakdown([{"M": 8192, "breakdown_us": {"op_fwdbwd:fused": b}}, {"M": 16384}])
+    assert table.splitlines()[2] == ("| 8192 | op_fwdbwd:fused | - | - | - | 15.0 | - | - | 15.0 | - | - | 30.0 |")
+    assert len(table.splitlines()) == 3
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--methods", "fa"], "--methods"),
     (["--dest", "host"], "--dest"),
