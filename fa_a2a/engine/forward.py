@@ -72,13 +72,15 @@ class Slots:
     transport's first local rank, the one of a real rank's process)."""
 
     def __init__(self, transport, names_shapes, dtype, count: int, channel, rank: Optional[int] = None):
-        self.transport, self.names_shapes, self.dtype = transport, tuple(names_shapes), dtype
-        self.count, self.channel = count, channel
+        self.transport, self.dtype, self.count, self.channel = transport, dtype, count, channel
         self.rank = transport.local_ranks[0] if rank is None else rank
-        self._key = "-".join("x".join(map(str, shape)) for _, shape in self.names_shapes)
+        key = "-".join("x".join(map(str, shape)) for _, shape in names_shapes)
+        # set j's (name, shape) per window, named once (free() looks the unallocated ones up every call)
+        self._named = {j: [(f"{name}.{j}.{key}" if j else name, shape) for name, shape in names_shapes]
+                       for j in range(count + 1)}
         self._sets: dict = {}  # j -> set j's windows ([P, *shape] each)
         self._address: dict = {}  # j -> this rank's address of each of set j's windows
-        self._keep(0, [transport.windows(name, shape, dtype) for name, shape in self.names_shapes])
+        self._keep(0, [transport.windows(name, shape, dtype) for name, shape in self._named[0]])
 
     def _keep(self, j: int, windows) -> tuple:
         self._sets[j] = tuple(windows)
@@ -89,8 +91,7 @@ class Slots:
         """Set j's windows, allocated here the first time."""
         ws = self._sets.get(j)
         if ws is None:
-            ws = self._keep(j, [self.transport.windows(f"{name}.{j}.{self._key}", shape, self.dtype)
-                                for name, shape in self.names_shapes])
+            ws = self._keep(j, [self.transport.windows(name, shape, self.dtype) for name, shape in self._named[j]])
         return ws
 
     def free(self, capture: Optional[int]) -> int:
@@ -99,7 +100,7 @@ class Slots:
         t, mask = self.transport, 0
         for j in range(1, self.count + 1):
             if j not in self._address:
-                ws = [t.allocated(f"{name}.{j}.{self._key}", shape, self.dtype) for name, shape in self.names_shapes]
+                ws = [t.allocated(name, shape, self.dtype) for name, shape in self._named[j]]
                 if ws[0] is None:  # (a set is allocated whole, by windows())
                     mask |= (capture is None) << j  # allocated when chosen, never during a capture
                     continue
