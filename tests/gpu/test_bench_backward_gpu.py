@@ -32,7 +32,9 @@ def test_quick_emulated_two_ranks(tmp_path):
     assert head in lines, p.stdout
     below = lines[lines.index(head) + 2:]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in below if ln.startswith("| ")]
-    assert [(int(r[0]), r[1]) for r in rows] == [(M, "serial") for M in QUICK_SEQLENS], p.stdout
+    impls, _ = bb.select_impls(real_ranks=False)  # serial and fused (NCCL needs real ranks)
+    assert "fused" in impls
+    assert [(int(r[0]), r[1]) for r in rows] == [(M, i) for M in QUICK_SEQLENS for i in impls], p.stdout
     for r in rows:
         values = [float(c) for c in r[2:]]  # no "-": every time and ratio measured
         assert all(v > 0 for v in values), r
@@ -43,5 +45,6 @@ def test_quick_emulated_two_ranks(tmp_path):
     for pt in result["points"]:
         assert pt["factor"] == 2 and pt["timing_mode"] in ("cuda-graph", "eager"), pt
         assert (pt["timing_mode"] == "eager") == bool(pt["capture_error"]), pt
-        assert set(pt["median_us"]) == set(bb.method_keys(("serial",))) and all(pt["finite"].values()), pt
-        assert pt["ratios"]["serial"]["fwdbwd_paired"] > 0 and pt["ratios"]["serial"]["bwd"] > 0
+        assert set(pt["median_us"]) == set(bb.method_keys(impls)) and all(pt["finite"].values()), pt
+        for impl in impls:
+            assert pt["ratios"][impl]["fwdbwd_paired"] > 0 and pt["ratios"][impl]["bwd"] > 0, (impl, pt)
