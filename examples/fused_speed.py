@@ -9,7 +9,15 @@ over trials; the paired ratio is the median over trials of T_fused / T_FA4 from 
 (and of T_rotated / T_fused for the rotated order, beside T_fused' / T_fused of a second graph of
 the unrotated kernel: the noise of one such ratio).
 
+--backward: the same for the backward (issue 40's kernel bar): FA4's own backward (preprocess, main
+kernel, dQ postprocess: flash_attn.cute.interface._flash_attn_bwd, which the serial path runs) of rank
+0's heads writing its local dq, dk, dv, against cute_kernels.fa4_bwd_a2a_launcher storing the same
+rows into P gradient windows (its per-thread dK/dV store path, and the TMA one where S_loc is a
+multiple of FA4's backward tile_n), and a second graph of FA4's backward (the noise). Before timing,
+the windows' rows equal FA4's dk, dv bit for bit and its dq to fp32-atomics order (checked here).
+
     python examples/fused_speed.py [--seqlens 8192 16384 32768 65536] [--trials 15] [--out DIR]
+    python examples/fused_speed.py --backward --seqlens 8192 16384 32768
 """
 
 import argparse
@@ -33,6 +41,8 @@ def parse_args(argv=None):
     ap.add_argument("--target-ms", type=float_in(0, 1e4), default=25.0,
                     help="length of one replay in ms (sets the calls per graph)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward kernels (FA4's vs the gradients' A2A in them) instead of the forward")
     args = ap.parse_args(argv)
     try:
         check_seqlens(args.seqlens, args.world_size, "--world-size")
@@ -50,9 +60,87 @@ from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward  # noqa: E402
 from graphs import median, time_graphs  # noqa: E402
 
 
+def calls_for(fn, target_ms: float) -> int:
+    """Calls per graph so that one replay takes about target_ms (one eager call timed)."""
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn()
+    e1.record()
+    e1.synchronize()
+    return max(3, min(200, math.ceil(target_ms / max(e0.elapsed_time(e1), 1e-3))))
+
+
+def paired(t: dict, name: str, base: str) -> tuple:
+    """(median, min, max) over trials of t[name] / t[base] from the same trial."""
+    r = [a / b for a, b in zip(t[name], t[base])]
+    return statistics.median(r), min(r), max(r)
+
+
+def backward(args):
+    """The backward's rows (module docstring, --backward)."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    from cute_kernels.fa4_bwd_a2a import bwd_tiles, fa4_bwd_a2a_launcher
+
+    P, H_loc, D = args.world_size, args.heads_per_rank, args.head_dim
+    scale = D ** -0.5
+    rows = []
+    for M in args.seqlens:
+        S_loc = M // P
+        q, k, v, do = (torch.randn(1, M, H_loc, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        lse = torch.empty(1, H_loc, M, device="cuda", dtype=torch.float32)
+        o = fa4_forward(q, k, v, softmax_scale=scale, lse=lse)
+        windows = [torch.full((P, 1, S_loc, P * H_loc, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3)]
+        stores = ["st"] + (["tma"] if S_loc % bwd_tiles(D)[1] == 0 else [])
+        fa4 = lambda: _flash_attn_bwd(q, k, v, o, do, lse, scale, False)  # noqa: E731
+        fns = {"fa4": fa4}
+        dq, dk, dv = fa4()
+        for store in stores:
+            launch = fns[f"fused-{store}"] = fa4_bwd_a2a_launcher(q, k, v, o, do, lse, *windows, 0,
+                                                                  softmax_scale=scale, dkv_store=store)
+            for w in windows:
+                w.fill_(float("nan"))
+            launch()
+            # rank 0's heads of every window, rows in sequence order
+            got = [torch.cat([w[d][:, :, :H_loc] for d in range(P)], dim=1) for w in windows]
+            if not (torch.equal(got[1], dk) and torch.equal(got[2], dv)):
+                raise SystemExit(f"M={M} {store}: the windows' dk, dv differ from FA4's")
+            err = (got[0].float() - dq.float()).abs().max().item()
+            if not err <= 1e-2 * dq.float().abs().max().item():
+                raise SystemExit(f"M={M} {store}: the windows' dq differs from FA4's by {err}")
+        fns["fa4-again"] = fa4
+        n_calls = calls_for(fa4, args.target_ms)
+        t = time_graphs(fns, n_calls, args.trials, warmup=2)
+        row = dict(M=M, n_calls=n_calls, t_us=t, median_us={name: median(ts) for name, ts in t.items()},
+                   paired={name: paired(t, name, "fa4") for name in t if name != "fa4"})
+        rows.append(row)
+        del q, k, v, do, o, lse, windows, dq, dk, dv
+    card = torch.cuda.get_device_name()
+    print(f"\n{card}, bf16, D={D}, H_loc={H_loc}, emulated P={P}, rank 0's backward, CUDA-graph medians (us) over "
+          f"{args.trials} trials; ratios paired per trial (median, min-max)")
+    print("| M | FA4 bwd | fused st | fused TMA | st / FA4 | TMA / FA4 | FA4 again / FA4 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        med, pr = r["median_us"], r["paired"]
+        cell = lambda name: f"{med[name]:.1f}" if name in med else "-"  # noqa: E731
+        ratio = lambda name: f"{pr[name][0]:.4f} ({pr[name][1]:.4f}-{pr[name][2]:.4f})" if name in pr else "-"  # noqa: E731
+        print(f"| {r['M']} | {cell('fa4')} | {cell('fused-st')} | {cell('fused-tma')} | {ratio('fused-st')} | "
+              f"{ratio('fused-tma')} | {ratio('fa4-again')} |")
+    return dict(card=card, P=P, H_loc=H_loc, D=D, **{"pass": "backward"}, rows=rows)
+
+
 def main(args):
     if not torch.cuda.is_available():
         raise SystemExit(no_gpu("examples/fused_speed.py", "the fused kernel's timing"))
+    if args.backward:
+        result = backward(args)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "fused_speed_backward.json"), "w") as f:
+                json.dump(result, f, indent=1)
+        return
     P, H_loc, D = args.world_size, args.heads_per_rank, args.head_dim
     rows = []
     for M in args.seqlens:
@@ -69,13 +157,7 @@ def main(args):
         }
         for fn in fns.values():
             fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fns["fa4"]()
-        e1.record()
-        e1.synchronize()
-        n_calls = max(3, min(200, math.ceil(args.target_ms / max(e0.elapsed_time(e1), 1e-3))))
+        n_calls = calls_for(fns["fa4"], args.target_ms)
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         med = {name: median(ts) for name, ts in t.items()}
         paired = {name: statistics.median([a / b for a, b in zip(t[name], t["fa4"])]) for name in ("fused", "fused-st")}
