@@ -1,6 +1,6 @@
 """`python -m fa_a2a.bench --backward --quick --world-size 2` on one SM90 GPU (FA4's SM90 backward): the
-forward + backward benchmark runs in a subprocess, as a user runs it, prints a table with a row per M
-whose times and ratios are positive, and writes its JSON.
+forward + backward benchmark runs in a subprocess, as a user runs it, prints a table with a row per M and
+impl (serial, fused) whose times and ratios are positive, and writes its JSON.
 
     python -m pytest -q tests/gpu/test_bench_backward_gpu.py
 """
