@@ -89,8 +89,8 @@ the ranks agree on that mode with the rest of the backward's signature).
 
 Autograd: eagerly a torch.autograd.Function calls the Python paths below directly (the op's eager
 host cost, fa_a2a.op); under torch.compile the public function calls the functional custom op
-`fa_a2a::ulysses_attention_grad`, whose backward (torch.library.register_autograd) is the custom
-op `fa_a2a::ulysses_attention_grad_backward` (fused where the forward op's run decided so: its
+`fa_a2a::ulysses_attention_grad_v2`, whose backward (torch.library.register_autograd) is the custom
+op `fa_a2a::ulysses_attention_grad_backward_v2` (fused where the forward op's run decided so: its
 arguments are fixed at trace time, impl "auto" is decided at run time). Inputs that do not require
 grad (or no_grad / inference_mode) never come here. Double backward is not supported.
 """
@@ -494,7 +494,7 @@ def _decided(p: Problem, q, k, v, joint, group, rank: int) -> Problem:
 
 def forward_saving(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
     """One rank's forward that keeps what its backward reads -> (out, joint out or None, Saved, the
-    backward's Spec: impl "auto" decided, fused or not)."""
+    backward's Spec: impl "auto" decided, fused or not, the call's number: forward_call)."""
     from .forward import _deliver
 
     p = _decided(p, q, k, v, joint, group, rank)
@@ -507,29 +507,21 @@ def forward_saving(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
         [(res, saved)] = _collective_forward(spec, [rank], *([x] for x in padded), joint,
                                              _exchanger(group if p.world_size > 1 else None))
         out, jout = _deliver(lay, rank, res, rows)
-    if p.world_size > 1:
-        _note_forward_call(saved.q, group)
-    return out, jout, saved, spec
+    return out, jout, saved, spec, forward_call(group) if p.world_size > 1 else 0
 
 
-# The forward call whose backward each saved q (by its data pointer: the call's own storage, not the
-# windows) belongs to: the count of the group channel's exchanges when the forward ran, the same on
-# every rank (every rank agrees the same calls in the same order). The backward agrees it: two calls of
-# one signature whose backwards run in another order on each rank move the same bytes, and would give
-# each rank the other call's gradients. Past _FORWARD_CALLS_KEPT entries (backwards that never ran)
-# the oldest goes.
-_forward_calls: dict = {}
-_FORWARD_CALLS_KEPT = 4096
-
-
-def _note_forward_call(saved_q: torch.Tensor, group) -> None:
+def forward_call(group) -> int:
+    """The number of the forward call that just ran on the group: the count of the group channel's exchanges,
+    the same on every rank (every rank agrees the same calls in the same order). The call's backward carries
+    it (its autograd node's ctx, or the traced op's saved outputs) and agrees it: two calls of one signature
+    whose backwards run in another order on each rank move the same bytes, and would give each rank the
+    other call's gradients. Carried with the node, not looked up by a saved tensor's address: saved-tensor
+    hooks (activation offloading, torch.autograd.graph.save_on_cpu) hand the backward copies. Under
+    reentrant activation checkpointing the forward runs again in the backward's order and gets a new
+    number there: a misorder between ranks is then not seen (non-reentrant checkpointing keeps the node)."""
     from ulysses.channel import get_channel
 
-    key = saved_q.data_ptr()
-    _forward_calls.pop(key, None)
-    _forward_calls[key] = get_channel(group).calls
-    if len(_forward_calls) > _FORWARD_CALLS_KEPT:
-        del _forward_calls[next(iter(_forward_calls))]
+    return get_channel(group).calls
 
 
 def _kernel_forward_emulated(p: Problem, qs, ks, vs, joint, rows) -> tuple:
@@ -569,10 +561,10 @@ def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
 
 
 # ---- the backward -------------------------------------------------------------------------------------
-def _agree_backward(spec: Spec, saved: Saved, group, refusal: Optional[str] = None) -> None:
+def _agree_backward(spec: Spec, saved: Saved, group, refusal: Optional[str] = None, call: int = 0) -> None:
     """Every real rank's backward of a call agrees like a forward (problem.agree_call): its shapes
     (the layout's, and the saved q's batch, head dim and dtype), the forward call it belongs to
-    (_forward_calls: two calls whose backwards run in another order on each rank must not meet in
+    (`call`, forward_call: two calls whose backwards run in another order on each rank must not meet in
     exchanges), its path (fused or the exchanges: they meet in different collectives) and FA4's
     deterministic mode (the fused backward's first build lines the ranks up per mode)."""
     from ulysses.channel import WORD_BITS
@@ -594,7 +586,6 @@ def _agree_backward(spec: Spec, saved: Saved, group, refusal: Optional[str] = No
                       deterministic=deterministic)
         entry = _backward_words[key] = (fields, signature_word(fields))
     fields, word = entry
-    call = _forward_calls.get(saved.q.data_ptr(), 0)
     word = ((word ^ (call * 0x9E3779B97F4A7C15)) & ((1 << WORD_BITS) - 1)) or 1  # (signature words are never 0)
     agree_call(dict(fields, forward_call=call), word, refusal, group)
 
@@ -815,17 +806,19 @@ def _projected_douts(lay, weight, dys) -> list:
     return [(dy @ weight).unflatten(-1, (lay.num_heads, -1)) for dy in dys]
 
 
-def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None, refusal=None) -> list:
+def backward(spec: Spec, ranks, saved, douts, djouts, rows, group=None, project=None, refusal=None,
+             call: int = 0) -> list:
     """The backward of these local ranks' calls (group: the real ranks' group, None for P = 1 or
     emulated ranks) -> per rank (dq, dk, dv, djq, djk, djv), joint grads None without joint rows.
     spec.fused: the fused backward (no torch.distributed collective); else FA4's (or the reference's)
     backward between two exchanges. project = (weight, dys) in place of douts: each rank's dO is
     dys[i] @ weight (the output projection's input gradient), which the fused backward's dO stage
     computes itself (_FusedRank.project_dout), the exchanges' in torch. refusal: a ValueError message
-    this rank's backward must raise (SECOND_ORDER), on every rank alike."""
+    this rank's backward must raise (SECOND_ORDER), on every rank alike. call: the forward call's number
+    (forward_call; real ranks)."""
     lay = spec.layout
     if group is not None:
-        _agree_backward(spec, saved[0], group, refusal)
+        _agree_backward(spec, saved[0], group, refusal, call)
     elif refusal is not None:
         raise ValueError(refusal)
     if spec.fused:
@@ -873,8 +866,8 @@ class _UlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, q, k, v, jq, jk, jv):
         joint = None if jq is None else (jq, jk, jv)
-        out, jout, saved, spec = forward_saving(call.problem, q, k, v, joint, call.group, call.rank)
-        ctx.spec, ctx.group, ctx.rank, ctx.rows = spec, call.group, call.rank, q.shape[1]
+        out, jout, saved, spec, number = forward_saving(call.problem, q, k, v, joint, call.group, call.rank)
+        ctx.spec, ctx.group, ctx.rank, ctx.rows, ctx.call = spec, call.group, call.rank, q.shape[1], number
         ctx.has_joint = joint is not None
         ctx.save_for_backward(*saved)
         return _own(out), _own(jout)
@@ -884,7 +877,7 @@ class _UlyssesFunction(torch.autograd.Function):
     def backward(ctx, dout, djout):
         group = ctx.group if ctx.spec.layout.world_size > 1 else None
         [grads] = backward(ctx.spec, [ctx.rank], [Saved(*ctx.saved_tensors)], [dout], [djout], [ctx.rows], group,
-                           refusal=ctx.refusal)
+                           refusal=ctx.refusal, call=ctx.call)
         return (None, *grads[:3], *(grads[3:] if ctx.has_joint else (None,) * 3))
 
 
@@ -949,14 +942,16 @@ class _ProjectedFunction(torch.autograd.Function):
     def forward(ctx, call: _Projected, weight, bias, *tensors):
         n = len(tensors) // 3
         qs, ks, vs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        number = 0
         if call.rank is None:
             outs, _, saved, spec = forward_emulated_saving(call.problem, qs, ks, vs, None)
             ranks, group = list(range(n)), None
         else:
-            out, _, one, spec = forward_saving(call.problem, qs[0], ks[0], vs[0], None, call.group, call.rank)
+            out, _, one, spec, number = forward_saving(call.problem, qs[0], ks[0], vs[0], None, call.group,
+                                                       call.rank)
             outs, saved, ranks = [out], [one], [call.rank]
             group = call.group if spec.layout.world_size > 1 else None
-        ctx.spec, ctx.ranks, ctx.group, ctx.n_saved = spec, ranks, group, len(saved[0])
+        ctx.spec, ctx.ranks, ctx.group, ctx.n_saved, ctx.call = spec, ranks, group, len(saved[0]), number
         ctx.rows, ctx.has_bias = [q.shape[1] for q in qs], bias is not None
         ctx.save_for_backward(weight, *outs, *(t for one in saved for t in one))
         return tuple(torch.nn.functional.linear(o.flatten(2), weight, bias) for o in outs)
@@ -977,7 +972,7 @@ class _ProjectedFunction(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 dbias = dy_rows.sum(0)
         res = backward(ctx.spec, ctx.ranks, saved, [None] * n, [None] * n, ctx.rows, ctx.group, project=(weight, dys),
-                       refusal=ctx.refusal)
+                       refusal=ctx.refusal, call=ctx.call)
         return (None, dweight, dbias, *(g[i] for i in range(3) for g in res))
 
 
@@ -1021,13 +1016,23 @@ def _apart(saved: Saved) -> list:
     return apart
 
 
-@torch.library.custom_op("fa_a2a::ulysses_attention_grad", mutates_args=())
+# The traced ops' names carry their schema's version: torch's compiled-graph caches on disk (inductor's FX graph
+# cache) know an op by its name, so a graph cached against an older schema of the same name runs against the new
+# one (seen 2026-12-06 when the call's number joined the forward op's outputs: "Expected a value of type 'Tensor'
+# for argument 'call'"). Bump it with every change of either op's arguments or outputs.
+_TRACED_OPS_VERSION = 2
+_GRAD_OP = f"fa_a2a::ulysses_attention_grad_v{_TRACED_OPS_VERSION}"
+_GRAD_BACKWARD_OP = f"fa_a2a::ulysses_attention_grad_backward_v{_TRACED_OPS_VERSION}"
+
+
+@torch.library.custom_op(_GRAD_OP, mutates_args=())
 def _grad_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint_q: Optional[torch.Tensor],
     joint_k: Optional[torch.Tensor], joint_v: Optional[torch.Tensor], group_name: str, impl: str, causal: bool,
     softmax_scale: Optional[float], seq_len: Optional[int], shard_rows: Optional[list[int]], pace: str,
 ) -> list[torch.Tensor]:
-    """-> [out, joint out ([B, 0, H, D] without joint), then Saved's q, k, v, o, lse (empty where None)]."""
+    """-> [out, joint out ([B, 0, H, D] without joint), then Saved's q, k, v, o, lse (empty where None), the call's
+    number (forward_call) as an int64 [1] CPU tensor]."""
     from .pacing import decode_pace
     from .problem import resolve
 
@@ -1036,13 +1041,13 @@ def _grad_op(
     joint = (joint_q, joint_k, joint_v) if joint_q is not None else None
     problem, joint = resolve(q, k, v, joint, impl, causal, softmax_scale, seq_len, shard_rows, world_size=P,
                              rank=rank, group=group, group_name=group_name, pace=decode_pace(pace), grad=True)
-    out, jout, saved, spec = forward_saving(problem, q, k, v, joint, group, rank)
+    out, jout, saved, spec, number = forward_saving(problem, q, k, v, joint, group, rank)
     words = _call_words(impl, causal, softmax_scale, seq_len, shard_rows, pace)
     key = _traced_key(key_name, words, q.shape, k.shape[2], problem.layout.joint_len, q.dtype, q.device)
     _traced_paths[key] = (spec.fused, spec.dkv_store)
     if jout is None:
         jout = out.new_empty(out.shape[0], 0, out.shape[2], out.shape[3])
-    return [out, jout, *(_empty(q) if t is None else t for t in _apart(saved))]
+    return [out, jout, *(_empty(q) if t is None else t for t in _apart(saved)), torch.tensor([number])]
 
 
 @_grad_op.register_fake
@@ -1059,7 +1064,8 @@ def _(q, k, v, joint_q, joint_k, joint_v, group_name, impl, causal, softmax_scal
         rest = [q.new_empty(B, N, lay.heads_loc, D), q.new_empty(B, lay.heads_loc, N, dtype=torch.float32)]
     else:
         rest = [_empty(q), _empty(q)]
-    return [torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, J, H, D), *heads, *rest]
+    return [torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, J, H, D), *heads, *rest,
+            torch.empty(1, dtype=torch.int64)]
 
 
 def _layout_of(group_name: str, rows: int, H: int, H_kv: int, J: int, seq_len, shard_rows):
@@ -1070,21 +1076,23 @@ def _layout_of(group_name: str, rows: int, H: int, H_kv: int, J: int, seq_len, s
     return UlyssesLayout.from_shard(rows, H, H_kv, P, seq_len=seq_len, joint_len=J), P, rank
 
 
-@torch.library.custom_op("fa_a2a::ulysses_attention_grad_backward", mutates_args=())
+@torch.library.custom_op(_GRAD_BACKWARD_OP, mutates_args=())
 def _grad_backward_op(
     dout: torch.Tensor, djout: torch.Tensor, q_heads: torch.Tensor, k_heads: torch.Tensor, v_heads: torch.Tensor,
-    o_heads: torch.Tensor, lse: torch.Tensor, group_name: str, causal: bool, softmax_scale: float, fa4: bool,
-    num_kv_heads: int, seq_len: Optional[int], shard_rows: Optional[list[int]], words: str,
+    o_heads: torch.Tensor, lse: torch.Tensor, call: torch.Tensor, group_name: str, causal: bool, softmax_scale: float,
+    fa4: bool, num_kv_heads: int, seq_len: Optional[int], shard_rows: Optional[list[int]], words: str,
 ) -> list[torch.Tensor]:
-    """-> [dq, dk, dv, djq, djk, djv] (joint grads [B, 0, ., D] without joint rows). words: the call's
-    _call_words (its backward is fused where the forward op's run said so)."""
+    """-> [dq, dk, dv, djq, djk, djv] (joint grads [B, 0, ., D] without joint rows). call: the forward op's
+    number of the call (forward_call). words: the call's _call_words (its backward is fused where the forward
+    op's run said so)."""
     B, rows, H, D = dout.shape
     lay, P, rank = _layout_of(group_name, rows, H, num_kv_heads, djout.shape[1], seq_len, shard_rows)
     group, _, _, _ = group_by_name(group_name)
     key = _traced_key(group_name, words, dout.shape, num_kv_heads, djout.shape[1], dout.dtype, dout.device)
     spec = Spec(lay, causal, softmax_scale, fa4, *_traced_paths.get(key, (False, None)))
     saved = Saved(q_heads, k_heads, v_heads, o_heads if fa4 else None, lse if fa4 else None)
-    [grads] = backward(spec, [rank], [saved], [dout], [djout], [rows], group if P > 1 else None)
+    [grads] = backward(spec, [rank], [saved], [dout], [djout], [rows], group if P > 1 else None,
+                       call=int(call.item()))
     if not lay.joint_len:
         grads = grads[:3] + (dout.new_empty(B, 0, H, D), dout.new_empty(B, 0, num_kv_heads, D),
                              dout.new_empty(B, 0, num_kv_heads, D))
@@ -1092,7 +1100,7 @@ def _grad_backward_op(
 
 
 @_grad_backward_op.register_fake
-def _(dout, djout, q_heads, k_heads, v_heads, o_heads, lse, group_name, causal, softmax_scale, fa4, num_kv_heads,
+def _(dout, djout, q_heads, k_heads, v_heads, o_heads, lse, call, group_name, causal, softmax_scale, fa4, num_kv_heads,
       seq_len, shard_rows, words):
     B, rows, H, D = dout.shape
     J = djout.shape[1]
@@ -1122,7 +1130,7 @@ def _grad_op_backward(ctx, grads):
     return (dq, dk, dv, *joint) + (None,) * 7
 
 
-torch.library.register_autograd("fa_a2a::ulysses_attention_grad", _grad_op_backward, setup_context=_setup_grad_op)
+torch.library.register_autograd(_GRAD_OP, _grad_op_backward, setup_context=_setup_grad_op)
 
 
 def traced_attention_with_grad(q, k, v, joint, group_name: str, impl: str, causal: bool, softmax_scale, seq_len,

@@ -93,6 +93,69 @@ def test_backwards_of_one_signature_in_another_order_on_each_rank_are_refused(im
     run_gloo_case(_swapped_backward_same_signature, 2, impl, deadline_s=90)
 
 
+def _copying_hooks():
+    """Saved-tensor hooks whose unpack hands the backward a copy (activation offloading or compression, as
+    torch.autograd.graph.save_on_cpu does on CUDA)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+def _same_order_under_copying_hooks(rank, P):
+    """Every rank runs the same two calls of one signature and the same backward, 20 times, under copying
+    hooks: never refused, and the gradients right. (The backward looked its forward's number up by the saved
+    q's address, which the copy does not have: 6-35 of 40 such iterations were refused with "got rank 0: 0,
+    rank 1: 47", a miss or a stale entry of an earlier call, differently on each rank.)"""
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    rows = [7, 2]
+    S = sum(rows)
+    for it in range(20):
+        full = _full(it, 1, S, 2, 8)
+        x = [t[:, sum(rows[:rank]):sum(rows[:rank + 1])].clone().requires_grad_() for t in full]
+        with _copying_hooks():
+            o1 = ulysses_attention(*x, impl="reference", shard_rows=rows)
+            o2 = ulysses_attention(*x, impl="reference", shard_rows=rows)
+        (o1.sum() + 2 * o2.sum()).backward()
+    xs = [t.double().requires_grad_() for t in full]
+    (3 * fp64_attention(*xs)).sum().backward()
+    for a, b in zip(x, xs):
+        err = (a.grad.double() - b.grad[:, sum(rows[:rank]):sum(rows[:rank + 1])]).abs().max().item()
+        assert err < 1e-4, f"rank {rank}: gradients wrong by {err} under copying hooks"
+
+
+def test_saved_tensor_hooks_that_copy_keep_a_correct_program_agreed():
+    run_gloo_case(_same_order_under_copying_hooks, 2, deadline_s=90)
+
+
+def _misordered_under(rank, P, mode):
+    """Calls A and B of one signature, their backwards in another order on each rank (a caller's bug), under
+    copying saved-tensor hooks (eager, or the traced custom ops of torch.compile) or non-reentrant activation
+    checkpointing: refused as without them (each rank silently got the other call's gradients, wrong by ~1.5)."""
+    from torch.utils.checkpoint import checkpoint
+
+    os.environ["FA_A2A_TIMEOUT_S"] = "10"
+    S_loc = 4
+    fulls = {name: _full(seed, 1, P * S_loc, 2, 8) for name, seed in (("A", 10), ("B", 20))}
+    attend = lambda q, k, v: ulysses_attention(q, k, v, impl="reference")  # noqa: E731
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    outs = {}
+    for name, f in fulls.items():
+        x = [t[:, rank * S_loc:(rank + 1) * S_loc].clone().requires_grad_() for t in f]
+        if mode == "checkpoint":
+            outs[name] = checkpoint(attend, *x, use_reentrant=False)
+        else:
+            with _copying_hooks():
+                outs[name] = (compiled if mode == "compiled" else attend)(*x)
+    with pytest.raises(ValueError, match="the backward's call .* got rank 0: [0-9]+, rank 1: [0-9]+"):
+        for name in (("A", "B") if rank == 0 else ("B", "A")):
+            outs[name].sum().backward()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "compiled", "checkpoint"])
+def test_misordered_backwards_are_refused_under_copying_hooks_and_checkpointing(mode):
+    """(Reentrant checkpointing runs the forward again in the backward's order: a misorder is not seen there,
+    as engine.backward.forward_call says.)"""
+    run_gloo_case(_misordered_under, 2, mode, deadline_s=90)
+
+
 # ---- destroy_process_group: fa_a2a keeps no process group alive -------------------------------------------
 def _group_freed_after_destroy(rank, P, impl):
     """A call (forward and backward) over the default group, then destroy_process_group: the group object

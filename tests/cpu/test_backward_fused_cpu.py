@@ -525,7 +525,7 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
     agreed = []
     monkeypatch.setattr(fab, "_agree_backward",
-                        lambda spec, s, group, refusal=None: agreed.append((spec, group.group_name)))
+                        lambda spec, s, group, refusal=None, call=0: agreed.append((spec, group.group_name)))
     for name in ("all_to_all_single", "all_reduce", "barrier", "all_gather"):
         monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("a torch.distributed collective ran"))
     poison_windows(transport, p)
@@ -590,7 +590,7 @@ def test_real_ranks_lend_their_grads_and_keep_them_while_alive(kernels, monkeypa
     chan = _ThreadChannel(P)
     monkeypatch.setattr(channel_mod, "get_channel", lambda group, timeout_s=None: chan)
     monkeypatch.setattr(transport_mod, "get_transport", lambda group: transport)
-    monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group, refusal=None: None)
+    monkeypatch.setattr(fab, "_agree_backward", lambda spec, s, group, refusal=None, call=0: None)
     poison_windows(transport, p)
     plan = forward.window_plan(transport, lay, p.batch, D, DTYPE)
     for r in range(P):
