@@ -124,8 +124,13 @@ def backward(args):
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         med, pr = r["median_us"], r["paired"]
-        cell = lambda name: f"{med[name]:.1f}" if name in med else "-"  # noqa: E731
-        ratio = lambda name: f"{pr[name][0]:.4f} ({pr[name][1]:.4f}-{pr[name][2]:.4f})" if name in pr else "-"  # noqa: E731
+
+        def cell(name):
+            return f"{med[name]:.1f}" if name in med else "-"
+
+        def ratio(name):
+            return f"{pr[name][0]:.4f} ({pr[name][1]:.4f}-{pr[name][2]:.4f})" if name in pr else "-"
+
         print(f"| {r['M']} | {cell('fa4')} | {cell('fused-st')} | {cell('fused-tma')} | {ratio('fused-st')} | "
               f"{ratio('fused-tma')} | {ratio('fa4-again')} |")
     return dict(card=card, P=P, H_loc=H_loc, D=D, **{"pass": "backward"}, rows=rows)
