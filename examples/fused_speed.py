@@ -22,7 +22,6 @@ the windows' rows equal FA4's dk, dv bit for bit and its dq to fp32-atomics orde
 
 import argparse
 import json
-import math
 import os
 import statistics
 
@@ -57,18 +56,18 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward  # noqa: E402
-from graphs import median, time_graphs  # noqa: E402
+from graphs import calls_for, median, time_graphs  # noqa: E402
 
 
-def calls_for(fn, target_ms: float) -> int:
-    """Calls per graph so that one replay takes about target_ms (one eager call timed)."""
+def graph_calls(fn, target_ms: float) -> int:
+    """Calls per graph so that one replay takes about target_ms (graphs.calls_for of one eager call's time)."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     fn()
     e1.record()
     e1.synchronize()
-    return max(3, min(200, math.ceil(target_ms / max(e0.elapsed_time(e1), 1e-3))))
+    return calls_for(e0.elapsed_time(e1) * 1e3, target_ms)
 
 
 def paired(t: dict, name: str, base: str) -> tuple:
@@ -111,7 +110,7 @@ def backward(args):
             if not err <= 1e-2 * dq.float().abs().max().item():
                 raise SystemExit(f"M={M} {store}: the windows' dq differs from FA4's by {err}")
         fns["fa4-again"] = fa4
-        n_calls = calls_for(fa4, args.target_ms)
+        n_calls = graph_calls(fa4, args.target_ms)
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         row = dict(M=M, n_calls=n_calls, t_us=t, median_us={name: median(ts) for name, ts in t.items()},
                    paired={name: paired(t, name, "fa4") for name in t if name != "fa4"})
@@ -162,7 +161,7 @@ def main(args):
         }
         for fn in fns.values():
             fn()
-        n_calls = calls_for(fns["fa4"], args.target_ms)
+        n_calls = graph_calls(fns["fa4"], args.target_ms)
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         med = {name: median(ts) for name, ts in t.items()}
         paired = {name: statistics.median([a / b for a, b in zip(t[name], t["fa4"])]) for name in ("fused", "fused-st")}

@@ -3,6 +3,7 @@ medians, rank max, clock monitor) for the benchmarks, the calibration and the ex
 from graphs.timing import (
     DRIFT_TOL,
     GpuClockMonitor,
+    calls_for,
     capture,
     eager_batch,
     input_sets_needed,
@@ -19,6 +20,7 @@ from graphs.timing import (
 __all__ = [
     "DRIFT_TOL",
     "GpuClockMonitor",
+    "calls_for",
     "capture",
     "eager_batch",
     "input_sets_needed",

@@ -108,6 +108,12 @@ def input_sets_needed(bytes_per_set: int, l2_bytes: Optional[int] = None, *, fac
     return max(1, min(max_sets, math.ceil(factor * l2_bytes / bytes_per_set)))
 
 
+def calls_for(call_us: float, target_ms: float) -> int:
+    """Back-to-back calls of one captured or eager batch: enough that the batch lasts about target_ms when
+    one call takes call_us, 3 to 200."""
+    return max(3, min(200, math.ceil(target_ms * 1e3 / max(call_us, 1e-3))))
+
+
 def round_up(n: int, multiple: int) -> int:
     if multiple < 1:
         raise ValueError(f"multiple: expected >= 1, got {multiple!r}")

@@ -330,8 +330,8 @@ def _predict_without_gpu(cfg: BenchConfig) -> int:
 
 # ------------------------------------------------------------------------------ one point
 def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=None) -> dict:
-    from graphs import (GpuClockMonitor, capture, input_sets_needed, median, rank_max, round_up, time_eager,
-                        time_graphs)
+    from graphs import (GpuClockMonitor, calls_for, capture, input_sets_needed, median, rank_max, round_up,
+                        time_eager, time_graphs)
 
     import torch
 
@@ -411,7 +411,7 @@ def run_point(cfg: BenchConfig, M: int, dest: str, ctx: dict, log: _Log, bar=Non
         n_calls = cfg.calls
     else:
         t_est = max(est.values())
-        n_calls = max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(t_est, 1e-3))))
+        n_calls = calls_for(t_est, cfg.target_ms)
     n_calls = round_up(n_calls, n_sets)
     n_calls = int(rank_max(torch.tensor([float(n_calls)]), ctx["group"])[0])
     point["n_calls"] = n_calls

@@ -56,7 +56,6 @@ Rank 0 prints the tables and writes bench_call.json and bench_call.png into --ou
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -565,9 +564,9 @@ def calls_per_batch(cfg: BenchConfig, us: Sequence[float], group, multiple: int 
     `multiple`, the maximum over the ranks."""
     import torch
 
-    from graphs import rank_max, round_up
+    from graphs import calls_for, rank_max, round_up
 
-    n_calls = cfg.calls or max(3, min(200, math.ceil(cfg.target_ms * 1e3 / max(max(us), 1e-3))))
+    n_calls = cfg.calls or calls_for(max(us), cfg.target_ms)
     return int(rank_max(torch.tensor([float(round_up(n_calls, multiple))]), group)[0])
 
 

@@ -13,7 +13,7 @@ import torch
 from fa_a2a.tools import bench, bench_config, bench_methods, bench_report
 from fa_a2a.tools.xstage import GB, US, PlatformModel
 from graphs import timing
-from graphs.timing import GpuClockMonitor, input_sets_needed, rotated, round_up
+from graphs.timing import GpuClockMonitor, calls_for, input_sets_needed, rotated, round_up
 from ulysses.reference import dist_head_to_seq
 
 from tests.helpers import repo_env
@@ -45,6 +45,12 @@ def test_input_sets_needed():
     with pytest.raises(ValueError, match="factor"):
         input_sets_needed(10, L2, factor=0)
     assert round_up(139, 4) == 140 and round_up(140, 4) == 140 and round_up(1, 1) == 1
+
+
+def test_calls_for_fills_the_target_within_its_bounds():
+    assert calls_for(1000.0, 25.0) == 25  # 1 ms calls, a 25 ms batch
+    assert calls_for(999.0, 25.0) == 26  # rounded up
+    assert calls_for(1e6, 25.0) == 3 and calls_for(0.0, 25.0) == 200
 
 
 def test_capture_and_time_graphs_validate_before_touching_cuda():
