@@ -164,15 +164,12 @@ def main(args):
         n_calls = graph_calls(fns["fa4"], args.target_ms)
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         med = {name: median(ts) for name, ts in t.items()}
-        paired = {name: statistics.median([a / b for a, b in zip(t[name], t["fa4"])]) for name in ("fused", "fused-st")}
-        rot = [a / b for a, b in zip(t["fused-rot"], t["fused"])]
-        again = [a / b for a, b in zip(t["fused-again"], t["fused"])]
+        rot, again = paired(t, "fused-rot", "fused"), paired(t, "fused-again", "fused")
         flops = 4 * M * M * H_loc * D
         rows.append(dict(M=M, n_calls=n_calls, t_us=t, t_fa4_us=med["fa4"], t_fused_us=med["fused"],
-                         t_fused_st_us=med["fused-st"], t_fused_rot_us=med["fused-rot"], ratio=paired["fused"],
-                         ratio_st=paired["fused-st"], ratio_rot=statistics.median(rot),
-                         ratio_rot_range=(min(rot), max(rot)), ratio_again=statistics.median(again),
-                         ratio_again_range=(min(again), max(again)),
+                         t_fused_st_us=med["fused-st"], t_fused_rot_us=med["fused-rot"],
+                         ratio=paired(t, "fused", "fa4")[0], ratio_st=paired(t, "fused-st", "fa4")[0],
+                         ratio_rot=rot[0], ratio_rot_range=rot[1:], ratio_again=again[0], ratio_again_range=again[1:],
                          fa4_tflops=flops / med["fa4"] / 1e6))
         del q, k, v, out, windows
     card = torch.cuda.get_device_name()
