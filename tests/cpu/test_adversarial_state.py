@@ -106,10 +106,10 @@ def _same_order_under_copying_hooks(rank, P):
     rank 1: 47", a miss or a stale entry of an earlier call, differently on each rank.)"""
     os.environ["FA_A2A_TIMEOUT_S"] = "10"
     rows = [7, 2]
-    S = sum(rows)
+    mine = slice(sum(rows[:rank]), sum(rows[:rank + 1]))
     for it in range(20):
-        full = _full(it, 1, S, 2, 8)
-        x = [t[:, sum(rows[:rank]):sum(rows[:rank + 1])].clone().requires_grad_() for t in full]
+        full = _full(it, 1, sum(rows), 2, 8)
+        x = [t[:, mine].clone().requires_grad_() for t in full]
         with _copying_hooks():
             o1 = ulysses_attention(*x, impl="reference", shard_rows=rows)
             o2 = ulysses_attention(*x, impl="reference", shard_rows=rows)
@@ -117,7 +117,7 @@ def _same_order_under_copying_hooks(rank, P):
     xs = [t.double().requires_grad_() for t in full]
     (3 * fp64_attention(*xs)).sum().backward()
     for a, b in zip(x, xs):
-        err = (a.grad.double() - b.grad[:, sum(rows[:rank]):sum(rows[:rank + 1])]).abs().max().item()
+        err = (a.grad.double() - b.grad[:, mine]).abs().max().item()
         assert err < 1e-4, f"rank {rank}: gradients wrong by {err} under copying hooks"
 
 
