@@ -213,9 +213,10 @@ def _fa4_sm90_middle(seqused_k, compiling: bool = False):
 
 
 def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has_seqused_k: bool,
-                     has_lse: bool, timestamps: bool):
+                     has_lse: bool, timestamps: bool, keep_o: bool = False):
     """Fake tensors of one compile key's shape class (shapes and strides are dynamic in the kernel):
-    q, k, v, the output (O, or the source rank's slice of the rank windows), lse, seqused_k, times."""
+    q, k, v, the output (O, or the source rank's slice of the rank windows), lse, seqused_k, times,
+    the kept local O (keep_o: a slice of a longer [B, N, H_loc, D], as the op's joint rows leave it)."""
     P, B, S_loc, H_kv, D = 2, 1, 256, 1, head_dim
     H_loc = H_kv * qhead_per_kvhead
     dev = "cuda"
@@ -230,19 +231,22 @@ def _example_tensors(kind: str, dtype, head_dim: int, qhead_per_kvhead: int, has
         lse = (torch.empty(P, B, P * H_loc, S_loc, dtype=torch.float32, device=dev).narrow(2, 0, H_loc)
                if has_lse else None)
     times = torch.empty(B, H_loc, 4, 7, dtype=torch.int64, device=dev) if timestamps else None
-    return q, k, torch.empty_like(k), out, lse, seqused, times
+    o_local = (torch.empty(B, P * S_loc + 8, H_loc, D, dtype=dtype, device=dev).narrow(1, 0, P * S_loc)
+               if keep_o else None)
+    return q, k, torch.empty_like(k), out, lse, seqused, times, o_local
 
 
 @disk_cache
 def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, causal: bool,
                 has_seqused_k: bool, has_lse: bool, timestamps: bool = False, rotate: bool = False,
-                sm100: Optional[Sm100Config] = None, extra_options: str = ""):
+                sm100: Optional[Sm100Config] = None, extra_options: str = "", keep_o: bool = False):
     """The compiled attention kernel of one key (the arguments are the key): kind "fa4" (FA4's own
     forward), "a2a-tma" / "a2a-st" (the rank-window subclass and its O path) or "a2a-paced" /
     "a2a-paced-st" (its TMA / st path with the store pacer, SM90: cute_kernels.fa4_a2a_paced_sm90); for SM90, or for
     SM100 when `sm100` (FA4's SM100 configuration of the call) is given. timestamps: SM90's stamped
     debug build. rotate: the fused kernels' rank-rotated tile order (launched with the rank after
-    the optional tensors). Compiled as FA4 compiles ahead of time, from fake tensors of the key's
+    the optional tensors). keep_o: the SM90 fused kernel that also stores O into the rank's own O
+    (launched with it last). Compiled as FA4 compiles ahead of time, from fake tensors of the key's
     shape class (shapes and strides dynamic, 16-byte aligned), so no GPU is needed; the result
     launches on the current stream through TVM-FFI. extra_options (e.g. "--keep-ptx --dump-dir=DIR") go to the
     compiler."""
@@ -254,16 +258,20 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
 
     paced = kind.startswith("a2a-paced")
     with contextlib.nullcontext() if active_fake_mode() else FakeTensorMode():
-        example = _example_tensors(kind, dtype, head_dim, qhead_per_kvhead, has_seqused_k, has_lse, timestamps)
+        example = _example_tensors(kind, dtype, head_dim, qhead_per_kvhead, has_seqused_k, has_lse, timestamps,
+                                   keep_o)
         tq, tk, tv, to = [to_cute_tensor(t) for t in example[:4]]
         tlse = to_cute_tensor(example[4], assumed_align=4)
         tsk = to_cute_tensor(example[5], assumed_align=4, leading_dim=0)
         ttimes = to_cute_tensor(example[6], assumed_align=8)
+        to_local = to_cute_tensor(example[7])
         tpace = to_cute_tensor(torch.empty(3, dtype=torch.int64, device="cuda"), assumed_align=8) if paced else None
     if rotate and kind == "fa4":
         raise ValueError("rotate: only the fused kernels (kind 'a2a-*') have the rank-rotated order")
     if paced and (rotate or sm100 is not None):
         raise ValueError("kind: the paced kernel is SM90 only, without the rank-rotated order")
+    if keep_o and (paced or sm100 is not None or not kind.startswith("a2a-")):
+        raise ValueError("keep_o: the SM90 fused kernels' (kind 'a2a-tma' / 'a2a-st') local O store")
     rank = cutlass.Int32(0) if rotate else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi {extra_options}".strip()
@@ -294,8 +302,9 @@ def compile_fa4(kind: str, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: 
         kernel_cls = FlashAttentionA2AForwardSm90
     fa = _make_kernel(kernel_cls, dtype, head_dim, qhead_per_kvhead, causal,
                       o_store=PACED_O_STORE[kind] if paced else kind.removeprefix("a2a-"), timestamps=timestamps,
-                      rotate=rotate)
-    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, tpace, stream=stream, options=options)
+                      rotate=rotate, keep_o=keep_o)
+    return cute.compile(fa, tq, tk, tv, to, tlse, 1.0, tsk, ttimes, rank, tpace, to_local, stream=stream,
+                        options=options)
 
 
 PACED_O_STORE = {"a2a-paced": "tma", "a2a-paced-st": "st"}  # the paced kernel's compile kinds -> O path
@@ -356,6 +365,25 @@ def fa4_launcher(
     return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
 
 
+def fa4_into_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_like: torch.Tensor, *,
+                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      seqused_k: Optional[torch.Tensor] = None,
+                      lse_like: Optional[torch.Tensor] = None) -> Callable[..., None]:
+    """fa4_forward on these fixed q, k, v (e.g. a window plan's), checked and compiled once against
+    out_like (and lse_like): each launch(out) (launch(out, lse) with lse_like) writes FA4's output into
+    the out (and lse) it is given, tensors of out_like's (lse_like's) shape, dtype and strides: e.g.
+    fresh ones of each call that a backward keeps (no per-call checks or binding)."""
+    compiled, args = _fa4_bound(q, k, v, out_like, causal, softmax_scale, seqused_k, lse_like)
+    if _is_fake(q):
+        return lambda out, lse=None: None
+    head, tail = args[:ARG_OUT], args[ARG_LSE + 1:]
+
+    def launch(out: torch.Tensor, lse: Optional[torch.Tensor] = None) -> None:
+        compiled(*head, out, lse, *tail)
+
+    return launch
+
+
 def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                        softmax_scale: Optional[float] = None, seqused_k: Optional[torch.Tensor] = None,
                        lse: bool = False) -> Callable[[], object]:
@@ -370,19 +398,17 @@ def fa4_fresh_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
             fresh_lse = q.new_empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
     else:
         out = None
-    compiled, args = _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, fresh_lse)
-    if _is_fake(q):
-        return (lambda: (torch.empty_like(q), torch.empty_like(fresh_lse))) if lse else (lambda: torch.empty_like(q))
-    head, tail = args[:ARG_OUT], args[ARG_LSE + 1:]
+    into = fa4_into_launcher(q, k, v, out, causal=causal, softmax_scale=softmax_scale, seqused_k=seqused_k,
+                             lse_like=fresh_lse)
 
     def launch() -> torch.Tensor:
         out = torch.empty_like(q)
-        compiled(*head, out, None, *tail)
+        into(out)
         return out
 
     def launch_with_lse() -> tuple:
         out, lse_out = torch.empty_like(q), torch.empty_like(fresh_lse)
-        compiled(*head, out, lse_out, *tail)
+        into(out, lse_out)
         return out, lse_out
 
     return launch_with_lse if lse else launch
@@ -474,13 +500,80 @@ def fa4_a2a_launcher(
 ) -> Callable[[], None]:
     """fa4_a2a_forward on these tensors, checked and compiled once: the returned function launches
     it on the current stream (no per-call checks; the op's window plan keeps one per rank)."""
+    compiled, args = _fa4_a2a_bound(q, k, v, out_windows, rank, causal, softmax_scale, seqused_k, lse_windows,
+                                    o_store, timestamps, rotate, pacer, None)
+    return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
+
+
+def fa4_a2a_keeping_launcher(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_windows: torch.Tensor,
+    rank: int,
+    o_like: torch.Tensor,
+    lse_like: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    o_store: Optional[str] = None,
+    rotate: bool = False,
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The fused kernel that also keeps what FA4's backward reads (SM90): launch(o, lse) routes O into
+    out_windows as fa4_a2a_forward does and also stores it into o [B, S, H_loc, D] (q's shape, FA4's
+    layout) and the rows' log-sum-exp into lse fp32 [B, H_loc, S]: FA4's O and LSE bit for bit
+    (cute_kernels.fa4_a2a_sm90, keep_o). Checked and compiled once against o_like and lse_like; each
+    launch takes an o and an lse with their shapes, dtypes and strides (e.g. fresh tensors of each call
+    that a backward keeps; o's last dim contiguous, its other strides and base address multiples of 16
+    bytes; lse's last dim contiguous)."""
+    compiled, args = _fa4_a2a_bound(q, k, v, out_windows, rank, causal, softmax_scale, seqused_k, None, o_store,
+                                    None, rotate, None, (o_like, lse_like))
+    if _is_fake(q):
+        return lambda o, lse: None
+    P, S_loc = out_windows.shape[0], out_windows.shape[2]
+    head, middle = args[:ARG_A2A_LSE], args[ARG_A2A_LSE + 1:-1]
+
+    def launch(o: torch.Tensor, lse: torch.Tensor) -> None:
+        compiled(*head, _lse_as_windows(lse, P, S_loc), *middle, o)
+
+    return launch
+
+
+ARG_A2A_LSE = 4  # where the compiled fused kernel takes its LSE windows (its local O comes last)
+
+
+def _lse_as_windows(lse: torch.Tensor, P: int, S_loc: int) -> torch.Tensor:
+    """A rank's own LSE [B, H_loc, S] (S = P * S_loc, last dim contiguous) as the fused kernel's P LSE
+    windows (P, B, H_loc, S_loc): window d holds rows d * S_loc .. of every head."""
+    B, H, _ = lse.shape
+    st = lse.stride()
+    return lse.as_strided((P, B, H, S_loc), (S_loc, st[0], st[1], 1), lse.storage_offset())
+
+
+def _check_kept(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """fa4_a2a_keeping_launcher's o and lse against q [B, S, H_loc, D]."""
+    B, S, H, D = q.shape
+    if (not isinstance(o, torch.Tensor) or o.shape != q.shape or o.dtype != q.dtype or o.device != q.device
+            or not aligned16(o, _address(o))):
+        raise ValueError(f"o_like: expected {tuple(q.shape)} {q.dtype} on {q.device}, last dim contiguous, other "
+                         "strides and base address multiples of 16 bytes")
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
+            or lse.stride(-1) != 1 or lse.device != q.device):
+        raise ValueError(f"lse_like: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim")
+
+
+def _fa4_a2a_bound(q, k, v, out_windows, rank, causal, softmax_scale, seqused_k, lse_windows, o_store, timestamps,
+                   rotate, pacer, kept) -> tuple:
+    """fa4_a2a_launcher's (and, kept = (o_like, lse_like), fa4_a2a_keeping_launcher's) checks and compile ->
+    (compiled, its arguments; the kept o_like last)."""
     _check_qkv(q, k, v)
     _check_scalars(causal, softmax_scale, rotate)
     _check_seqused_k(seqused_k, q)
     check_windows(out_windows, q, rank)
     H_loc, D = q.shape[2], q.shape[3]
     dst = out_windows.narrow(3, rank * H_loc, H_loc)
-    lse_dst = None
+    lse_dst = o_local = None
     if lse_windows is not None:
         P, B, S_loc, H, _ = out_windows.shape
         if (not isinstance(lse_windows, torch.Tensor) or lse_windows.dtype != torch.float32
@@ -488,6 +581,10 @@ def fa4_a2a_launcher(
                 or lse_windows.stride()[1:] != (H * S_loc, S_loc, 1) or lse_windows.device != q.device):
             raise ValueError(f"lse_windows: expected float32 [{P}, {B}, {H}, {S_loc}], each window contiguous")
         lse_dst = lse_windows.narrow(2, rank * H_loc, H_loc)
+    if kept is not None:
+        o_local, lse_like = kept
+        _check_kept(q, o_local, lse_like)
+        lse_dst = _lse_as_windows(lse_like, out_windows.shape[0], out_windows.shape[2])
     scale = _scale(softmax_scale, D)
     arch = device_arch(q)
     # TMA needs every tile inside one rank; otherwise per-thread stores (see the kernel's docstring)
@@ -509,6 +606,8 @@ def fa4_a2a_launcher(
         kind = "a2a-paced" if o_store == "tma" else "a2a-paced-st"
     key = (kind, q.dtype, D, H_loc // k.shape[2], causal, seqused_k is not None, lse_dst is not None)
     if arch == 100:
+        if kept is not None:
+            raise ValueError("o_like: the fused kernel that keeps O is SM90's (the SM100 op keeps FA4's own)")
         if lse_dst is not None and not aligned:
             # FA4's SM100 LSE rows go out in 128-row tiles from the correction warps (see the kernel)
             raise ValueError(f"lse_windows: on SM100 S_loc must be a multiple of {SM100_TILE_M}, got {S_loc}")
@@ -516,12 +615,13 @@ def fa4_a2a_launcher(
             raise ValueError("timestamps: the stamped debug build is SM90 only")
         cfg = _config_sm100(D, causal, q.shape[1], H_loc // k.shape[2], seqused_k is not None)
         compiled = compile_fa4(*key, rotate=rotate, sm100=cfg)
-        args = (q, k, v, dst, lse_dst, scale, seqused_k, rank if rotate else None)
-    else:
-        check_timestamps(timestamps, q, tile_m_for(D, causal))
+        return compiled, (q, k, v, dst, lse_dst, scale, seqused_k, rank if rotate else None)
+    check_timestamps(timestamps, q, tile_m_for(D, causal))
+    if kept is None:
         compiled = compile_fa4(*key, timestamps=timestamps is not None, rotate=rotate)
-        args = (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None, pacer)
-    return (lambda: None) if _is_fake(q) else functools.partial(compiled, *args)
+        return compiled, (q, k, v, dst, lse_dst, scale, seqused_k, timestamps, rank if rotate else None, pacer, None)
+    compiled = compile_fa4(*key, rotate=rotate, keep_o=True)
+    return compiled, (q, k, v, dst, lse_dst, scale, seqused_k, None, rank if rotate else None, None, o_local)
 
 
 def fa4_a2a_forward(

@@ -21,6 +21,14 @@ cute_kernels.fa4 picks "tma" when S_loc % tile_m == 0 and "st" otherwise.
 The log-sum-exp rows (optional, fp32 windows (P, B, H, S_loc)) take the same route, one scalar
 store per row, from the thread that owns the row.
 
+The forward that keeps what its backward reads (compile-time `keep_o`; fa_a2a.engine.backward): every
+O tile is also stored into the rank's own O [B, S, H_loc, D] in FA4's layout, per thread from the
+staged tile as FA4's non-TMA epilogue stores it, beside the routed store; its LSE rows go to the
+rank's own [B, H_loc, S] through the LSE path above (cute_kernels.fa4 views it as P windows). Both
+are FA4's O and LSE bit for bit, so FA4's backward reads them as it reads its own. On the TMA path
+every epilogue thread then waits at the epilogue barrier until the whole tile is staged (without
+keep_o only the storing warp does).
+
 Rank-rotated tile order (compile-time `rotate`, default off; __call__ then takes the source rank).
 FA4's non-causal SM90 scheduler (SingleTileScheduler) runs one tile per CTA, m_block = blockIdx.x,
 and CTAs start in blockIdx order (x fastest), so every source rank's first wave stores into the
@@ -302,14 +310,17 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
     tile configuration is FA4's own choice for the head dim (see cute_kernels.fa4).
     timestamps: compile in per-tile %globaltimer stamps (a debug variant; see TIMESTAMP_FIELDS).
     rotate: the rank-rotated tile order (see the module docstring); __call__ then takes `rank`.
+    keep_o: every O tile also stored into this rank's own O in FA4's layout (__call__'s mOLocal), per
+    thread from the staged tile, beside its routed store (see the module docstring).
     """
 
     def __init__(self, *args, o_store: str = "tma", timestamps: bool = False, rotate: bool = False,
-                 **kwargs):
+                 keep_o: bool = False, **kwargs):
         check_rank_window_options(o_store, rotate, kwargs)
         self.o_store = o_store
         self.timestamps = timestamps
         self.rotate = rotate
+        self.keep_o = keep_o
         super().__init__(*args, **kwargs)
 
     # FA4 sets use_tma_O in __call__; here the O path is this kernel's own choice.
@@ -334,6 +345,7 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         mTimes: Optional[cute.Tensor] = None,  # (b, h_loc, m_blocks, 7) int64 when timestamps
         rank: Optional[Int32] = None,  # this source rank, when rotate
         mPace: Optional[cute.Tensor] = None,  # int64 [3] store pacer (the paced subclass), or None
+        mOLocal: Optional[cute.Tensor] = None,  # (b, s, h_loc, dv): this rank's own O, when keep_o
         stream: cuda.CUstream = None,
     ):
         mO = rank_window_o(mOWindows)
@@ -348,10 +360,15 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                     stride=(l.stride[1], l.stride[2], (l.stride[3], l.stride[0])),
                 ),
             )
-        # the stamps and the pacer ride in FA4's aux-tensor slot (unused without score_mod / mask_mod)
+        # the stamps, the local O and the pacer ride in FA4's aux-tensor slot (unused without score_mod /
+        # mask_mod), in this order (mma() finds them there)
         aux_tensors = []
         if const_expr(self.timestamps):
             aux_tensors.append(mTimes)
+        if const_expr(self.keep_o):
+            if const_expr(mOLocal is None):
+                raise ValueError("mOLocal: the keep_o build stores every O tile there too")
+            aux_tensors.append(assume_tensor_aligned(mOLocal))
         if const_expr(mPace is not None):
             aux_tensors.append(mPace)
         aux_data = AuxData(aux_tensors, None) if const_expr(len(aux_tensors) > 0) else AuxData()
@@ -369,12 +386,30 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
             )
 
     def mma(self, *args, **kwargs):
-        """FA4's consumer warp groups; the stamped build notes the CTA's start for its epilogues."""
-        if const_expr(self.timestamps):
-            a = _MMA_SIGNATURE.bind(self, *args, **kwargs).arguments
-            self._times = a["aux_data"].tensors[0]
-            self._t_cta_start = cute.arch.globaltimer()
+        """FA4's consumer warp groups; the stamped build notes the CTA's start for its epilogues, the
+        keep_o build finds its local O."""
+        if const_expr(self.timestamps or self.keep_o):
+            aux = _MMA_SIGNATURE.bind(self, *args, **kwargs).arguments["aux_data"].tensors
+            if const_expr(self.keep_o):
+                self._o_local = aux[1 if self.timestamps else 0]
+            if const_expr(self.timestamps):
+                self._times = aux[0]
+                self._t_cta_start = cute.arch.globaltimer()
         super().mma(*args, **kwargs)
+
+    @cute.jit
+    def _store_o_local(self, tOrO: cute.Tensor, gmem_tiled_copy_O: cute.TiledCopy, tidx: Int32, m_block: Int32,
+                       head_idx: Int32, batch_idx: Int32, seqlen):
+        """keep_o: this thread's part of the staged O tile (tOrO, FA4's per-thread partition of sO) into the
+        rank's own O at the tile's rows (rows past seqlen_q skipped), as FA4's per-thread O store does."""
+        mO_cur = self._o_local[batch_idx, None, head_idx, None]  # (s, dv)
+        gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
+        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+        tOgO = gmem_thr_copy_O.partition_D(gO)
+        tOcO = gmem_thr_copy_O.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
+        for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if m_block * self.tile_m + tOcO[0, rest_m, 0][0] < seqlen.seqlen_q:
+                cute.copy(gmem_tiled_copy_O, tOrO[None, rest_m, None], tOgO[None, rest_m, None])
 
     @cute.jit
     def epilogue(
@@ -431,15 +466,21 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
         if const_expr(self.o_store == "tma"):
             # smem writes visible to the TMA unit, then one warp issues the store
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(
-                barrier_id=int(NamedBarrierFwd.Epilogue),
-                number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
-            )
-            if warp_idx == 4:
+            if const_expr(self.keep_o):  # every thread reads sO below: all of it written first
                 cute.arch.barrier(
+                    barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads
+                )
+            else:
+                cute.arch.barrier_arrive(
                     barrier_id=int(NamedBarrierFwd.Epilogue),
                     number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
                 )
+            if warp_idx == 4:
+                if const_expr(not self.keep_o):
+                    cute.arch.barrier(
+                        barrier_id=int(NamedBarrierFwd.Epilogue),
+                        number_of_threads=self.num_epilogue_threads + cute.arch.WARP_SIZE,
+                    )
                 # S_loc % tile_m == 0: the whole tile belongs to rank dst_first
                 mO_dst = mO[None, None, head_idx, (batch_idx, dst_first)]
                 gO = cute.local_tile(
@@ -456,6 +497,12 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                     t_issued = cute.arch.globaltimer()
                 # wait until smem has been read, not until the (remote) writes are visible
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.keep_o):
+                gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+                tOsO = gmem_thr_copy_O.partition_S(sO)
+                tOrO = cute.make_fragment_like(tOsO, self.dtype)
+                cute.autovec_copy(tOsO, tOrO)
+                self._store_o_local(tOrO, gmem_tiled_copy_O, tidx, m_block, head_idx, batch_idx, seqlen)
         else:
             cute.arch.barrier(
                 barrier_id=int(NamedBarrierFwd.Epilogue),
@@ -479,6 +526,8 @@ class FlashAttentionA2AForwardSm90(FlashAttentionForwardSm90):
                         cute.copy(
                             gmem_tiled_copy_O, tOrO[None, rest_m, None], tOgO[None, rest_m, None]
                         )
+            if const_expr(self.keep_o):
+                self._store_o_local(tOrO, gmem_tiled_copy_O, tidx, m_block, head_idx, batch_idx, seqlen)
             if const_expr(self.timestamps):
                 t_issued = cute.arch.globaltimer()
         if const_expr(self.timestamps):

@@ -399,17 +399,22 @@ def _collective_forward(spec: Spec, ranks, qs, ks, vs, joint, exchange) -> list:
 
 
 class _GradAttend:
-    """A rank's serial attention from its in-window for the backward: FA4 into a fresh O and LSE (kept
-    for the backward as they are), one copy of the rank's q | k | v (the in-window: one allocation,
-    forward.in_windows), then the post-A2A kernel(s) from that O - launched by WindowPlan.complete
+    """A rank's attention from its in-window that keeps what its backward reads: a fresh O [B, N, H_loc, D]
+    and LSE [B, H_loc, N] of each call (kept for the backward as they are) and one copy of the rank's
+    q | k | v (the in-window: one allocation, forward.in_windows), launched by WindowPlan.complete
     between its two barriers. The copy of the in-window is queued before the second barrier: peers'
-    next pre-A2A stores into it once they have passed that barrier."""
+    next pre-A2A stores into it once they have passed that barrier.
+    fused (impl "fused" on SM90, unpaced): the fused kernel routes O to its owners and also stores it and
+    its LSE into the fresh O and LSE (cute_kernels.fa4.fa4_a2a_keeping_launcher: FA4's bits); the joint
+    rows: FA4 into the fresh O's and LSE's joint rows, then their post-A2A. Otherwise (serial, or fused
+    paced or on SM100): FA4 into the fresh O and LSE, then the post-A2A kernel(s) from that O."""
 
-    def __init__(self, plan, rank: int, causal: bool, scale: float):
-        from cute_kernels.fa4 import fa4_fresh_launcher
+    def __init__(self, plan, rank: int, causal: bool, scale: float, fused: bool = False, o_store=None):
+        from cute_kernels.fa4 import fa4_into_launcher
 
         lay = plan.layout
-        self.plan, self.rank = plan, rank
+        self.plan, self.rank, self.causal, self.scale = plan, rank, causal, scale
+        self.fused, self.o_store = fused, o_store
         q, k, v = plan.dq[rank], plan.dk[rank], plan.dv[rank]
         es = q.element_size()
         if not (k.data_ptr() == q.data_ptr() + q.numel() * es and v.data_ptr() == k.data_ptr() + k.numel() * es
@@ -418,30 +423,57 @@ class _GradAttend:
         self.qkv = q.as_strided((q.numel() + k.numel() + v.numel(),), (1,))  # the rank's q | k | v
         self.parts = [(0, q.numel(), q.shape), (q.numel(), k.numel(), k.shape),
                       (q.numel() + k.numel(), v.numel(), v.shape)]  # (offset, size, shape) in it
-        self.o_like = plan.scratch("out", rank, lay.num_rows)  # the layout of FA4's fresh O
-        self.fa4 = fa4_fresh_launcher(q, k, v, causal=causal, softmax_scale=scale,
-                                      seqused_k=None if causal else plan.seqused, lse=True)
+        # the layouts of the fresh O and LSE (each call's are empty_like these)
+        self.o_like = plan.scratch("out", rank, lay.num_rows)
+        self.lse_like = torch.empty(plan.B, lay.heads_loc, lay.num_rows, dtype=torch.float32, device=q.device)
+        seqused = None if causal else plan.seqused
+        rows = slice(lay.seq_pad, None) if fused else slice(None)  # the rows FA4 itself computes
+        self.fa4 = None
+        if not fused or lay.joint_len:
+            self.fa4 = fa4_into_launcher(q[:, rows], k, v, self.o_like[:, rows], causal=causal and not fused,
+                                         softmax_scale=scale, seqused_k=seqused, lse_like=self.lse_like[:, :, rows])
+        self.fa4_rows = rows
         self.per_slot: dict = {}
         self.saved: Optional[Saved] = None
 
-    def _post(self, slot: int) -> list:
-        """[(post-A2A launch, FA4's O rows it sends)] into out-slot `slot`."""
+    def _steps(self, slot: int) -> list:
+        """[(launch, rows)] into out-slot `slot`: the fused kernel (launch(o rows, lse rows)) or the
+        post-A2A kernels (launch(o rows)) of FA4's O rows."""
         from cute_kernels.a2a import post_a2a_launcher
 
         if slot not in self.per_slot:
             lay, plan, o = self.plan.layout, self.plan, self.o_like
             seq, joint = slice(0, lay.seq_pad), slice(lay.seq_pad, None)
-            steps = [(post_a2a_launcher(o[:, seq], plan.slot_window(slot), self.rank), seq)]
+            if self.fused:
+                from cute_kernels.fa4 import fa4_a2a_keeping_launcher
+
+                q, k, v = plan.dq[self.rank], plan.dk[self.rank], plan.dv[self.rank]
+                steps = [(fa4_a2a_keeping_launcher(q[:, seq], k, v, plan.slot_window(slot), self.rank, o[:, seq],
+                                                   self.lse_like[:, :, seq], causal=self.causal,
+                                                   softmax_scale=self.scale,
+                                                   seqused_k=None if self.causal else plan.seqused,
+                                                   o_store=self.o_store), seq)]
+            else:
+                steps = [(post_a2a_launcher(o[:, seq], plan.slot_window(slot), self.rank), seq)]
             if lay.joint_len:
                 steps.append((post_a2a_launcher(o[:, joint], plan.jout_w, self.rank, broadcast=True), joint))
             self.per_slot[slot] = steps
         return self.per_slot[slot]
 
     def __call__(self, slot: int = 0) -> None:
-        o, lse = self.fa4()
+        o, lse = torch.empty_like(self.o_like), torch.empty_like(self.lse_like)
+        steps = self._steps(slot)
+        if self.fused:
+            (keeping, seq), *posts = steps
+            keeping(o[:, seq], lse[:, :, seq])
+        else:
+            posts = steps
+        if self.fa4 is not None:
+            rows = self.fa4_rows
+            self.fa4(o[:, rows], lse[:, :, rows])
         qkv = self.qkv.clone()
         self.saved = Saved(*[qkv[at:at + n].view(shape) for at, n, shape in self.parts], o, lse)
-        for launch, rows in self._post(slot):
+        for launch, rows in posts:
             launch(o[:, rows])
 
     def take(self) -> Saved:
@@ -453,20 +485,28 @@ class _GradAttend:
         return self.plan.transport.closed
 
 
-_grad_attends: dict = {}  # (plan, rank, causal, scale) -> _GradAttend
+_grad_attends: dict = {}  # (plan, rank, causal, scale, impl, o_store, pace) -> _GradAttend
 
 
-def _grad_attend(plan, rank: int, causal: bool, scale: float) -> _GradAttend:
-    """Built once per (plan, rank, causal, scale) (fa_a2a.engine.forward.prepared_call); the ranks line
-    up after the first build (its compiles), as WindowPlan.attend_launch does."""
+def _keeps_fused(p: Problem, plan, rank: int) -> bool:
+    """Whether the forward with grad of p runs the fused kernel that keeps O and LSE (SM90, impl "fused",
+    its stores unpaced: the paced kernel has no LSE path) rather than FA4 + the post-A2A."""
+    return (p.impl == "fused" and _capability_of(plan.transport.device) == (9, 0)
+            and plan.pacer(rank, p.causal, p.pace) is None)
+
+
+def _grad_attend(plan, rank: int, p: Problem) -> _GradAttend:
+    """Built once per (plan, rank, causal, scale, impl, o_store, pace) (fa_a2a.engine.forward.prepared_call);
+    the ranks line up after the first build (its compiles), as WindowPlan.attend_launch does."""
     from .forward import prepared_call
 
     def build():
-        attend = _GradAttend(plan, rank, causal, scale)
+        fused = _keeps_fused(p, plan, rank)
+        attend = _GradAttend(plan, rank, p.causal, p.scale, fused, p.o_store if fused else None)
         plan.transport.host_barrier()
         return attend
 
-    return prepared_call(_grad_attends, (plan, rank, causal, scale), build)
+    return prepared_call(_grad_attends, (plan, rank, p.causal, p.scale, p.impl, p.o_store, p.pace), build)
 
 
 def _kernel_forward(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
@@ -476,7 +516,7 @@ def _kernel_forward(p: Problem, q, k, v, joint, group, rank: int) -> tuple:
     from .forward import window_plan
 
     plan = window_plan(get_transport(group), p.layout, p.batch, p.head_dim, p.dtype)
-    attend = _grad_attend(plan, rank, p.causal, p.scale)
+    attend = _grad_attend(plan, rank, p)
     lay, rows = p.layout, q.shape[1]
     plan.pre(rank, *(_padded(lay, rank, x) for x in (q, k, v)), joint)
     out, jout = plan.complete(rank, rows, attend)
@@ -531,7 +571,7 @@ def _kernel_forward_emulated(p: Problem, qs, ks, vs, joint, rows) -> tuple:
     lay, P = p.layout, p.world_size
     transport = emulated_transport(P, qs[0].device)
     plan = window_plan(transport, lay, p.batch, p.head_dim, p.dtype)
-    attends = [_grad_attend(plan, r, p.causal, p.scale) for r in range(P)]
+    attends = [_grad_attend(plan, r, p) for r in range(P)]
     for r in range(P):
         plan.pre(r, qs[r], ks[r], vs[r], joint)
     transport.barrier()

@@ -689,11 +689,14 @@ def test_traced_backward_op_keys_the_forward_ops_decision(monkeypatch):
 
 
 # ---- the forward kept for the backward (_GradAttend) -------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True], ids=["FA4 + post-A2A", "fused kernel keeping O"])
 @pytest.mark.parametrize("J", [0, 3], ids=["no joint", "joint"])
-def test_grad_attend_keeps_fresh_o_lse_and_one_copy_of_the_in_window(monkeypatch, J):
-    """_GradAttend: FA4 writes a fresh O and LSE per call, which the backward keeps as they are; q, k, v are
-    kept by one copy of the rank's in-window (a later pre-A2A into the window does not reach them); the
-    post-A2A kernels send that call's O (sequence rows to the out-slot, joint rows to the joint out-window)."""
+def test_grad_attend_keeps_fresh_o_lse_and_one_copy_of_the_in_window(monkeypatch, J, fused):
+    """_GradAttend: each call's O and LSE are fresh tensors, which the backward keeps as they are; q, k, v are
+    kept by one copy of the rank's in-window (a later pre-A2A into the window does not reach them). Serial: FA4
+    writes every row of them, the post-A2A kernels send that call's O (sequence rows to the out-slot, joint rows
+    to the joint out-window). Fused: the fused kernel routes the sequence rows into the out-slot and keeps them
+    in the fresh O and LSE; FA4 writes the joint rows there, whose post-A2A sends them."""
     import cute_kernels.fa4 as fa4
 
     P, B, S, H, H_kv, rank = 2, 1, 10, 4, 2, 1
@@ -701,46 +704,77 @@ def test_grad_attend_keeps_fresh_o_lse_and_one_copy_of_the_in_window(monkeypatch
     transport = EmulatedTransport(P, device="cpu")
     monkeypatch.setattr(forward.WindowPlan, "_warm", lambda self: None)
     plan = forward.WindowPlan(transport, lay, B, D, DTYPE)
-    launches, posts = [], []
+    launches, posts = [], []  # (kind, o, lse) written; (src, windows, broadcast) sent
+    fa4_rows = slice(lay.seq_pad, None) if fused else slice(None)
 
-    def fresh_launcher(q, k, v, *, causal, softmax_scale, seqused_k, lse):
-        assert lse and all(t.data_ptr() == w[rank].data_ptr() and t.shape == w[rank].shape
-                           for t, w in zip((q, k, v), (plan.dq, plan.dk, plan.dv)))
+    def into_launcher(q, k, v, out_like, *, causal, softmax_scale, seqused_k, lse_like):
+        assert not (fused and causal)  # (the joint rows: non-causal, as the fused forward runs them)
+        assert q.data_ptr() == plan.dq[rank][:, fa4_rows].data_ptr() and q.shape == plan.dq[rank][:, fa4_rows].shape
+        assert k.data_ptr() == plan.dk[rank].data_ptr() and v.data_ptr() == plan.dv[rank].data_ptr()
+        assert out_like.shape == q.shape and tuple(lse_like.shape) == (B, q.shape[2], q.shape[1])
 
-        def launch():
-            out = torch.randn(q.shape).to(q.dtype)
-            lse_out = torch.randn(q.shape[0], q.shape[2], q.shape[1])
-            launches.append((out, lse_out))
-            return out, lse_out
+        def launch(out, lse):
+            assert out.shape == out_like.shape and out.stride() == out_like.stride() and lse.stride() == lse_like.stride()
+            out.copy_(torch.randn(out.shape))
+            lse.copy_(torch.randn(lse.shape))
+            launches.append(("fa4", out, lse))
+
+        return launch
+
+    def keeping_launcher(q, k, v, windows, r, o_like, lse_like, *, causal, softmax_scale, seqused_k, o_store):
+        assert fused and r == rank and windows is plan.out_w and q.shape[1] == lay.seq_pad == o_like.shape[1]
+        assert q.data_ptr() == plan.dq[rank].data_ptr() and tuple(lse_like.shape) == (B, q.shape[2], lay.seq_pad)
+
+        def launch(o, lse):
+            assert o.stride() == o_like.stride() and lse.stride() == lse_like.stride()
+            o.copy_(torch.randn(o.shape))
+            lse.copy_(torch.randn(lse.shape))
+            launches.append(("fused", o, lse))
 
         return launch
 
     def post_launcher(o, windows, r, broadcast=False):
         assert r == rank and o.shape[1] == (J if broadcast else lay.seq_pad)
+        assert not (fused and not broadcast), "the fused kernel routes the sequence rows itself"
         return lambda src=o: posts.append((src, windows, broadcast))
 
-    monkeypatch.setattr(fa4, "fa4_fresh_launcher", fresh_launcher)
+    monkeypatch.setattr(fa4, "fa4_into_launcher", into_launcher)
+    monkeypatch.setattr(fa4, "fa4_a2a_keeping_launcher", keeping_launcher)
     monkeypatch.setattr(a2a, "post_a2a_launcher", post_launcher)
-    attend = fab._GradAttend(plan, rank, False, 0.125)
+    attend = fab._GradAttend(plan, rank, False, 0.125, fused=fused)
+    firsts = []
     for call in range(2):
         for w in (plan.dq, plan.dk, plan.dv):
             w.copy_(torch.randn(w.shape))
         window = [w[rank].clone() for w in (plan.dq, plan.dk, plan.dv)]
+        launches.clear()
         posts.clear()
         attend()
         saved = attend.take()
         for w in (plan.dq, plan.dk, plan.dv):  # the next call's pre-A2A into the in-windows
             w.fill_(float("nan"))
         assert all(torch.equal(s, e) for s, e in zip(saved[:3], window)), call
-        assert saved.o is launches[-1][0] and saved.lse is launches[-1][1]
-        seq, joint = posts[0], posts[1:]
-        assert seq[0].data_ptr() == saved.o.data_ptr() and seq[0].shape[1] == lay.seq_pad and seq[1] is plan.out_w
+        N = lay.num_rows
+        assert saved.o.shape == (B, N, lay.heads_loc, D) and saved.lse.shape == (B, lay.heads_loc, N)
+        kinds = [kind for kind, _, _ in launches]
+        assert kinds == (["fused"] + ["fa4"] * bool(J) if fused else ["fa4"])
+        for _, o, lse in launches:  # every row of the kept O and LSE written once, in them
+            assert o.data_ptr() in {saved.o.data_ptr(), saved.o[:, lay.seq_pad:].data_ptr()}
+        written = sum(o.shape[1] for _, o, _ in launches)
+        assert written == N
+        firsts.append(saved.o)
+        if fused:
+            seq_posts, joint = [], posts
+        else:
+            seq_posts, joint = posts[:1], posts[1:]
+            [(src, windows, _)] = seq_posts
+            assert src.data_ptr() == saved.o.data_ptr() and src.shape[1] == lay.seq_pad and windows is plan.out_w
         if J:
             [(src, windows, broadcast)] = joint
             assert broadcast and windows is plan.jout_w and torch.equal(src, saved.o[:, lay.seq_pad:])
         else:
             assert not joint
-    assert launches[0][0] is not launches[1][0]
+    assert firsts[0].data_ptr() != firsts[1].data_ptr()
     transport.close()
 
 
@@ -792,7 +826,7 @@ def test_grad_attend_refuses_in_windows_that_are_not_one_allocation():
                    (torch.randn(P, *shape).to(DTYPE), torch.randn(P, *shape).to(DTYPE))):
         plan = types.SimpleNamespace(layout=layout(P, 16, 2, 2), dq=dq, dk=dk, dv=dv)
         with pytest.raises(RuntimeError, match="one allocation"):
-            fab._GradAttend(plan, 1, False, 0.125)
+            fab._GradAttend(plan, 1, False, 0.125)  # (before anything is launched or allocated)
 
 
 def test_traced_forward_returns_saved_tensors_on_storages_of_their_own():

@@ -1,5 +1,7 @@
 """CPU tier: FA4's SM90 forward and the rank-window subclass compile for sm_90a with fake tensors."""
 
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -278,3 +280,63 @@ def test_unchecked_forward_launches_what_the_checked_one_does(monkeypatch):
             assert key_u == key_c and args_u[fused.ARG_OUT] is out and args_c[fused.ARG_OUT] is checked
             same = [i for i in range(len(args_c)) if i != fused.ARG_OUT]
             assert all(args_u[i] is args_c[i] or args_u[i] == args_c[i] for i in same)
+
+
+def _v4_stores(ptx: str) -> int:
+    return len(re.findall(r"\bst\.global\.v4\b", ptx))
+
+
+@pytest.mark.parametrize("kind", ["a2a-tma", "a2a-st"])
+def test_keeping_build_also_stores_every_o_tile_locally(kind, tmp_path):
+    """keep_o (the forward that keeps O for its backward): the same kernel with the routed O store as it was (TMA or
+    per-thread) plus FA4's per-thread O store of the staged tile into the local O: 8 more 16-byte stores per thread
+    at D 128 (a 128 x 128 bf16 tile over 256 threads), one more kernel parameter group (the local O)."""
+    key = (kind, torch.bfloat16, 128, 1, False, False, True)
+    opts = f"--keep-ptx --dump-dir={tmp_path}"
+    plain, keep = (fused.compile_fa4(*key, keep_o=k, extra_options=opts).__ptx__ for k in (False, True))
+    assert _v4_stores(keep) == _v4_stores(plain) + 8
+    assert keep.count(".global.shared::cta") == plain.count(".global.shared::cta")  # the TMA store as it was
+    assert _kernel_params(keep) > _kernel_params(plain)
+    with pytest.raises(ValueError, match="keep_o"):
+        fused.compile_fa4("a2a-paced", *key[1:], keep_o=True)
+    with pytest.raises(ValueError, match="keep_o"):
+        fused.compile_fa4("fa4", *key[1:], keep_o=True)
+
+
+def test_keeping_launcher_takes_each_calls_o_and_lse(monkeypatch):
+    """fa4_a2a_keeping_launcher: checked and compiled once against o_like / lse_like (slices of the op's
+    [B, N, ...] tensors, N = S + joint rows); each launch passes that call's o last and its lse as the P LSE
+    windows the kernel's LSE path indexes (window d = rows d * S_loc ..: strides (S_loc, H*N, N, 1))."""
+    launches, keys = [], []
+    monkeypatch.setattr(fused, "compile_fa4", lambda *key, **kw: keys.append((key, kw)) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(fused, "_is_fake", lambda t: False)
+    monkeypatch.setattr(fused, "device_arch", lambda q: 90)
+    P, B, S_loc, H, D, J = 4, 2, 256, 3, 128, 40
+    N = P * S_loc + J
+    with FakeTensorMode():
+        def kept():
+            o = torch.empty(B, N, H, D, dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty(B, H, N, dtype=torch.float32, device="cuda")
+            return o.narrow(1, 0, P * S_loc), lse.narrow(2, 0, P * S_loc)
+
+        q, _ = kept()
+        w = torch.empty(P, B, S_loc, P * H, D, dtype=torch.bfloat16, device="cuda")
+        launch = fused.fa4_a2a_keeping_launcher(q, q, q, w, 2, *kept(), o_store="st")
+        calls = [kept(), kept()]
+        for o, lse in calls:
+            launch(o, lse)
+        with pytest.raises(ValueError, match="^o_like"):
+            fused.fa4_a2a_keeping_launcher(q, q, q, w, 2, w, kept()[1])
+        with pytest.raises(ValueError, match="^lse_like"):
+            fused.fa4_a2a_keeping_launcher(q, q, q, w, 2, kept()[0], kept()[0])
+        monkeypatch.setattr(fused, "device_arch", lambda q: 100)
+        with pytest.raises(ValueError, match="^o_like: the fused kernel that keeps O is SM90's"):
+            fused.fa4_a2a_keeping_launcher(q, q, q, w, 2, *kept())
+    [(key, kw)] = keys
+    assert key == ("a2a-st", torch.bfloat16, D, 1, False, False, True) and kw == {"rotate": False, "keep_o": True}
+    assert len(launches) == 2
+    for args, (o, lse) in zip(launches, calls):
+        assert args[-1] is o and args[0] is q
+        view = args[fused.ARG_A2A_LSE]
+        assert tuple(view.shape) == (P, B, H, S_loc) and view.stride() == (S_loc, H * N, N, 1)
+        assert view._base is lse._base and view.storage_offset() == lse.storage_offset()  # that call's lse

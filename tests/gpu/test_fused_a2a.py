@@ -222,3 +222,46 @@ def test_rotation_refused_for_causal():
     windows = torch.empty(P, B, S_loc, P * H_loc, D, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rotate: the rank-rotated tile order is for non-causal"):
         fa4_a2a_forward(q, q, q, windows, 0, causal=True, rotate=True)
+
+
+KEEP_CASES = [
+    # P, B, S_loc, H_loc, D, dtype, causal, kv_heads, seqused, o_store
+    (4, 2, 256, 2, 128, torch.bfloat16, False, None, None, "tma"),
+    (4, 2, 256, 2, 128, torch.bfloat16, False, None, None, "st"),
+    (4, 1, 200, 3, 128, torch.bfloat16, False, None, None, "st"),  # tiles straddle rank boundaries
+    (2, 1, 384, 4, 64, torch.float16, True, None, None, None),  # causal, D 64
+    (8, 1, 100, 4, 128, torch.bfloat16, False, 1, 700, "st"),  # S_loc < tile_m, GQA, padded keys
+]
+
+
+@pytest.mark.parametrize("P,B,S_loc,H_loc,D,dtype,causal,kv_heads,seqused,o_store", KEEP_CASES)
+def test_keeping_kernel_keeps_fa4s_o_and_lse_bit_for_bit(P, B, S_loc, H_loc, D, dtype, causal, kv_heads, seqused,
+                                                          o_store):
+    """fa4_a2a_keeping_launcher (the forward that keeps O and LSE for FA4's backward): the windows get rank r's
+    rows as fa4_a2a_forward routes them, and the kept O and LSE (the first S rows of longer NaN-poisoned
+    tensors, as the op's joint rows leave them) equal FA4's own O and LSE bit for bit; their other rows and
+    the windows' other heads stay unwritten."""
+    from cute_kernels.fa4 import fa4_a2a_keeping_launcher
+
+    torch.manual_seed(7 * P + S_loc + D)
+    S, H, J, r = P * S_loc, P * H_loc, 24, P - 1
+    H_kv = kv_heads or H_loc
+    q = torch.randn(B, S, H_loc, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, S, H_kv, D, device="cuda", dtype=dtype) for _ in range(2))
+    sk = None if seqused is None else torch.full((B,), seqused, device="cuda", dtype=torch.int32)
+    windows = torch.full((P, B, S_loc, H, D), POISON, device="cuda", dtype=dtype)
+    o_full = torch.full((B, S + J, H_loc, D), POISON, device="cuda", dtype=dtype)
+    lse_full = torch.full((B, H_loc, S + J), POISON, device="cuda")
+    o, lse = o_full[:, :S], lse_full[:, :, :S]
+    launch = fa4_a2a_keeping_launcher(q, k, v, windows, r, o, lse, causal=causal, seqused_k=sk, o_store=o_store)
+    launch(o, lse)
+    ref_lse = torch.empty(B, H_loc, S, device="cuda")
+    ref = fa4_forward(q, k, v, causal=causal, seqused_k=sk, lse=ref_lse)
+    torch.cuda.synchronize()
+    assert torch.equal(o.view(torch.int16), ref.view(torch.int16)), "kept O differs from FA4's"
+    assert torch.equal(lse.view(torch.int32), ref_lse.view(torch.int32)), "kept LSE differs from FA4's"
+    assert torch.isnan(o_full[:, S:]).all() and torch.isnan(lse_full[:, :, S:]).all(), "rows past S written"
+    mine = windows[:, :, :, r * H_loc:(r + 1) * H_loc]
+    assert torch.equal(mine, ref.view(B, P, S_loc, H_loc, D).permute(1, 0, 2, 3, 4))
+    others = torch.cat([windows[:, :, :, :r * H_loc], windows[:, :, :, (r + 1) * H_loc:]], dim=3)
+    assert torch.isnan(others).all(), "other ranks' heads written"
