@@ -27,7 +27,9 @@ staged tile as FA4's non-TMA epilogue stores it, beside the routed store; its LS
 rank's own [B, H_loc, S] through the LSE path above (cute_kernels.fa4 views it as P windows). Both
 are FA4's O and LSE bit for bit, so FA4's backward reads them as it reads its own. On the TMA path
 every epilogue thread then waits at the epilogue barrier until the whole tile is staged (without
-keep_o only the storing warp does).
+keep_o only the storing warp does). On an H100 (2026-12-06, tests/gpu/test_fused_a2a.py -k keeping):
+O and LSE equal FA4's bit for bit (both O paths, causal, S_loc < tile_m, GQA, padded keys); its cost
+against the plain fused kernel is not timed yet.
 
 Rank-rotated tile order (compile-time `rotate`, default off; __call__ then takes the source rank).
 FA4's non-causal SM90 scheduler (SingleTileScheduler) runs one tile per CTA, m_block = blockIdx.x,

@@ -35,11 +35,12 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
   "nccl" on CUDA              the same exchanges, FA4 with its LSE; the backward FA4's own
                               (flash_attn.cute.interface._flash_attn_bwd, SM90 or SM100).
   "serial", "fused"           the op's pre-A2A kernel into the rank windows -> barrier -> FA4 with
-                              its LSE -> copies of what the backward needs -> post-A2A kernel ->
-                              barrier (the serial forward: "fused" runs it too when grad is
-                              required, so both give the same gradients bit for bit; the fused
-                              kernel does not leave O in the heads layout, which FA4's backward
-                              reads).
+                              its LSE into a fresh O and LSE -> a copy of the rank's q | k | v ->
+                              post-A2A kernel -> barrier. "fused" on SM90 (unpaced): the fused
+                              kernel in place of FA4 + the post-A2A, which also stores every O tile
+                              and LSE row into the fresh O and LSE (cute_kernels.fa4_a2a_sm90,
+                              keep_o): FA4's O and LSE bit for bit, so fused and serial give the
+                              same gradients bit for bit (_GradAttend).
                               The backward of "serial" (the reference the fused one must equal):
                               FA4's backward between two all_to_all_single exchanges over the group.
                               The backward of "fused" (fused_backward_applies: CUDA SM90/SM100,
