@@ -492,7 +492,8 @@ _grad_attends: dict = {}  # (plan, rank, causal, scale, impl, o_store, pace) -> 
 def _keeps_fused(p: Problem, plan, rank: int) -> bool:
     """Whether the forward with grad of p runs the fused kernel that keeps O and LSE (SM90, impl "fused",
     its stores unpaced: the paced kernel has no LSE path) rather than FA4 + the post-A2A."""
-    return (p.impl == "fused" and _capability_of(plan.transport.device) == (9, 0)
+    device = plan.transport.device
+    return (p.impl == "fused" and device.type == "cuda" and _capability_of(device) == (9, 0)
             and plan.pacer(rank, p.causal, p.pace) is None)
 
 

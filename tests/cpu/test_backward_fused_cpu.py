@@ -845,3 +845,26 @@ def test_traced_forward_returns_saved_tensors_on_storages_of_their_own():
     assert not torch._C._any_output_is_alias_to_input_or_output((), {}, (apart,))
     assert all(torch.equal(a, b) for a, b in zip(apart, (q, k, v, o, lse)))
     assert _apart(Saved(q, k, v, None, None))[3:] == [None, None]
+
+
+def test_forward_with_grad_keeps_o_in_the_fused_kernel_where_it_can(monkeypatch):
+    """_keeps_fused: the forward with grad of impl "fused" runs the fused kernel that keeps O and LSE on SM90
+    CUDA devices when its stores are unpaced (the paced kernel has no LSE path); FA4 + the post-A2A on SM100,
+    paced, for "serial" and on other devices."""
+    import dataclasses
+    import types
+
+    paced = []
+    plan = types.SimpleNamespace(transport=types.SimpleNamespace(device=torch.device("cuda", 0)),
+                                 pacer=lambda rank, causal, pace: paced.append(pace) or (object() if pace else None))
+    capability = [(9, 0)]
+    monkeypatch.setattr(fab, "_capability_of", lambda device: capability[0])
+    fused, serial = problem("fused", 2, 1, 32, 4, 4), problem("serial", 2, 1, 32, 4, 4)
+    assert fab._keeps_fused(fused, plan, 1)
+    assert not fab._keeps_fused(dataclasses.replace(fused, pace=48.0), plan, 1) and paced[-1] == 48.0
+    assert not fab._keeps_fused(serial, plan, 1)
+    capability[0] = (10, 0)
+    assert not fab._keeps_fused(fused, plan, 1)
+    capability[0] = (9, 0)
+    plan.transport.device = torch.device("cpu")
+    assert not fab._keeps_fused(fused, plan, 1)
