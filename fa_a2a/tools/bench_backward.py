@@ -1,7 +1,8 @@
 """`python -m fa_a2a.bench --backward`: forward + backward of the Ulysses op against FA4's alone (issue 39).
 
-The op's forward with grad is the serial forward (the pre-A2A kernel, FA4 with its LSE, copies of
-what the backward reads, the post-A2A kernel) for every kernel impl; its backward
+The op's forward with grad keeps what the backward reads (fa_a2a.engine.backward._GradAttend: the pre-A2A
+kernel, then for impl "serial" FA4 with its LSE and the post-A2A kernel, for "fused" on SM90 the fused
+kernel that also keeps O and the LSE, and a copy of the rank's q, k, v); its backward
 (fa_a2a.engine.backward) is, for impl "serial", FA4's backward
 (flash_attn.cute.interface._flash_attn_bwd) between two exchanges (all_to_all_single on real ranks),
 and for impl "fused" dO's pre-A2A kernel, then FA4's backward storing dq, dk, dv straight into their
