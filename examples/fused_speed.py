@@ -1,9 +1,10 @@
 """Kernel-level check of the fused epilogue's cost: T_fused / T_FA4 on one GPU, emulated ranks.
 
 One source rank's work (rank 0 of P): FA4 alone writing its local O, and the fused kernel (its
-TMA and its per-thread-store O paths, and the TMA path with the rank-rotated tile order, which
-starts on rank 1's rows) writing the same tiles into P rank windows (local buffers standing in
-for the peers). Timed with graphs.time_graphs, the project's one timing loop: each
+TMA and its per-thread-store O paths, the TMA path with the rank-rotated tile order, which
+starts on rank 1's rows, and the TMA path that also keeps O and LSE for a backward: the forward with
+grad's, cute_kernels.fa4.fa4_a2a_keeping_launcher) writing the same tiles into P rank windows (local
+buffers standing in for the peers). Timed with graphs.time_graphs, the project's one timing loop: each
 variant captured as N back-to-back calls in a CUDA graph, replays rotated across variants, median
 over trials; the paired ratio is the median over trials of T_fused / T_FA4 from the same trial
 (and of T_rotated / T_fused for the rotated order, beside T_fused' / T_fused of a second graph of
@@ -55,7 +56,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from cute_kernels.fa4 import fa4_a2a_forward, fa4_forward  # noqa: E402
+from cute_kernels.fa4 import fa4_a2a_forward, fa4_a2a_keeping_launcher, fa4_forward  # noqa: E402
 from graphs import calls_for, median, time_graphs  # noqa: E402
 
 
@@ -152,37 +153,43 @@ def main(args):
         q, k, v = (torch.randn(1, M, H_loc, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
         windows = torch.randn(P, 1, S_loc, P * H_loc, D, device="cuda", dtype=torch.bfloat16)
+        o_kept, lse_kept = torch.empty_like(q), torch.empty(1, H_loc, M, device="cuda")
+        keeping = fa4_a2a_keeping_launcher(q, k, v, windows, 0, o_kept, lse_kept, o_store="tma")
         fns = {
             "fa4": lambda: fa4_forward(q, k, v, out),
             "fused": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma"),
             "fused-st": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="st"),
             "fused-rot": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma", rotate=True),
             "fused-again": lambda: fa4_a2a_forward(q, k, v, windows, 0, o_store="tma"),
+            "fused-keep": lambda: keeping(o_kept, lse_kept),
         }
         for fn in fns.values():
             fn()
         n_calls = graph_calls(fns["fa4"], args.target_ms)
         t = time_graphs(fns, n_calls, args.trials, warmup=2)
         med = {name: median(ts) for name, ts in t.items()}
-        rot, again = paired(t, "fused-rot", "fused"), paired(t, "fused-again", "fused")
+        rot, again, keep = (paired(t, name, "fused") for name in ("fused-rot", "fused-again", "fused-keep"))
         flops = 4 * M * M * H_loc * D
         rows.append(dict(M=M, n_calls=n_calls, t_us=t, t_fa4_us=med["fa4"], t_fused_us=med["fused"],
                          t_fused_st_us=med["fused-st"], t_fused_rot_us=med["fused-rot"],
                          ratio=paired(t, "fused", "fa4")[0], ratio_st=paired(t, "fused-st", "fa4")[0],
                          ratio_rot=rot[0], ratio_rot_range=rot[1:], ratio_again=again[0], ratio_again_range=again[1:],
-                         fa4_tflops=flops / med["fa4"] / 1e6))
-        del q, k, v, out, windows
+                         ratio_keep=keep[0], ratio_keep_range=keep[1:], fa4_tflops=flops / med["fa4"] / 1e6))
+        del q, k, v, out, windows, o_kept, lse_kept, keeping
     card = torch.cuda.get_device_name()
     print(f"\n{card}, bf16, D={D}, H_loc={H_loc}, emulated P={P}, CUDA-graph medians (us) over {args.trials} trials")
     print("| M | FA4 | fused (TMA) | fused (st) | fused (TMA, rotated) | T_fused/T_FA4 TMA (paired) | st (paired) "
-          "| T_rotated/T_fused (paired; min-max) | same kernel again (paired; min-max) | FA4 TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| T_rotated/T_fused (paired; min-max) | same kernel again (paired; min-max) "
+          "| keeping O and LSE / T_fused (paired; min-max) | FA4 TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         lo, hi = r["ratio_rot_range"]
         alo, ahi = r["ratio_again_range"]
+        klo, khi = r["ratio_keep_range"]
         print(f"| {r['M']} | {r['t_fa4_us']:.1f} | {r['t_fused_us']:.1f} | {r['t_fused_st_us']:.1f} | "
               f"{r['t_fused_rot_us']:.1f} | {r['ratio']:.4f} | {r['ratio_st']:.4f} | {r['ratio_rot']:.4f} "
-              f"({lo:.4f}-{hi:.4f}) | {r['ratio_again']:.4f} ({alo:.4f}-{ahi:.4f}) | {r['fa4_tflops']:.0f} |")
+              f"({lo:.4f}-{hi:.4f}) | {r['ratio_again']:.4f} ({alo:.4f}-{ahi:.4f}) | {r['ratio_keep']:.4f} "
+              f"({klo:.4f}-{khi:.4f}) | {r['fa4_tflops']:.0f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fused_speed.json"), "w") as f:
