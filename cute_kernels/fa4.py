@@ -314,17 +314,22 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
+def _check_lse(lse, q: torch.Tensor, name: str) -> None:
+    """An LSE output of q [B, S, H, D]'s rows: float32 [B, H, S] on q's device, last dim contiguous."""
+    B, S, H, _ = q.shape
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
+            or lse.stride(-1) != 1 or lse.device != q.device):
+        raise ValueError(f"{name}: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim, "
+                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+
+
 def _fa4_bound(q, k, v, out, causal, softmax_scale, seqused_k, lse) -> tuple:
     """fa4_launcher's checks and compile -> (compiled, its arguments; out at ARG_OUT, lse at ARG_LSE)."""
     _check_qkv(q, k, v)
     _check_scalars(causal, softmax_scale)
     _check_seqused_k(seqused_k, q)
-    B, S, H, D = q.shape
-    if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
-                            or tuple(lse.shape) != (B, H, S)
-                            or lse.stride(-1) != 1 or lse.device != q.device):
-        raise ValueError(f"lse: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim, "
-                         f"got {getattr(lse, 'dtype', type(lse).__name__)} {tuple(getattr(lse, 'shape', ()))}")
+    if lse is not None:
+        _check_lse(lse, q, "lse")
     if (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
             or out.stride(-1) != 1 or out.device != q.device):
         raise ValueError(f"out: expected {tuple(q.shape)} {q.dtype} on {q.device} with contiguous last dim")
@@ -553,14 +558,11 @@ def _lse_as_windows(lse: torch.Tensor, P: int, S_loc: int) -> torch.Tensor:
 
 def _check_kept(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
     """fa4_a2a_keeping_launcher's o and lse against q [B, S, H_loc, D]."""
-    B, S, H, D = q.shape
     if (not isinstance(o, torch.Tensor) or o.shape != q.shape or o.dtype != q.dtype or o.device != q.device
             or not aligned16(o, _address(o))):
         raise ValueError(f"o_like: expected {tuple(q.shape)} {q.dtype} on {q.device}, last dim contiguous, other "
                          "strides and base address multiples of 16 bytes")
-    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != (B, H, S)
-            or lse.stride(-1) != 1 or lse.device != q.device):
-        raise ValueError(f"lse_like: expected float32 [{B}, {H}, {S}] on {q.device} with contiguous last dim")
+    _check_lse(lse, q, "lse_like")
 
 
 def _fa4_a2a_bound(q, k, v, out_windows, rank, causal, softmax_scale, seqused_k, lse_windows, o_store, timestamps,

@@ -427,12 +427,13 @@ class _GradAttend:
         # the layouts of the fresh O and LSE (each call's are empty_like these)
         self.o_like = plan.scratch("out", rank, lay.num_rows)
         self.lse_like = torch.empty(plan.B, lay.heads_loc, lay.num_rows, dtype=torch.float32, device=q.device)
-        seqused = None if causal else plan.seqused
+        self.seqused = None if causal else plan.seqused
         rows = slice(lay.seq_pad, None) if fused else slice(None)  # the rows FA4 itself computes
         self.fa4 = None
         if not fused or lay.joint_len:
             self.fa4 = fa4_into_launcher(q[:, rows], k, v, self.o_like[:, rows], causal=causal and not fused,
-                                         softmax_scale=scale, seqused_k=seqused, lse_like=self.lse_like[:, :, rows])
+                                         softmax_scale=scale, seqused_k=self.seqused,
+                                         lse_like=self.lse_like[:, :, rows])
         self.fa4_rows = rows
         self.per_slot: dict = {}
         self.saved: Optional[Saved] = None
@@ -451,8 +452,7 @@ class _GradAttend:
                 q, k, v = plan.dq[self.rank], plan.dk[self.rank], plan.dv[self.rank]
                 steps = [(fa4_a2a_keeping_launcher(q[:, seq], k, v, plan.slot_window(slot), self.rank, o[:, seq],
                                                    self.lse_like[:, :, seq], causal=self.causal,
-                                                   softmax_scale=self.scale,
-                                                   seqused_k=None if self.causal else plan.seqused,
+                                                   softmax_scale=self.scale, seqused_k=self.seqused,
                                                    o_store=self.o_store), seq)]
             else:
                 steps = [(post_a2a_launcher(o[:, seq], plan.slot_window(slot), self.rank), seq)]
