@@ -103,3 +103,16 @@ def deterministic():
         yield
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def poison_allocated(transport, ranks=None) -> None:
+    """NaN into the ranks' (default: every rank's) windows of every float allocation on transport so far:
+    the staging sets and the lent sets 1.. alike (a call takes the lowest set free, so poisoning set 0
+    alone would leave an earlier call's rows in the set the next results come from), but for a window a
+    lent tensor alive starts at (results the test still holds: the next call takes another set). A set
+    allocated later starts zero-filled."""
+    for w in transport.allocated_windows():
+        if w.is_floating_point():
+            for r in range(w.shape[0]) if ranks is None else ranks:
+                if not transport.lent(w[r].data_ptr()):
+                    w[r].fill_(float("nan"))

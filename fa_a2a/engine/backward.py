@@ -55,11 +55,11 @@ Where each impl runs (real ranks; emulated ranks the same in one process):
                               epilogue, dQ and GQA's dK, dV in the postprocess) -> barrier -> the
                               rank's own windows read out (dq's first H heads; dk, dv summed over
                               the ranks' KV heads as the exchange path sums them; rows >=
-                              valid_rows zeroed). Real ranks deliver them as the forward delivers
-                              its output (forward.Slots: the ranks agree on a set of gradient
+                              valid_rows zeroed). They are delivered as the forward delivers its
+                              output (forward.Slots: the ranks agree on a set of gradient
                               windows free on every rank; the grads are lent out of it as they are
                               where contiguous, and the set is taken again only once none of them
-                              is alive); emulated ranks (and set 0) copy them out.
+                              is alive; set 0 is copied out), real and emulated ranks alike.
                               dK, dV are stored per thread where the call's forward stored O so
                               (impl "fused:st", or "auto" that timed it faster: Spec.dkv_store),
                               else by TMA where the shape allows.
@@ -576,11 +576,12 @@ def _kernel_forward_emulated(p: Problem, qs, ks, vs, joint, rows) -> tuple:
     attends = [_grad_attend(plan, r, p) for r in range(P)]
     for r in range(P):
         plan.pre(r, qs[r], ks[r], vs[r], joint)
+    slot = plan.choose_slot()
     transport.barrier()
     for attend in attends:
-        attend()
+        attend(slot)
     transport.barrier()
-    return [plan.finish(r, rows[r]) for r in range(P)], [a.take() for a in attends]
+    return [plan.finish(r, rows[r], slot=slot) for r in range(P)], [a.take() for a in attends]
 
 
 def forward_emulated_saving(p: Problem, qs, ks, vs, joint) -> tuple:
@@ -671,7 +672,7 @@ class _FusedRank:
         # lend a set's grads out as they are where every rank has a free set; set 0 is copied out)
         kv_shape = (B, S, P * lay.kv_heads_loc, D)
         self.sets = Slots(t, [("ulysses.dq", (B, S, lay.heads_pad, D)), ("ulysses.dk", kv_shape),
-                              ("ulysses.dv", kv_shape)], plan.dtype, *slot_setting(t), rank=rank)
+                              ("ulysses.dv", kv_shape)], plan.dtype, *slot_setting(t))
         # joint rows: djout_w[d][s] = rank s's joint-output grads of rank d's heads (summed on rank d)
         self.djout_w = (t.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), plan.dtype)
                         if lay.joint_len else None)
@@ -823,8 +824,8 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
     plan = window_plan(transport, lay, B, D, s0.q.dtype)
     deterministic = torch.are_deterministic_algorithms_enabled()
     fused = [_fused_rank(plan, r) for r in ranks]
-    sets = [f.sets.choose() for f in fused]  # real ranks: the gradient set every rank has free (else 0)
-    launches = [f.launcher(spec, s, deterministic, j) for f, s, j in zip(fused, saved, sets)]
+    j = fused[0].sets.choose()  # the gradient set every rank has free, else 0 (emulated: one choice for all)
+    launches = [f.launcher(spec, s, deterministic, j) for f, s in zip(fused, saved)]
     if project is not None and _capability_of(s0.q.device) != (9, 0):
         # the projection's GEMM with the pre-A2A epilogue is SM90's (quack): dO in torch, then the pre-A2A
         douts, project = _projected_douts(lay, *project), None
@@ -840,7 +841,7 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
         f.joint_dout()
         launch()
     transport.barrier()
-    return [f.grads(n, j) for f, n, j in zip(fused, rows, sets)]
+    return [f.grads(n, j) for f, n in zip(fused, rows)]
 
 
 def _projected_douts(lay, weight, dys) -> list:

@@ -19,7 +19,7 @@ holds all of them) and their outputs are all-gathered over heads by the PostA2A 
 broadcast mode, inside the same barrier.
 Output rows >= seq_len (padding of an uneven S) are zero in every impl.
 
-Delivery (real ranks): the call's output stays in the out-window its O tiles were stored into, with
+Delivery: the call's output stays in the out-window its O tiles were stored into, with
 no copy, when every rank has a free one. Besides the staging window each (layout's) out shape has
 up to ulysses.env.OUT_SLOTS more (FA_A2A_OUT_SLOTS, 0-16), each allocated when first chosen (by an eager call: a
 capture uses only allocated slots). Slot j is free on a rank when no output lent out of it
@@ -32,8 +32,10 @@ is (when it is contiguous: no padding heads); with none, the staging window is c
 call's peers store into a window once this rank has passed that call's first barrier, ordered after
 the work queued on this stream; a call on another stream than the window's last delivery first
 waits for that stream (as with a caching-allocator block, an output used on a third stream needs
-that stream's work ordered before its last reference goes). Emulated ranks always copy. The same
-rules, one class (Slots), deliver the fused backward's dq, dk, dv (fa_a2a.engine.backward).
+that stream's work ordered before its last reference goes). Emulated ranks lend alike: the P ranks'
+windows are in this process, so a slot is free when no output lent out of any of them is alive
+(no exchange). The same rules, one class (Slots), deliver the fused backward's dq, dk, dv
+(fa_a2a.engine.backward).
 """
 
 from __future__ import annotations
@@ -61,30 +63,29 @@ def common_slot(masks) -> int:
 
 
 class Slots:
-    """Sets of windows that a real rank's results stay in, lent out instead of copied (the module
-    docstring's Delivery): set 0 is the staging one (its results are copied out), sets 1..count are
-    allocated when first chosen (collective: every rank chooses the same set at the same call).
+    """Sets of windows that results stay in, lent out instead of copied (the module docstring's Delivery):
+    set 0 is the staging one (its results are copied out), sets 1..count are allocated when first chosen
+    (collective: every rank chooses the same set at the same call).
     names_shapes: ((name, shape), ...) of one set's windows (set j > 0 names them f"{name}.{j}.{key}", key:
     every shape of the set, so that two Slots' sets j are the same windows or none of them);
-    channel: the group's host channel (ulysses.channel), None for emulated ranks (always set 0). A set
-    is free on a rank when none of its windows has a lent tensor alive there (Transport.lend) and no
-    other CUDA graph owns it (its first window's address names it). rank: whose windows (default: the
-    transport's first local rank, the one of a real rank's process)."""
+    channel: the group's host channel (ulysses.channel) of real ranks, None for emulated ranks (one process
+    holds every rank's windows: its own mask is every rank's). A set is free when none of its windows of
+    this process's ranks (transport.local_ranks: the real rank's one, or all P emulated) has a lent tensor
+    alive (Transport.lend) and no other CUDA graph owns it (its first window's address names it)."""
 
-    def __init__(self, transport, names_shapes, dtype, count: int, channel, rank: Optional[int] = None):
+    def __init__(self, transport, names_shapes, dtype, count: int, channel):
         self.transport, self.dtype, self.count, self.channel = transport, dtype, count, channel
-        self.rank = transport.local_ranks[0] if rank is None else rank
         key = "-".join("x".join(map(str, shape)) for _, shape in names_shapes)
         # set j's (name, shape) per window, named once (free() looks the unallocated ones up every call)
         self._named = {j: [(f"{name}.{j}.{key}" if j else name, shape) for name, shape in names_shapes]
                        for j in range(count + 1)}
         self._sets: dict = {}  # j -> set j's windows ([P, *shape] each)
-        self._address: dict = {}  # j -> this rank's address of each of set j's windows
+        self._address: dict = {}  # j -> the local ranks' address of each of set j's windows
         self._keep(0, [transport.windows(name, shape, dtype) for name, shape in self._named[0]])
 
     def _keep(self, j: int, windows) -> tuple:
-        self._sets[j] = tuple(windows)
-        self._address[j] = tuple(w[self.rank].data_ptr() for w in windows)  # a window stays where it is
+        self._sets[j] = tuple(windows)  # (a window stays where it is)
+        self._address[j] = tuple(w[r].data_ptr() for w in windows for r in self.transport.local_ranks)
         return self._sets[j]
 
     def windows(self, j: int) -> tuple:
@@ -95,7 +96,7 @@ class Slots:
         return ws
 
     def free(self, capture: Optional[int]) -> int:
-        """This rank's mask of free sets (bit j: set j). capture: the id of the CUDA-graph capture this
+        """This process's mask of free sets (bit j: set j). capture: the id of the CUDA-graph capture this
         call is part of (None: eager), which may use only allocated sets."""
         t, mask = self.transport, 0
         for j in range(1, self.count + 1):
@@ -111,12 +112,16 @@ class Slots:
         return mask
 
     def choose(self) -> int:
-        """This call's set, agreed with every rank (common_slot of the ranks' masks); 0 with emulated ranks."""
-        if self.channel is None:
+        """This call's set, agreed with every rank (common_slot of the ranks' masks; emulated ranks: of this
+        process's one mask, which covers them all); 0 where the transport lends nothing. Real ranks
+        exchange their masks every call, also with no sets (the exchange counts the group's calls:
+        backward.forward_call)."""
+        if self.channel is None and not self.count:
             return 0
         t = self.transport
         capture = _capture_id() if t.device.type == "cuda" else None
-        j = common_slot(self.channel.exchange(self.free(capture)))
+        mine = self.free(capture)
+        j = common_slot(self.channel.exchange(mine) if self.channel is not None else [mine])
         if capture is not None:
             if j:  # that graph's replays store into the set: it owns it
                 t.captured[self._address[j][0]] = capture
@@ -129,8 +134,8 @@ class Slots:
 
     def delivered(self, j: int, device) -> None:
         """Set j's results were delivered on the current stream: a later call into it on another stream
-        waits for this one (real ranks)."""
-        if self.channel is not None and device.type == "cuda":
+        waits for this one."""
+        if (self.count or self.channel is not None) and device.type == "cuda":
             self.transport.used_on[self._address[j][0]] = torch.cuda.current_stream(device)
 
     def lend_or_copy(self, j: int, view: torch.Tensor) -> torch.Tensor:
@@ -142,16 +147,18 @@ class Slots:
 
 
 def slot_setting(transport) -> tuple:
-    """(count, channel) of a transport's Slots: real ranks exchange their free sets every call through the
-    group's host channel, up to ulysses.env.OUT_SLOTS sets where the transport lends (emulated ranks have
-    no group: no exchange, no sets)."""
-    group = getattr(transport, "group", None)
-    if group is None:
-        return 0, None
-    from ulysses.channel import get_channel
+    """(count, channel) of a transport's Slots: up to ulysses.env.OUT_SLOTS sets where the transport lends;
+    real ranks exchange their free sets every call through the group's host channel, emulated ranks (no
+    group: one process holds every rank's windows) need no exchange."""
     from ulysses.env import out_slots
 
-    return (out_slots() if transport.lends_outputs else 0), get_channel(group)
+    count = out_slots() if transport.lends_outputs else 0
+    group = getattr(transport, "group", None)
+    if group is None:
+        return count, None
+    from ulysses.channel import get_channel
+
+    return count, get_channel(group)
 
 
 def _capture_id() -> Optional[int]:
@@ -488,18 +495,20 @@ def prepared_call(cache: dict, key, build):
 
 
 def emulated_calls(calls, stages, rows, outs=None, joint_outs=None) -> list:
-    """P emulated ranks' calls in one process: every rank's stage, one barrier (one launch plays the
-    P ranks), every rank's attention, one barrier, every rank's outputs (copied out of the windows)."""
+    """P emulated ranks' calls in one process: every rank's stage, the out-slot (one for all: the P ranks
+    share one plan), one barrier (one launch plays the P ranks), every rank's attention, one barrier,
+    every rank's outputs (lent or copied out of the slot's windows, as a real rank's)."""
     P = len(calls)
     outs, joint_outs = outs or [None] * P, joint_outs or [None] * P
     for stage in stages:
         stage()
     transport = calls[0].transport
+    slot = calls[0].plan.choose_slot()  # (the P ranks share one plan: one choice for all)
     transport.barrier()
     for call in calls:
-        call.attend()
+        call.attend(slot)
     transport.barrier()
-    return [c.plan.finish(c.rank, n, o, jo) for c, n, o, jo in zip(calls, rows, outs, joint_outs)]
+    return [c.plan.finish(c.rank, n, o, jo, slot) for c, n, o, jo in zip(calls, rows, outs, joint_outs)]
 
 
 _rank_calls: dict = {}  # (Problem, group name, rank, device) -> RankCall

@@ -264,8 +264,7 @@ def table_title(points: Sequence[dict], card: str, cfg: BenchConfig) -> str:
         who = f"P={cfg.world_size} real ranks, per trial the max over ranks; ratios over 1 x FA4"
     else:
         who = (f"P={cfg.world_size} emulated ranks in one process: the op's times are all {cfg.world_size} ranks' "
-               f"work, ratios over {cfg.world_size} x FA4; emulated ranks copy every output and grad out of the "
-               f"windows, where real ranks lend them")
+               f"work, ratios over {cfg.world_size} x FA4")
     proj = (f"; with the output projection H*D -> {cfg.out_proj} (FA4 + torch's linear vs "
             f"ulysses_attention_out_proj)" if cfg.out_proj else "")
     if cfg.joint:

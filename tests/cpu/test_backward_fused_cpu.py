@@ -23,6 +23,7 @@ import cute_kernels.a2a as a2a
 from cute_kernels.limits import aligned16
 from fa_a2a.engine import backward as fab, forward
 from fa_a2a.engine.problem import Problem
+from tests.helpers import poison_allocated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import local_attention as reference_attention
 from ulysses.reference import local_attention_backward as reference_attention_backward
@@ -160,14 +161,15 @@ def kernels(monkeypatch):
 
 
 def poison_windows(transport, p):
-    """NaN into the windows the fused backward uses (allocated here first, as it would allocate them)."""
+    """NaN into the windows the fused backward uses (its staging ones allocated here first, as it would allocate
+    them) and into every other window allocated so far (the gradient sets 1.. it lends out of: tests.helpers)."""
     lay, B, P = p.layout, p.batch, p.world_size
-    plan = forward.window_plan(transport, lay, B, D, p.dtype)
-    plan.dq.fill_(float("nan"))
+    forward.window_plan(transport, lay, B, D, p.dtype)
     for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
-        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), p.dtype).fill_(float("nan"))
+        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), p.dtype)
     if lay.joint_len:
-        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), p.dtype).fill_(float("nan"))
+        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), p.dtype)
+    poison_allocated(transport)
 
 
 def inputs(p, seed):
@@ -314,10 +316,15 @@ def test_emulated_fused_backward_equals_serial(kernels, case):
         fused = emulated_grads(p, seed=sum(case[:5]))
         assert kernels.events == expected_events(P, call == 0, seqused=seqused, causal=causal), kernels.events
         check_equal(fused, serial, p)
-    # the grads are copies: the windows written again leave them as they were
+    # the grads held (lent out of a gradient set, or copies): a later call takes another set and leaves
+    # them as they were
     kept = [g.clone() for g in fused]
-    poison_windows(kernels.transport(P), p)
+    emulated_grads(p, seed=sum(case[:5]) + 1)
     assert all(torch.equal(a, b) for a, b in zip(fused, kept))
+    windows = {w[r].data_ptr() for f in fab._fused_ranks.values() for j in (1, 2) for w in f.sets.windows(j)
+               for r in range(P)}
+    if H % P == 0:  # (padding heads: dq is not its window's contiguous rows, copied)
+        assert any(g.data_ptr() in windows for g in fused), "no grad lent out of a gradient set"
 
 
 # (P, B, S, H, H_kv, J, rows): joint rows with GQA, with seq_len padding and a padding head (H 5 over 2), with
@@ -530,6 +537,9 @@ def test_real_ranks_fused_backward_in_threads(kernels, monkeypatch, J):
         monkeypatch.setattr(dist, name, lambda *a, **kw: pytest.fail("a torch.distributed collective ran"))
     poison_windows(transport, p)
     plan = forward.window_plan(transport, lay, p.batch, D, DTYPE)
+    # no group on this transport: its gradient sets would be one process's (emulated ranks' choice, the
+    # threads racing on it); the staging set, copied out, is what this test reads (lending: the next test)
+    monkeypatch.setenv("FA_A2A_OUT_SLOTS", "0")
     for r in range(P):  # the plan's per-rank state exists before the threads (one process per rank builds its own)
         fab._fused_rank(plan, r)
     spec = fab.spec_of(p, "cuda")

@@ -150,3 +150,19 @@ def test_slots_off_still_exchange_so_that_the_ranks_meet():
     assert plan.choose_slot() == 0 and plan.out.channel.sent == [0]
     plan.out.channel = None  # emulated ranks: no exchange, the staging window
     assert plan.choose_slot() == 0
+
+
+def test_emulated_ranks_choose_a_set_free_for_every_rank_without_an_exchange():
+    """One process holds all P emulated ranks' windows: a set is free when no rank's lent tensor is alive,
+    and the lowest such set is every rank's choice (no channel)."""
+    t = EmulatedTransport(3, "cpu")
+    out = Slots(t, (("ulysses.out", SHAPE),), torch.float32, 3, None)
+    assert out.choose() == 1
+    held = t.lend(out.windows(1)[0][2][:, :2])  # rank 2's output of set 1, alive
+    assert out.free(None) == 0b1100 and out.choose() == 2
+    again = t.lend(out.windows(2)[0][0])  # rank 0's of set 2
+    assert out.choose() == 3
+    del held
+    assert out.choose() == 1
+    del again
+    assert Slots(t, (("ulysses.out", SHAPE),), torch.float32, 0, None).choose() == 0  # slots off: staging

@@ -33,11 +33,9 @@ def fresh_records():
 def _poison_emulated(case):
     from fa_a2a.engine.forward import _plans
 
-    for plan in _plans.values():
-        if plan.transport.world_size == case[0]:
-            for w in (plan.out_w, plan.jout_w):
-                if w is not None:
-                    w.fill_(float("nan"))
+    for transport in {id(p.transport): p.transport for p in _plans.values()
+                      if p.transport.world_size == case[0]}.values():
+        helpers.poison_allocated(transport)  # every out-slot (emulated ranks lend out of slots 1..)
 
 
 def _emulated(case, impl, joint, shards):

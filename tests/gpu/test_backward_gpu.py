@@ -30,7 +30,7 @@ from fa_a2a.op import ulysses_attention, ulysses_attention_emulated
 from ulysses.layout import UlyssesLayout, split_seq
 from ulysses.reference import full_attention
 
-from tests.helpers import deterministic
+from tests.helpers import deterministic, poison_allocated
 from tests.multiproc import run_on_gloo_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -253,11 +253,12 @@ def poison_windows(case):
     P, B, S, H, H_kv, D = case[:6]
     lay = layout(case)
     transport = forward.emulated_transport(P, torch.device("cuda", torch.cuda.current_device()))
-    forward.window_plan(transport, lay, B, D, DTYPE).dq.fill_(float("nan"))
+    forward.window_plan(transport, lay, B, D, DTYPE)
     for name, heads in (("dq", lay.heads_pad), ("dk", P * lay.kv_heads_loc), ("dv", P * lay.kv_heads_loc)):
-        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), DTYPE).fill_(float("nan"))
+        transport.windows(f"ulysses.{name}", (B, lay.seq_loc, heads, D), DTYPE)
     if lay.joint_len:
-        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), DTYPE).fill_(float("nan"))
+        transport.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), DTYPE)
+    poison_allocated(transport)  # and every set allocated so far (the grads' sets 1..: emulated ranks lend)
 
 
 def fused_grads_poisoned(case, shards, joint, douts, djouts):

@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import poison_allocated
 from tests.multiproc import run_torchrun_on_gpus
 
 IMPLS = ("fused", "serial", "nccl", "reference")
@@ -36,10 +37,9 @@ def test_torchrun_real_ranks(backend, nproc):
 
 
 def _poison_own_windows(transport, rank: int) -> None:
-    """NaN into this rank's window of every float allocation, then every rank waits for all."""
-    for w in transport.allocated_windows():
-        if w.dtype.is_floating_point:
-            w[rank].fill_(float("nan"))
+    """NaN into this rank's window of every float allocation (but those of outputs lent out and still
+    held), then every rank waits for all."""
+    poison_allocated(transport, [rank])
     torch.cuda.synchronize()
     transport.host_barrier()
 
