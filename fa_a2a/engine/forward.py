@@ -95,20 +95,25 @@ class Slots:
             ws = self._keep(j, [self.transport.windows(name, shape, self.dtype) for name, shape in self._named[j]])
         return ws
 
-    def free(self, capture: Optional[int]) -> int:
+    def free(self, capture: Optional[int], lowest: bool = False) -> int:
         """This process's mask of free sets (bit j: set j). capture: the id of the CUDA-graph capture this
-        call is part of (None: eager), which may use only allocated sets."""
+        call is part of (None: eager), which may use only allocated sets. lowest: only the lowest free set's
+        bit (what one process choosing alone takes)."""
         t, mask = self.transport, 0
         for j in range(1, self.count + 1):
             if j not in self._address:
                 ws = [t.allocated(name, shape, self.dtype) for name, shape in self._named[j]]
                 if ws[0] is None:  # (a set is allocated whole, by windows())
                     mask |= (capture is None) << j  # allocated when chosen, never during a capture
+                    if mask and lowest:
+                        return mask
                     continue
                 self._keep(j, ws)
             first = self._address[j][0]
             if t.captured.get(first, capture) == capture and not any(t.lent(a) for a in self._address[j]):
                 mask |= 1 << j
+                if lowest:
+                    return mask
         return mask
 
     def choose(self) -> int:
@@ -120,8 +125,10 @@ class Slots:
             return 0
         t = self.transport
         capture = _capture_id() if t.device.type == "cuda" else None
-        mine = self.free(capture)
-        j = common_slot(self.channel.exchange(mine) if self.channel is not None else [mine])
+        if self.channel is None:
+            j = common_slot([self.free(capture, lowest=True)])
+        else:
+            j = common_slot(self.channel.exchange(self.free(capture)))
         if capture is not None:
             if j:  # that graph's replays store into the set: it owns it
                 t.captured[self._address[j][0]] = capture

@@ -166,3 +166,15 @@ def test_emulated_ranks_choose_a_set_free_for_every_rank_without_an_exchange():
     assert out.choose() == 1
     del again
     assert Slots(t, (("ulysses.out", SHAPE),), torch.float32, 0, None).choose() == 0  # slots off: staging
+
+
+def test_the_lowest_free_set_alone_is_the_full_masks_lowest():
+    t = EmulatedTransport(2, "cpu")
+    out = Slots(t, (("ulysses.out", SHAPE),), torch.float32, 4, None)
+    held = [t.lend(out.windows(j)[0][1]) for j in (1, 3)]
+    t.captured[out.windows(2)[0][0].data_ptr()] = 9  # set 2: another graph's
+    for capture in (None, 9, 4):
+        full = out.free(capture)
+        assert out.free(capture, lowest=True) == (full & -full), capture
+    assert out.free(None) == 0b10000 and out.free(9) == 0b00100 and out.free(4) == 0
+    del held
