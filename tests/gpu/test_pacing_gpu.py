@@ -86,7 +86,7 @@ def _host_ranks(P, group, rank):
     assert torch.isfinite(ref).all()
     for key, o in outs.items():
         assert torch.equal(o, ref), f"rank {rank}: {key} differs from serial"
-    plans = [c[1] for key, c in _rank_calls.items() if key[0].impl == "fused" and key[0].pace == "auto"]
+    plans = [c.plan for key, c in _rank_calls.items() if key[0].impl == "fused" and key[0].pace == "auto"]
     # auto decided over the measured link; whether it paces follows the shared-GPU rule (pacing.decide)
     assert plans and plans[0].pacing is not None and transport.pacing_link_gbps is not None
     print(f"rank {rank}: host link {transport.pacing_link_gbps:.1f} GB/s (each of {P} ranks at once); "
