@@ -29,7 +29,7 @@ are FA4's O and LSE bit for bit, so FA4's backward reads them as it reads its ow
 every epilogue thread then waits at the epilogue barrier until the whole tile is staged (without
 keep_o only the storing warp does). On an H100 (2026-12-06, tests/gpu/test_fused_a2a.py -k keeping):
 O and LSE equal FA4's bit for bit (both O paths, causal, S_loc < tile_m, GQA, padded keys); it costs
-1.021 / 1.018 / 1.014 x the plain fused kernel at M 8192 / 16384 / 32768 (emulated P 8, H_loc 3, D 128,
+1.0212 / 1.0177 / 1.0136 x the plain fused kernel at M 8192 / 16384 / 32768 (emulated P 8, H_loc 3, D 128,
 examples/fused_speed.py, paired in CUDA graphs).
 
 Rank-rotated tile order (compile-time `rotate`, default off; __call__ then takes the source rank).
