@@ -657,8 +657,6 @@ class _FusedRank:
     def __init__(self, plan, rank: int):
         from cute_kernels.a2a import pre_a2a_launcher
 
-        from .forward import Slots, slot_setting
-
         lay, t = plan.layout, plan.transport
         self.plan, self.rank = plan, rank
         # the pre-A2A kernel's q part alone: its k, v windows (and head map) get no heads, so it launches
@@ -668,11 +666,11 @@ class _FusedRank:
                                      plan.key_rows[rank], False)
         self.dout = plan.dq[rank]  # [B, N, H_loc, D], N = S_pad + J: dO of the rank's heads
         B, S, D, P = plan.B, lay.seq_loc, plan.D, lay.world_size
-        # the gradient windows: sets of (dq, dk, dv), delivered as the forward delivers its output (real ranks
-        # lend a set's grads out as they are where every rank has a free set; set 0 is copied out)
+        # the gradient windows: sets of (dq, dk, dv), delivered as the forward delivers its output (a set's
+        # grads lent out as they are where every rank has it free; set 0 is copied out)
         kv_shape = (B, S, P * lay.kv_heads_loc, D)
-        self.sets = Slots(t, [("ulysses.dq", (B, S, lay.heads_pad, D)), ("ulysses.dk", kv_shape),
-                              ("ulysses.dv", kv_shape)], plan.dtype, *slot_setting(t))
+        self.sets = plan.slots((("ulysses.dq", (B, S, lay.heads_pad, D)), ("ulysses.dk", kv_shape),
+                                ("ulysses.dv", kv_shape)))  # one for the process's ranks
         # joint rows: djout_w[d][s] = rank s's joint-output grads of rank d's heads (summed on rank d)
         self.djout_w = (t.windows("ulysses.djout", (P, B, lay.joint_len, lay.heads_loc, D), plan.dtype)
                         if lay.joint_len else None)
@@ -824,7 +822,7 @@ def _fused_backward(spec: Spec, ranks, saved, douts, djouts, rows, group, projec
     plan = window_plan(transport, lay, B, D, s0.q.dtype)
     deterministic = torch.are_deterministic_algorithms_enabled()
     fused = [_fused_rank(plan, r) for r in ranks]
-    j = fused[0].sets.choose()  # the gradient set every rank has free, else 0 (emulated: one choice for all)
+    j = fused[0].sets.choose()  # the gradient set every rank has free, else 0 (the ranks here share the Slots)
     launches = [f.launcher(spec, s, deterministic, j) for f, s in zip(fused, saved)]
     if project is not None and _capability_of(s0.q.device) != (9, 0):
         # the projection's GEMM with the pre-A2A epilogue is SM90's (quack): dO in torch, then the pre-A2A

@@ -259,7 +259,8 @@ class WindowPlan:
         self.transport, self.layout, self.B, self.D, self.dtype = transport, layout, B, D, dtype
         self.dq, self.dk, self.dv = in_windows(lambda n: transport.windows("ulysses.in", (n,), dtype), layout, B, D)
         self.out_shape = (B, layout.seq_loc, layout.heads_pad, D)
-        self.out = Slots(transport, [("ulysses.out", self.out_shape)], dtype, *slot_setting(transport))
+        self._slots: dict = {}
+        self.out = self.slots((("ulysses.out", self.out_shape),))
         self.out_w = self.out.windows(0)[0]
         self.jout_w = (transport.windows("ulysses.joint_out", (B, layout.joint_len, layout.heads_pad, D), dtype)
                        if layout.joint_len else None)
@@ -285,6 +286,13 @@ class WindowPlan:
             compile_post_a2a(self.dtype, self.D, lay.world_size, broadcast)
         compile_barrier(lay.world_size, len(self.transport.local_ranks))
         self.transport.host_barrier()
+
+    def slots(self, names_shapes: tuple) -> Slots:
+        """The Slots of these windows ((name, shape), ...) on this plan's transport, built once: one for all
+        the ranks this process drives (the output's; the fused backward's gradient sets)."""
+        if names_shapes not in self._slots:
+            self._slots[names_shapes] = Slots(self.transport, names_shapes, self.dtype, *slot_setting(self.transport))
+        return self._slots[names_shapes]
 
     def scratch(self, kind: str, rank: int, rows: int) -> torch.Tensor:
         key = (kind, rank)
